@@ -1,0 +1,122 @@
+"""Models that need no hub: a tiny random causal LM for tests and smoke runs.
+
+`build_tiny_model` writes a randomly initialised Qwen2 (or Llama) model and a byte-level BPE tokenizer with a chat
+template to a local folder, so that every TRL code path that needs a model *path* (the reference model when
+`beta > 0`, `vllm serve`, checkpoints) works offline.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_TOKENIZER_CORPUS = [
+    "Solve the puzzle. Knights always tell the truth and knaves always lie.",
+    "<think> reasoning </think> <answer> (1) Zoey is a knight (2) Oliver is a knave </answer>",
+    "What is 12 + 35? The answer is 47. \\boxed{47} Let x = 3, then 2x + 1 = 7.",
+    "system user assistant: You are a helpful assistant. Please reason step by step.",
+    "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ .,;:!?()[]{}<>+-*/=\\_'\"",
+]
+
+
+def build_tiny_tokenizer(vocab_size: int = 320):
+    """
+    Builds a byte-level BPE tokenizer with Qwen-style special tokens and a chat template, offline.
+
+    Args:
+        vocab_size (`int`, *optional*, defaults to `320`):
+            Target vocabulary size (the 256 byte symbols plus merges and 3 special tokens).
+
+    Returns:
+        `transformers.PreTrainedTokenizerFast`: A tokenizer with `eos_token="<|im_end|>"`, `pad_token="<|endoftext|>"`.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special_tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_TOKENIZER_CORPUS * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+    )
+
+
+def build_tiny_model(
+    output_dir: str | os.PathLike,
+    architecture: str = "qwen2",
+    hidden_size: int = 32,
+    num_hidden_layers: int = 2,
+    seed: int = 0,
+) -> str:
+    """
+    Writes a tiny randomly initialised causal LM and its tokenizer to `output_dir` and returns the path.
+
+    Args:
+        output_dir (`str` or `os.PathLike`):
+            Folder to write to (created if missing).
+        architecture (`str`, *optional*, defaults to `"qwen2"`):
+            `"qwen2"` or `"llama"`.
+        hidden_size (`int`, *optional*, defaults to `32`):
+            Width of the model.
+        num_hidden_layers (`int`, *optional*, defaults to `2`):
+            Depth of the model.
+        seed (`int`, *optional*, defaults to `0`):
+            Seed of the random initialisation.
+
+    Returns:
+        `str`: The folder, loadable with `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    tokenizer = build_tiny_tokenizer()
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    if architecture == "qwen2":
+        config = Qwen2Config(**common)
+    elif architecture == "llama":
+        config = LlamaConfig(**common)
+    else:
+        raise ValueError(f"architecture must be 'qwen2' or 'llama', got {architecture!r}")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return str(output_dir)

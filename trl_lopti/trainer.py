@@ -1,0 +1,6 @@
+"""placeholder, being written"""
+from trl import GRPOTrainer
+
+
+class LoptiGRPOTrainer(GRPOTrainer):
+    pass
