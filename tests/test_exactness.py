@@ -1,0 +1,259 @@
+"""Exactness of AR and Lopti at equal parameters, against an independent GRPO loss (tests/reference_grpo.py)."""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+
+from reference_grpo import completion_logps_and_entropies, reference_grpo_loss
+from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+
+
+TEMPERATURE = 0.7
+EPSILON_LOW, EPSILON_HIGH = 0.2, 0.28
+MAX_COMPLETION_LENGTH = 7
+ALL_LOSS_TYPES = ["dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
+REFERENCE_LOSS_TYPES = ["dapo", "grpo", "bnpo", "dr_grpo"]
+
+
+def constant_reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_path, tmp_path_factory):
+    """One trainer with a reference model (beta > 0 at construction); each test sets loss type, beta, alpha, eta."""
+    config = LoptiGRPOConfig(
+        output_dir=str(tmp_path_factory.mktemp("exactness")),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=MAX_COMPLETION_LENGTH,
+        temperature=TEMPERATURE,
+        epsilon=EPSILON_LOW,
+        epsilon_high=EPSILON_HIGH,
+        beta=0.1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,  # exact float32 arithmetic: TRL defaults to bf16 autocast, even on CPU
+    )
+    dataset = Dataset.from_dict({"prompt": ["a"] * 4})
+    trainer = LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=constant_reward, args=config, train_dataset=dataset)
+    trainer.current_gradient_accumulation_steps = 1
+    torch.manual_seed(1)
+    with torch.no_grad():  # move the policy away from the reference model so that the KL term has a gradient
+        for parameter in trainer.model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    trainer.model.train()
+    return trainer
+
+
+def make_batch(trainer, seed: int, old_logps_noise: float = 0.3) -> dict:
+    """A generation micro-batch as TRL hands it to compute_loss, with off-policy pi_old so that ratios clip."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab_size = trainer.model.config.vocab_size
+    batch_size, prompt_length = 4, 5
+    completion_ids = torch.randint(3, vocab_size, (batch_size, MAX_COMPLETION_LENGTH), generator=generator)
+    completion_mask = torch.ones(batch_size, MAX_COMPLETION_LENGTH, dtype=torch.long)
+    completion_mask[1, 4:] = 0
+    completion_mask[3, 2:] = 0
+    inputs = {
+        "prompt_ids": torch.randint(3, vocab_size, (batch_size, prompt_length), generator=generator),
+        "prompt_mask": torch.ones(batch_size, prompt_length, dtype=torch.long),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(batch_size, generator=generator),
+        "num_items_in_batch": completion_mask.sum(),
+    }
+    with torch.no_grad():
+        current_logps, _ = completion_logps_and_entropies(trainer.model, inputs, TEMPERATURE)
+        inputs["old_per_token_logps"] = current_logps + old_logps_noise * torch.randn(
+            current_logps.shape, generator=generator
+        )
+        inputs["ref_per_token_logps"], _ = completion_logps_and_entropies(trainer.ref_model, inputs, TEMPERATURE)
+    return inputs
+
+
+def median_eta(inputs: dict) -> float:
+    """A threshold that puts about half the completion tokens in each group (a random tiny model is uncertain)."""
+    old_probs = inputs["old_per_token_logps"].exp()[inputs["completion_mask"].bool()]
+    return float(old_probs.median())
+
+
+def configure(trainer, loss_type: str, beta: float, alpha: float, eta: float | None = 0.5, entropy_coef: float = 0.0):
+    trainer.loss_type = loss_type
+    trainer.beta = beta
+    trainer.entropy_coef = entropy_coef
+    trainer._entropy_bonus_enabled = entropy_coef != 0.0
+    trainer.advantage_reweighting_alpha = alpha
+    trainer.lopti_threshold = eta
+
+
+def trainer_loss_and_gradients(trainer, inputs: dict, token_group: str | None):
+    trainer.model.zero_grad(set_to_none=True)
+    trainer._lopti_token_group = token_group
+    trainer._lopti_skip_pass = False
+    loss = trainer.compute_loss(trainer.model, dict(inputs))
+    loss.backward()
+    gradients = {name: p.grad.detach().clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.model.zero_grad(set_to_none=True)
+    return loss.detach(), gradients
+
+
+def reference_loss_and_gradients(trainer, inputs: dict, alpha: float, token_group: str | None, eta: float = 0.5):
+    trainer.model.zero_grad(set_to_none=True)
+    logps, entropies = completion_logps_and_entropies(trainer.model, inputs, TEMPERATURE)
+    old_logps, mask = inputs["old_per_token_logps"], inputs["completion_mask"].float()
+    old_probs = old_logps.exp()
+    token_advantages = inputs["advantages"][:, None] * (alpha * old_probs + 1 - alpha)
+    active = torch.ones_like(mask)
+    if token_group is not None:
+        low = (old_probs < eta).float() * mask
+        active = low if token_group == "low" else mask * (1 - low)
+    loss = reference_grpo_loss(
+        logps,
+        entropies,
+        old_logps,
+        token_advantages * active,
+        mask,
+        loss_type=trainer.loss_type,
+        epsilon_low=EPSILON_LOW,
+        epsilon_high=EPSILON_HIGH,
+        beta=trainer.beta,
+        ref_logps=inputs["ref_per_token_logps"],
+        kl_mask=active,
+        entropy_coef=trainer.entropy_coef,
+        entropy_grad_mask=active,
+        num_items_in_batch=inputs["num_items_in_batch"],
+        max_completion_length=MAX_COMPLETION_LENGTH,
+        importance_sampling_ratio=inputs.get("importance_sampling_ratio"),
+    )
+    loss.backward()
+    gradients = {name: p.grad.detach().clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.model.zero_grad(set_to_none=True)
+    return loss.detach(), gradients
+
+
+def assert_gradients_close(actual: dict, expected: dict, atol: float = 1e-6, rtol: float = 1e-4):
+    assert actual.keys() == expected.keys()
+    total_norm = math.sqrt(sum(float(g.pow(2).sum()) for g in expected.values()))
+    assert total_norm > 0, "degenerate case: the expected gradient is zero"
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=atol, rtol=rtol, msg=name)
+
+
+@pytest.mark.parametrize("loss_type", REFERENCE_LOSS_TYPES)
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
+def test_advantage_reweighting_matches_independent_grpo(trainer, loss_type, beta, alpha):
+    configure(trainer, loss_type, beta, alpha, eta=None)
+    inputs = make_batch(trainer, seed=11)
+    loss, gradients = trainer_loss_and_gradients(trainer, inputs, token_group=None)
+    expected_loss, expected_gradients = reference_loss_and_gradients(trainer, inputs, alpha, token_group=None)
+    torch.testing.assert_close(loss, expected_loss, atol=1e-6, rtol=1e-5)
+    assert_gradients_close(gradients, expected_gradients)
+
+
+def test_advantage_reweighting_changes_the_gradient(trainer):
+    """Guards the test above against a reference that ignores alpha: alpha 0.3 and 0 must differ."""
+    configure(trainer, "dapo", 0.0, 0.3, eta=None)
+    inputs = make_batch(trainer, seed=11)
+    _, reweighted = trainer_loss_and_gradients(trainer, inputs, token_group=None)
+    configure(trainer, "dapo", 0.0, 0.0, eta=None)
+    _, plain = trainer_loss_and_gradients(trainer, inputs, token_group=None)
+    difference = sum(float((reweighted[n] - plain[n]).abs().sum()) for n in plain)
+    assert difference > 1e-4
+
+
+@pytest.mark.parametrize("loss_type", REFERENCE_LOSS_TYPES)
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+@pytest.mark.parametrize("token_group", ["low", "high"])
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
+def test_lopti_pass_matches_independent_grpo(trainer, loss_type, beta, token_group, entropy_coef):
+    inputs = make_batch(trainer, seed=5)
+    eta = median_eta(inputs)
+    configure(trainer, loss_type, beta, alpha=0.3, eta=eta, entropy_coef=entropy_coef)
+    _, gradients = trainer_loss_and_gradients(trainer, inputs, token_group)
+    _, expected_gradients = reference_loss_and_gradients(trainer, inputs, 0.3, token_group, eta=eta)
+    assert_gradients_close(gradients, expected_gradients)
+
+
+@pytest.mark.parametrize("loss_type", ALL_LOSS_TYPES)
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
+@pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
+def test_low_pass_plus_high_pass_equals_plain_gradient(trainer, loss_type, beta, entropy_coef, importance_sampling_level):
+    if loss_type == "vespo" and importance_sampling_level == "sequence":
+        pytest.skip("VESPO is sequence-level by construction")
+    inputs = make_batch(trainer, seed=7)
+    eta = median_eta(inputs)
+    configure(trainer, loss_type, beta, alpha=0.3, eta=eta, entropy_coef=entropy_coef)
+    trainer.importance_sampling_level = importance_sampling_level
+    try:
+        low_mask = (inputs["old_per_token_logps"].exp() < eta) & inputs["completion_mask"].bool()
+        assert 0 < int(low_mask.sum()) < int(inputs["completion_mask"].sum()), "both groups must be non-empty"
+        _, low = trainer_loss_and_gradients(trainer, inputs, "low")
+        _, high = trainer_loss_and_gradients(trainer, inputs, "high")
+        _, plain = trainer_loss_and_gradients(trainer, inputs, None)
+    finally:
+        trainer.importance_sampling_level = "token"
+    assert_gradients_close({n: low[n] + high[n] for n in plain}, plain)
+    # each pass is a genuine part of the whole, not all of it
+    assert any(not torch.allclose(low[n], plain[n]) for n in plain)
+
+
+def test_split_uses_pi_old_not_current_probability(trainer):
+    """pi_old and the current policy disagree on the split; the pass must follow pi_old."""
+    configure(trainer, "dapo", 0.1, alpha=0.3, eta=0.5)
+    inputs = make_batch(trainer, seed=3, old_logps_noise=0.0)
+    mask = inputs["completion_mask"].bool()
+    # flip the group of every token: pi_old := 1 - pi (kept in (0, 1))
+    current_probs = inputs["old_per_token_logps"].exp()
+    inputs["old_per_token_logps"] = torch.log((1 - current_probs).clamp(1e-4, 1 - 1e-4))
+    split_by_old = (inputs["old_per_token_logps"].exp() < 0.5) & mask
+    split_by_current = (current_probs < 0.5) & mask
+    assert not torch.equal(split_by_old, split_by_current)
+    # by pi_old every token is high (active in the high pass); by the current policy every token would be low
+    assert split_by_current.sum() == mask.sum() and split_by_old.sum() == 0
+    _, gradients = trainer_loss_and_gradients(trainer, inputs, "high")
+    _, expected = reference_loss_and_gradients(trainer, inputs, 0.3, "high", eta=0.5)
+    assert_gradients_close(gradients, expected)
+
+
+def test_vllm_fields_use_trainer_pi_old_and_keep_the_correction(trainer):
+    """With vLLM, AR and the split read `old_per_token_logps`, and TRL's importance-sampling correction applies."""
+    inputs = make_batch(trainer, seed=9)
+    eta = median_eta(inputs)
+    configure(trainer, "dapo", 0.1, alpha=0.3, eta=eta)
+    generator = torch.Generator().manual_seed(0)
+    # the sampler's log-probs differ from pi_old enough to move tokens across eta if they were (wrongly) used
+    inputs["sampling_per_token_logps"] = inputs["old_per_token_logps"].flip(-1)
+    inputs["importance_sampling_ratio"] = 0.5 + torch.rand(inputs["completion_mask"].shape, generator=generator)
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    try:
+        for token_group in ["low", "high", None]:
+            _, gradients = trainer_loss_and_gradients(trainer, inputs, token_group)
+            _, expected = reference_loss_and_gradients(trainer, inputs, 0.3, token_group, eta=eta)
+            assert_gradients_close(gradients, expected)
+    finally:
+        trainer.use_vllm = False
+
+
+def test_degenerate_micro_batches_give_finite_zero_gradients(trainer):
+    """All-equal rewards (zero advantages), empty completions, and a pass with no active token: no NaN."""
+    configure(trainer, "grpo", 0.0, alpha=0.3, eta=0.5, entropy_coef=0.0)
+    inputs = make_batch(trainer, seed=2)
+    inputs["advantages"] = torch.zeros(4)
+    inputs["completion_mask"] = torch.zeros_like(inputs["completion_mask"])
+    inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
+    for loss_type in ["grpo", "dapo", "bnpo", "dr_grpo"]:
+        trainer.loss_type = loss_type
+        for token_group in ["low", "high", None]:
+            trainer.model.zero_grad(set_to_none=True)
+            trainer._lopti_token_group, trainer._lopti_skip_pass = token_group, False
+            loss = trainer.compute_loss(trainer.model, dict(inputs))
+            loss.backward()
+            assert torch.isfinite(loss)
+            for parameter in trainer.model.parameters():
+                assert parameter.grad is None or torch.isfinite(parameter.grad).all()
+    trainer.model.zero_grad(set_to_none=True)
