@@ -1,0 +1,179 @@
+"""Real training runs of LoptiGRPOTrainer on a tiny random Qwen2 model (CPU)."""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers.trainer_utils import get_last_checkpoint
+from trl import GRPOConfig, GRPOTrainer
+
+from test_schedule import PolicyPassCounter
+from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+
+
+# A random tiny model spreads its probability over ~320 tokens: p ~ 0.003. This threshold splits its tokens.
+SPLITTING_ETA = 0.003
+
+
+def length_reward(completions, **kwargs):
+    """Varies across completions, so advantages are non-zero."""
+    return [float(len(completion[0]["content"]) % 5) for completion in completions]
+
+
+def constant_reward(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def conversational_dataset(num_prompts: int = 16) -> Dataset:
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Count to {i}."}] for i in range(num_prompts)]})
+
+
+def small_config(output_dir, config_class=LoptiGRPOConfig, **overrides):
+    values = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=1e-2,
+        max_steps=4,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=7,
+    )
+    values.update(overrides)
+    return config_class(**values)
+
+
+def train(model, config, reward=length_reward, dataset=None, trainer_class=LoptiGRPOTrainer, **trainer_kwargs):
+    trainer = trainer_class(
+        model=model, reward_funcs=reward, args=config, train_dataset=dataset or conversational_dataset(),
+        **trainer_kwargs,
+    )
+    initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    return trainer, initial
+
+
+def changed_parameters(trainer, initial) -> set[str]:
+    return {name for name, p in trainer.model.named_parameters() if not torch.equal(p.detach(), initial[name])}
+
+
+def logged(trainer, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if entry.get(key) is not None]
+
+
+def assert_no_nan_in_logs(trainer):
+    for entry in trainer.state.log_history:
+        for key, value in entry.items():
+            assert not (isinstance(value, float) and math.isnan(value)), (key, entry)
+
+
+@pytest.mark.parametrize(
+    "alpha, eta", [(0.3, None), (0.0, SPLITTING_ETA), (0.3, SPLITTING_ETA)], ids=["ar", "lopti", "ar+lopti"]
+)
+def test_training_changes_the_model_and_logs_lopti_metrics(tiny_model_path, tmp_path, alpha, eta):
+    config = small_config(tmp_path, advantage_reweighting_alpha=alpha, lopti_threshold=eta)
+    trainer, initial = train(tiny_model_path, config)
+    assert trainer.state.global_step == 4
+    assert changed_parameters(trainer, initial) == set(initial), "every parameter of a full fine-tune moves"
+    assert_no_nan_in_logs(trainer)
+    low_share = logged(trainer, "lopti/low_token_share")
+    assert low_share and all(0.0 <= share <= 1.0 for share in low_share)
+    if alpha:
+        weights = logged(trainer, "lopti/ar_weight_mean")
+        assert weights and all(1 - alpha <= weight <= 1.0 for weight in weights)
+    if eta is not None:
+        assert 0.0 < min(low_share) and max(low_share) < 1.0, "this eta splits the tokens of a random tiny model"
+        assert len(logged(trainer, "lopti/loss_low_pass")) == 2
+        assert len(logged(trainer, "lopti/loss_high_pass")) == 2
+        # two optimizer steps per generation batch: 4 steps = 2 generations
+        assert len(logged(trainer, "num_tokens")) == 2
+
+
+def test_both_methods_disabled_is_grpo_trainer(tiny_model_path, tmp_path):
+    grpo, _ = train(tiny_model_path, small_config(tmp_path / "grpo", GRPOConfig), trainer_class=GRPOTrainer)
+    plain = small_config(tmp_path / "lopti", advantage_reweighting_alpha=0.0, lopti_threshold=None)
+    lopti, initial = train(tiny_model_path, plain)
+    assert changed_parameters(lopti, initial)
+    for (name, expected), actual in zip(grpo.model.named_parameters(), lopti.model.parameters()):
+        torch.testing.assert_close(actual, expected, atol=0, rtol=0, msg=name)
+    assert logged(lopti, "loss") == logged(grpo, "loss")
+
+
+def test_a_plain_grpo_config_gets_the_paper_defaults(tiny_model_path, tmp_path):
+    config = small_config(tmp_path, GRPOConfig, learning_rate=3e-3, max_steps=2)
+    trainer = LoptiGRPOTrainer(
+        model=tiny_model_path, reward_funcs=length_reward, args=config, train_dataset=conversational_dataset()
+    )
+    assert isinstance(trainer.args, LoptiGRPOConfig)
+    assert (trainer.args.advantage_reweighting_alpha, trainer.args.lopti_threshold) == (0.3, 0.5)
+    assert trainer.args.learning_rate == 3e-3 and trainer.args.steps_per_generation == 2
+
+
+def test_lora_with_lopti_changes_only_adapter_weights(tiny_model_path, tmp_path):
+    from peft import LoraConfig
+
+    config = small_config(tmp_path, lopti_threshold=SPLITTING_ETA, learning_rate=5e-2)
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer, initial = train(tiny_model_path, config, peft_config=peft_config)
+    changed = changed_parameters(trainer, initial)
+    assert changed, "the adapters must train"
+    assert all("lora_" in name for name in changed), sorted(changed)
+    assert any("lora_A" in name for name in changed) and any("lora_B" in name for name in changed)
+    assert len(logged(trainer, "lopti/loss_high_pass")) == 2
+
+
+@pytest.mark.parametrize(
+    "case, overrides, reward",
+    [
+        ("all rewards equal", dict(lopti_threshold=SPLITTING_ETA), constant_reward),
+        ("no low tokens", dict(lopti_threshold=1e-6), length_reward),
+        ("no high tokens", dict(lopti_threshold=0.999), length_reward),
+        ("empty completions", dict(mask_truncated_completions=True, max_completion_length=2, loss_type="grpo"),
+         length_reward),
+    ],
+)
+def test_degenerate_batches_do_not_produce_nan(tiny_model_path, tmp_path, case, overrides, reward):
+    config = small_config(tmp_path, beta=0.05, **overrides)
+    trainer = LoptiGRPOTrainer(
+        model=tiny_model_path, reward_funcs=reward, args=config, train_dataset=conversational_dataset()
+    )
+    counter = PolicyPassCounter(trainer.model)
+    trainer.train()
+    assert trainer.state.global_step == 4
+    assert_no_nan_in_logs(trainer)
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    micro_steps_per_pass = 2  # gradient_accumulation_steps = steps_per_generation = 2
+    if case == "no high tokens":
+        # the second pass is known to be empty before it starts: it runs no forward and no backward
+        assert counter.forwards_with_grad == 2 * micro_steps_per_pass
+        assert logged(trainer, "lopti/loss_high_pass") == [0.0, 0.0]
+        assert logged(trainer, "grad_norm")[1::2] == [0.0, 0.0]
+    if case == "empty completions":
+        assert trainer.state.log_history[0]["completions/clipped_ratio"] == 1.0
+
+
+def test_resume_from_a_checkpoint_between_the_two_passes(tiny_model_path, tmp_path):
+    config = small_config(tmp_path, lopti_threshold=SPLITTING_ETA, save_strategy="steps", save_steps=1, max_steps=3)
+    first, _ = train(tiny_model_path, config)
+    checkpoint = tmp_path / "checkpoint-1"  # saved after the low pass, before its high pass
+    assert checkpoint.is_dir()
+    assert "lopti/loss_low_pass" in first.state.log_history[0]
+
+    resumed_config = small_config(tmp_path, lopti_threshold=SPLITTING_ETA, save_strategy="no", max_steps=4)
+    resumed = LoptiGRPOTrainer(
+        model=tiny_model_path, reward_funcs=length_reward, args=resumed_config, train_dataset=conversational_dataset()
+    )
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 4
+    steps = [entry for entry in resumed.state.log_history if "loss" in entry and entry["step"] > 1]
+    assert [entry["step"] for entry in steps] == [2, 3, 4]
+    # the resumed run regenerates and starts with a low pass: no high pass without its low pass
+    assert ["lopti/loss_low_pass" in e for e in steps] == [True, False, True]
+    assert "num_tokens" in steps[0], "a fresh generation at the first resumed step"
+    assert_no_nan_in_logs(resumed)
+    assert get_last_checkpoint(str(tmp_path)) is not None
