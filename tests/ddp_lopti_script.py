@@ -1,0 +1,90 @@
+"""Run by tests/test_distributed.py under `ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2` (gloo DDP on CPU)."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from datasets import Dataset
+from transformers import TrainerCallback
+
+from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(completion) % 5) for completion in completions]
+
+
+def parameter_fingerprint(model) -> torch.Tensor:
+    return torch.stack([p.detach().double().sum() for p in model.parameters()] +
+                       [p.detach().double().pow(2).sum() for p in model.parameters()])
+
+
+def gathered(tensor: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, tensor)
+    return out
+
+
+class RecordAfterEachStep(TrainerCallback):
+    def __init__(self):
+        self.trainer = None
+        self.records = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        fingerprints = gathered(parameter_fingerprint(model))
+        micro_batch = self.trainer._buffered_inputs[0]
+        completion_hash = (micro_batch["completion_ids"].double() * torch.arange(
+            micro_batch["completion_ids"].numel()).view_as(micro_batch["completion_ids"])).sum().reshape(1)
+        hashes = gathered(completion_hash)
+        self.records.append({
+            "step": state.global_step,
+            "ranks_equal": bool(torch.equal(fingerprints[0], fingerprints[1])),
+            "ranks_saw_different_completions": bool(hashes[0].item() != hashes[1].item()),
+        })
+
+
+def main(model_path: str, output_dir: str, result_path: str) -> None:
+    config = LoptiGRPOConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=1e-2,
+        max_steps=4,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        advantage_reweighting_alpha=0.3,
+        lopti_threshold=0.003,
+        seed=3,
+    )
+    dataset = Dataset.from_dict({"prompt": [f"Say something about {i}." for i in range(16)]})
+    recorder = RecordAfterEachStep()
+    trainer = LoptiGRPOTrainer(
+        model=model_path, reward_funcs=length_reward, args=config, train_dataset=dataset, callbacks=[recorder]
+    )
+    recorder.trainer = trainer
+    initial = parameter_fingerprint(trainer.model)
+    trainer.train()
+    final = gathered(parameter_fingerprint(trainer.model))
+    if trainer.accelerator.is_main_process:
+        result = {
+            "world_size": dist.get_world_size(),
+            "distributed_type": str(trainer.accelerator.distributed_type),
+            "steps": recorder.records,
+            "final_ranks_equal": bool(torch.equal(final[0], final[1])),
+            "model_changed": bool(not torch.equal(initial, final[0])),
+            "low_pass_losses": [e["lopti/loss_low_pass"] for e in trainer.state.log_history
+                                if "lopti/loss_low_pass" in e],
+            "high_pass_losses": [e["lopti/loss_high_pass"] for e in trainer.state.log_history
+                                 if "lopti/loss_high_pass" in e],
+        }
+        with open(result_path, "w") as handle:
+            json.dump(result, handle)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
