@@ -107,12 +107,14 @@ def check_row(row, num_people):
         assert position >= 0, (claim, sentence)
         rest = sentence[:position] + sentence[position + len(claim) :]
         assert re.search(rf"\b{names[speaker]}\b", rest), (names[speaker], sentence)
-    # Prompt: system instruction, the quiz, the pre-filled <think>.
+    # Prompt: system instruction, the quiz, and the pre-filled <think> where asked for.
     prompt = row["prompt"]
-    assert [message["role"] for message in prompt] == ["system", "user", "assistant"]
+    expected_roles = ["system", "user", "assistant"] if row["think_prefilled"] else ["system", "user"]
+    assert [message["role"] for message in prompt] == expected_roles
     assert "<think>" in prompt[0]["content"] and "<answer>" in prompt[0]["content"]
     assert prompt[1]["content"] == row["quiz"]
-    assert prompt[2]["content"] == "<think>" and row["think_prefilled"] is True
+    if row["think_prefilled"]:
+        assert prompt[2]["content"] == "<think>"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -178,6 +180,23 @@ def test_wider_statements():
         assert brute_force_solutions(statements) == [tuple(row["solution"])]
         widths |= {len(statement) - 1 for statement in statements if statement[0] in ("and", "or")}
     assert widths <= {2, 3} and 3 in widths
+
+
+def test_prefilled_prompt_renders_to_text_that_continues_the_think(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    dataset = kk.generate_dataset(3, 2, seed=0, prefill_think=True)
+    assert dataset[0]["think_prefilled"] is True and dataset[0]["prompt"][-1] == {"role": "assistant", "content": "<think>"}
+    rendered = kk.render_prompts_as_text(dataset, tokenizer)
+    for row, original in zip(rendered, dataset):
+        text = row["prompt"]
+        assert isinstance(text, str) and original["quiz"] in text
+        # the assistant turn is opened once and left open at "<think>": no end-of-turn after it, no second turn
+        assert text.endswith("<|im_start|>assistant\n<think>")
+        assert text.count("<|im_start|>assistant") == 1
+    plain = kk.render_prompts_as_text(kk.generate_dataset(3, 1, seed=0), tokenizer)
+    assert plain[0]["prompt"].endswith("<|im_start|>assistant\n")
 
 
 def test_prompt_without_prefill():
@@ -416,7 +435,6 @@ def test_reward_on_generated_puzzles():
 @pytest.mark.slow
 def test_short_grpo_run_with_knights_knaves_reward(tmp_path):
     from transformers import AutoTokenizer
-    from trl.data_utils import maybe_apply_chat_template
 
     from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
     from trl_lopti.models import build_tiny_model
@@ -424,11 +442,12 @@ def test_short_grpo_run_with_knights_knaves_reward(tmp_path):
     model_path = build_tiny_model(tmp_path / "tiny")
     # A short system prompt keeps the sequences (and the run) short with the tiny byte-level tokenizer.
     system_prompt = "Think in <think> </think>, answer in <answer> </answer>."
-    train_dataset = kk.generate_dataset(3, 8, seed=0, system_prompt=system_prompt)
-    # Generation starts after the pre-filled <think>.
+    # The paper's format: generation starts after a pre-filled <think>. GRPOTrainer never continues a final
+    # assistant message, so the prompts are rendered to text first.
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    rendered = maybe_apply_chat_template({"prompt": train_dataset[0]["prompt"]}, tokenizer)["prompt"]
-    assert rendered.endswith("<|im_start|>assistant\n<think>")
+    conversational = kk.generate_dataset(3, 8, seed=0, system_prompt=system_prompt, prefill_think=True)
+    train_dataset = kk.render_prompts_as_text(conversational, tokenizer)
+    assert train_dataset[0]["prompt"].endswith("<|im_start|>assistant\n<think>")
     args = LoptiGRPOConfig(
         output_dir=str(tmp_path / "out"),
         per_device_train_batch_size=4,

@@ -28,6 +28,7 @@ from .knights_knaves import (
     knights_knaves_reward,
     load_knights_knaves_dataset,
     prepare_knights_knaves_dataset,
+    render_prompts_as_text,
 )
 from .math import MATH_DATASETS, MathDatasetSpec, load_math_dataset, math_reward
 
@@ -44,4 +45,5 @@ __all__ = [
     "load_math_dataset",
     "math_reward",
     "prepare_knights_knaves_dataset",
+    "render_prompts_as_text",
 ]

@@ -344,7 +344,7 @@ def solution_to_text(names: Sequence[str], solution: Sequence[bool]) -> tuple[st
     return solution_text, solution_text_format
 
 
-def make_prompt(quiz: str, system_prompt: str = SYSTEM_PROMPT, prefill_think: bool = True) -> list[dict[str, str]]:
+def make_prompt(quiz: str, system_prompt: str = SYSTEM_PROMPT, prefill_think: bool = False) -> list[dict[str, str]]:
     """
     Builds the conversational prompt of a puzzle.
 
@@ -353,11 +353,12 @@ def make_prompt(quiz: str, system_prompt: str = SYSTEM_PROMPT, prefill_think: bo
             The puzzle text.
         system_prompt (`str`, *optional*, defaults to [`SYSTEM_PROMPT`]):
             The system message.
-        prefill_think (`bool`, *optional*, defaults to `True`):
-            Whether to end the prompt with an assistant message holding `"<think>"`, which the model continues (TRL
-            renders a final assistant message with `continue_final_message=True`). The paper prompts this way. The
-            `<think>` is then part of the prompt, not of the completion: score with `think_prefilled=True` (the
-            `think_prefilled` column does this automatically).
+        prefill_think (`bool`, *optional*, defaults to `False`):
+            Whether to end the prompt with an assistant message holding `"<think>"` for the model to continue, as the
+            paper prompts. TRL 1.16's GRPOTrainer renders conversational prompts with `add_generation_prompt=True`
+            only (it would close that assistant turn and open a new one), so render such prompts to text first with
+            [`render_prompts_as_text`] (the CLI does this). The `<think>` is then part of the prompt, not of the
+            completion: score with `think_prefilled=True` (the `think_prefilled` column does this automatically).
 
     Returns:
         `list[dict[str, str]]`: The messages.
@@ -406,7 +407,7 @@ def generate_puzzles(
     max_width: int = 2,
     max_attempts: int = 100_000,
     system_prompt: str = SYSTEM_PROMPT,
-    prefill_think: bool = True,
+    prefill_think: bool = False,
 ) -> list[dict[str, Any]]:
     """
     Generates puzzles as a list of rows; [`generate_dataset`] wraps them in a `datasets.Dataset`.
@@ -454,7 +455,7 @@ def generate_dataset(
     max_width: int = 2,
     max_attempts: int = 100_000,
     system_prompt: str = SYSTEM_PROMPT,
-    prefill_think: bool = True,
+    prefill_think: bool = False,
 ):
     """
     Generates Knights & Knaves puzzles with exactly one solution, as a TRL-ready dataset.
@@ -478,7 +479,7 @@ def generate_dataset(
             Draws per puzzle before giving up with a `RuntimeError`.
         system_prompt (`str`, *optional*, defaults to [`SYSTEM_PROMPT`]):
             System message of each prompt.
-        prefill_think (`bool`, *optional*, defaults to `True`):
+        prefill_think (`bool`, *optional*, defaults to `False`):
             End each prompt with an assistant message `"<think>"` that the model continues, as the paper does. The
             `think_prefilled` column records it, and the K&K reward functions read that column to count the
             pre-filled `<think>` as part of the response.
@@ -499,7 +500,7 @@ def generate_dataset(
 # Published data
 # ---------------------------------------------------------------------------------------------------------------------
 def knights_knaves_record_to_example(
-    record: dict[str, Any], system_prompt: str = SYSTEM_PROMPT, prefill_think: bool = True
+    record: dict[str, Any], system_prompt: str = SYSTEM_PROMPT, prefill_think: bool = False
 ) -> dict[str, Any]:
     """
     Maps one row of the published K&K data (`quiz`, `names`, `solution`, `solution_text`, `solution_text_format`,
@@ -510,7 +511,7 @@ def knights_knaves_record_to_example(
             A row of `K-and-K/knights-and-knaves`.
         system_prompt (`str`, *optional*, defaults to [`SYSTEM_PROMPT`]):
             System message of the prompt.
-        prefill_think (`bool`, *optional*, defaults to `True`):
+        prefill_think (`bool`, *optional*, defaults to `False`):
             See [`generate_dataset`].
 
     Returns:
@@ -530,7 +531,7 @@ def knights_knaves_record_to_example(
     )
 
 
-def prepare_knights_knaves_dataset(dataset, system_prompt: str = SYSTEM_PROMPT, prefill_think: bool = True):
+def prepare_knights_knaves_dataset(dataset, system_prompt: str = SYSTEM_PROMPT, prefill_think: bool = False):
     """
     Maps a dataset in the published K&K format to the columns of [`generate_dataset`], dropping the other columns.
 
@@ -539,7 +540,7 @@ def prepare_knights_knaves_dataset(dataset, system_prompt: str = SYSTEM_PROMPT, 
             Rows with the published columns (from the Hub or from local JSON/parquet files).
         system_prompt (`str`, *optional*, defaults to [`SYSTEM_PROMPT`]):
             System message of each prompt.
-        prefill_think (`bool`, *optional*, defaults to `True`):
+        prefill_think (`bool`, *optional*, defaults to `False`):
             See [`generate_dataset`].
 
     Returns:
@@ -557,7 +558,7 @@ def load_knights_knaves_dataset(
     subset: str = "train",
     path: str = KNIGHTS_KNAVES_HUB_ID,
     system_prompt: str = SYSTEM_PROMPT,
-    prefill_think: bool = True,
+    prefill_think: bool = False,
     **load_dataset_kwargs: Any,
 ):
     """
@@ -575,7 +576,7 @@ def load_knights_knaves_dataset(
             Hub id (or a local copy with the same layout).
         system_prompt (`str`, *optional*, defaults to [`SYSTEM_PROMPT`]):
             System message of each prompt.
-        prefill_think (`bool`, *optional*, defaults to `True`):
+        prefill_think (`bool`, *optional*, defaults to `False`):
             See [`generate_dataset`].
         **load_dataset_kwargs:
             Passed to `datasets.load_dataset` (e.g. `revision`, `cache_dir`).
@@ -856,3 +857,37 @@ def knights_knaves_reward(
     return [
         format_score + answer_score for format_score, answer_score in zip(format_scores, answer_scores, strict=True)
     ]
+
+
+def render_prompts_as_text(dataset, tokenizer, prompt_column: str = "prompt"):
+    """
+    Renders conversational prompts to text with the model's chat template, continuing a final assistant message.
+
+    TRL 1.16's `GRPOTrainer` applies the chat template with `add_generation_prompt=True` and never continues a final
+    assistant message, so a prompt that pre-fills `"<think>"` (the paper's format, `prefill_think=True`) must be
+    given to it as text: this opens the assistant turn and leaves `"<think>"` open for the model to continue.
+    Prompts without a final assistant message get the usual generation prompt.
+
+    Args:
+        dataset (`datasets.Dataset`):
+            A dataset with a conversational prompt column.
+        tokenizer (`transformers.PreTrainedTokenizerBase`):
+            The tokenizer of the model to train (its chat template is used).
+        prompt_column (`str`, *optional*, defaults to `"prompt"`):
+            The column to render.
+
+    Returns:
+        `datasets.Dataset`: The dataset with plain-text prompts.
+    """
+
+    def render(example: dict[str, Any]) -> dict[str, str]:
+        messages = example[prompt_column]
+        if isinstance(messages, str):
+            return {prompt_column: messages}
+        continues = messages[-1]["role"] == "assistant"
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=not continues, continue_final_message=continues
+        )
+        return {prompt_column: text}
+
+    return dataset.map(render)
