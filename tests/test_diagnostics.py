@@ -10,6 +10,7 @@ import torch
 
 from trl_lopti.diagnostics import (
     TokenDiagnosticsCallback,
+    advance_policy_on_batch,
     diagnose_main,
     group_advantages,
     grpo_token_weights,
@@ -22,6 +23,15 @@ from trl_lopti.diagnostics import (
 
 
 TEMPERATURE = 0.7
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """Tiny models run ~10x faster on one thread than on two contended ones."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 class SoftmaxLM(torch.nn.Module):
@@ -72,6 +82,8 @@ def softmax_batch(seed=0, vocab_size=16):
     completion_ids = torch.tensor([[1, 2, 13], [4, 5, 14], [7, 8, 15], [10, 11, 12]])
     completion_mask = torch.ones(4, 3, dtype=torch.long)
     completion_mask[3, 2] = 0
+    for row, token in ((0, 1), (1, 2), (6, 7), (10, 11), (4, 5)):  # a few likely tokens, so that some have pi > 0.5
+        table[row, token] += 3.0
     inputs = {
         "prompt_ids": prompt_ids,
         "prompt_mask": torch.ones_like(prompt_ids),
@@ -108,7 +120,7 @@ def test_token_weights_match_autograd_of_trl_loss():
 
 
 def test_hidden_gradient_closed_form_on_a_softmax_layer():
-    """With W = I the formula is |w| * ||e_k - p|| / T; it lies between (1 - pi) and sqrt(2) (1 - pi) (times |w| / T)."""
+    """With W = I the norm is ||e_k - p|| / T (times |w| for the loss), in [(1 - pi) / T, sqrt(2) (1 - pi) / T]."""
     generator = torch.Generator().manual_seed(1)
     vocab_size = 11
     logits = 3.0 * torch.randn(2, 6, vocab_size, generator=generator)
@@ -189,12 +201,12 @@ def test_quartile_report_on_a_softmax_layer():
             grad[rows[b, t]] += coefficient[b, t] * (np.eye(table.size(0))[k[b, t]] - p[b, t]) / TEMPERATURE
         grads.append(grad.reshape(-1))
     full = sum(grads)
-    np.testing.assert_allclose(report["full_grad_norm"], np.linalg.norm(full), rtol=1e-4)
+    np.testing.assert_allclose(report["full_grad_norm"], np.linalg.norm(full), rtol=1e-3)  # float32 vs float64
     for j, row in enumerate(report["quartiles"]):
-        np.testing.assert_allclose(row["summed_grad_norm"], np.linalg.norm(grads[j]), rtol=1e-4)
+        np.testing.assert_allclose(row["summed_grad_norm"], np.linalg.norm(grads[j]), rtol=1e-3)
         cosine = grads[j] @ full / (np.linalg.norm(grads[j]) * np.linalg.norm(full))
-        np.testing.assert_allclose(row["cos_with_full"], cosine, rtol=1e-4, atol=1e-6)
-        np.testing.assert_allclose(row["contribution_to_full"], grads[j] @ full / (full @ full), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(row["cos_with_full"], cosine, rtol=1e-3, atol=1e-5)
+        np.testing.assert_allclose(row["contribution_to_full"], grads[j] @ full / (full @ full), rtol=1e-3, atol=1e-5)
     assert sum(row["contribution_to_full"] for row in report["quartiles"]) == pytest.approx(1.0, abs=1e-5)
 
 
@@ -259,7 +271,7 @@ def test_closed_form_matches_autograd_and_summed_gradients_match_direct(tiny_mod
     norms, closed_logps, _ = hidden_state_gradient_norms(
         logits[:, -T - 1 : -1], inputs["completion_ids"], model.lm_head.weight, TEMPERATURE
     )
-    torch.testing.assert_close(closed_logps, logps.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(closed_logps.float(), logps.detach(), rtol=1e-5, atol=1e-5)
     hidden = captured["h"]
     for b, t in [(0, 0), (1, 3), (2, 5), (3, 1)]:
         (grad,) = torch.autograd.grad(logps[b, t], hidden, retain_graph=True)
@@ -304,10 +316,10 @@ def test_closed_form_matches_autograd_and_summed_gradients_match_direct(tiny_mod
 
 
 def test_probe_bookkeeping_on_a_softmax_layer():
-    """Every token has its own row: an update on a set of tokens moves exactly those tokens, each with its advantage."""
+    """Every token has its own row: an update on a set of tokens moves exactly those tokens, with their advantage."""
     table, inputs = softmax_batch(seed=6)
     model = SoftmaxLM(table)
-    lr = 0.5
+    lr = 5.0
     probe = probability_shift_probe(
         model, inputs, methods=("grpo", "ar", "lopti", "lowest_quartile_only", "highest_quartile_only"), lr=lr,
         alpha=0.3, eta=0.5, temperature=TEMPERATURE,
@@ -354,7 +366,7 @@ def test_probe_bookkeeping_on_a_softmax_layer():
                 if not tokens.any():
                     assert entry["share_in_direction"] is None
                     continue
-                np.testing.assert_allclose(entry["mean_delta_prob"], delta[tokens].mean(), rtol=1e-3, atol=1e-7)
+                np.testing.assert_allclose(entry["mean_delta_prob"], delta[tokens].mean(), rtol=1e-3, atol=1e-8)
                 moved = np.sign(delta[tokens]) == (1 if sign == "positive" else -1)
                 assert entry["share_in_direction"] == pytest.approx(moved.mean())
         if method.endswith("_only"):  # tokens outside the updated quartile do not move at all
@@ -372,8 +384,14 @@ def test_lopti_probe_second_pass_is_relative_to_pi_old(tiny_model):
     """On a model whose tokens interact, Lopti's second step starts from the first step's parameters: it differs
     from a GRPO step, and the grpo/lowest/highest probes reuse the quartile gradients consistently."""
     inputs = tiny_batch(tiny_model, seed=1)
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    with torch.no_grad():
+        logits = tiny_model(input_ids=input_ids, attention_mask=torch.cat([inputs["prompt_mask"],
+                                                                         inputs["completion_mask"]], 1)).logits
+    logps = torch.log_softmax(logits[:, -7:-1] / TEMPERATURE, -1).gather(-1, inputs["completion_ids"][..., None])
+    eta = float(logps[..., 0][inputs["completion_mask"].bool()].exp().median())  # half the tokens are "low"
     report = run_token_diagnostics(
-        tiny_model, inputs, temperature=TEMPERATURE, lr=0.5, eta=0.5,
+        tiny_model, inputs, temperature=TEMPERATURE, lr=0.5, eta=eta,
         probe_methods=("grpo", "lopti", "lowest_quartile_only", "highest_quartile_only"), micro_batch_size=2,
     )
     gradients, probe = report["gradients"], report["probe"]
@@ -389,6 +407,46 @@ def test_lopti_probe_second_pass_is_relative_to_pi_old(tiny_model):
     assert lopti != pytest.approx(methods["grpo"]["groups"]["all"]["positive"]["mean_delta_prob"], rel=1e-6)
 
 
+def test_shared_prompt_forward_gives_the_same_report(tiny_model):
+    """Running a prompt once for its completions (key/value cache shared, gradients through it) changes nothing."""
+    inputs = tiny_batch(tiny_model, seed=2)
+    order = [0, 0, 2, 2]  # two prompts (one left-padded), two completions each
+    inputs["prompt_ids"], inputs["prompt_mask"] = inputs["prompt_ids"][order], inputs["prompt_mask"][order]
+    kwargs = dict(temperature=TEMPERATURE, beta=0.0, lr=0.5, probe_methods=("grpo", "lopti"), eta=0.01,
+                  micro_batch_size=4)
+    shared = run_token_diagnostics(tiny_model, inputs, share_prompt_forward=True, **kwargs)
+    full = run_token_diagnostics(tiny_model, inputs, share_prompt_forward=False, **kwargs)
+    for a, b in zip(shared["gradients"]["quartiles"], full["gradients"]["quartiles"]):
+        assert a["count"] == b["count"]
+        for key in ("abs_w_mean", "hidden_grad_norm_mean", "summed_grad_norm", "cos_with_full"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7)
+    for method in ("grpo", "lopti"):
+        a = shared["probe"]["methods"][method]["groups"]["all"]["positive"]["mean_delta_prob"]
+        b = full["probe"]["methods"][method]["groups"]["all"]["positive"]["mean_delta_prob"]
+        assert a == pytest.approx(b, rel=1e-3, abs=1e-9)
+
+
+def test_inner_steps_make_ratio_clipping_and_kl_visible(tiny_model):
+    import copy
+
+    model = copy.deepcopy(tiny_model)
+    inputs = tiny_batch(model, seed=3)
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -7:-1]
+    before = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, inputs["completion_ids"][..., None])[..., 0]
+    info = advance_policy_on_batch(model, inputs, 2, 1e-2, temperature=TEMPERATURE, beta=0.5)
+    mask = inputs["completion_mask"].bool()
+    torch.testing.assert_close(inputs["old_per_token_logps"][mask], before[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(inputs["ref_per_token_logps"], inputs["old_per_token_logps"])
+    assert info["update_norm"] > 0
+    report = measure_token_gradients(model, inputs, temperature=TEMPERATURE, beta=0.5, summed_gradients=False)
+    assert report["kl_reference"] == "inputs"
+    assert all(row["abs_w_kl_part_mean"] > 0 for row in report["quartiles"])
+    assert any(row["abs_w_mean"] != pytest.approx(row["abs_w_no_kl_mean"]) for row in report["quartiles"])
+
+
 def test_group_advantages_never_nan():
     rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 2.0, 4.0])
     advantages = group_advantages(rewards, 3)
@@ -402,8 +460,10 @@ def test_diagnose_cli_end_to_end(tiny_model_path, tmp_path):
     output_dir = tmp_path / "toy"
     argv = ["--model_name_or_path", tiny_model_path, "--task", "toy", "--num_prompts", "2", "--num_generations", "3",
             "--max_completion_length", "6", "--lr", "0.1", "--output_dir", str(output_dir), "--seed", "1"]
-    assert diagnose_main(argv) == 0
+    assert diagnose_main(argv + ["--inner_steps", "1", "--inner_lr", "1e-3", "--beta", "0.1"]) == 0
     report = json.loads((output_dir / "report.json").read_text())
+    assert report["inner_steps"]["steps"] == 1 and report["inner_steps"]["update_norm"] > 0
+    assert report["gradients"]["kl_reference"] == "inputs"
     assert (output_dir / "gradients.png").stat().st_size > 0
     assert (output_dir / "probability_shift.png").stat().st_size > 0
     assert "| Q1 (lowest) |" in (output_dir / "report.md").read_text()
@@ -416,7 +476,8 @@ def test_diagnose_cli_end_to_end(tiny_model_path, tmp_path):
     # all rewards equal: zero advantages everywhere, and a report without NaN (json refuses NaN when writing)
     output_dir = tmp_path / "constant"
     argv[argv.index(str(tmp_path / "toy"))] = str(output_dir)
-    assert diagnose_main(argv + ["--reward", "constant", "--beta", "0.1", "--probe_methods", "grpo,lopti"]) == 0
+    assert diagnose_main(argv + ["--reward", "constant", "--beta", "0.1", "--probe_methods", "grpo,lopti",
+                                 "--no_plots"]) == 0
     report = json.loads((output_dir / "report.json").read_text())
     assert report["generation"]["num_zero_advantage_completions"] == 6
     assert all(row["abs_w_mean"] == 0 for row in report["gradients"]["quartiles"])
@@ -428,7 +489,7 @@ def test_diagnose_cli_knights_knaves(tiny_model_path, tmp_path):
     pytest.importorskip("trl_lopti.tasks.knights_knaves")
     argv = ["--model_name_or_path", tiny_model_path, "--task", "knights_knaves", "--num_prompts", "1",
             "--num_generations", "2", "--max_completion_length", "4", "--no_summed_gradients", "--probe_methods",
-            "none", "--output_dir", str(tmp_path)]
+            "none", "--no_plots", "--output_dir", str(tmp_path)]
     assert diagnose_main(argv) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["generation"]["num_completions"] == 2

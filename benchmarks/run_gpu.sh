@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# GPU benchmark of AR and Lopti against TRL's GRPOTrainer (size `gpu` of benchmarks/bench_lopti.py).
+#
+# Runs on a single CUDA GPU with nothing downloadable: the model is a randomly initialised Qwen2.5-1.5B-shaped Qwen2
+# built from a config, bf16 autocast, plain `transformers` generation (no vLLM). Writes bench_gpu.json and
+# bench_gpu.md under $OUT (default: benchmarks/results), the JSON after every variant, so a run cut short still
+# returns what it measured. Budget: variants not started within 6 minutes are skipped (and listed as skipped), and
+# the benchmark is stopped at 7m50s; the whole run is sized for about 5 minutes on an H200 (an estimate: it has not
+# run on a GPU yet).
+#
+# Python packages: the benchmark needs trl==1.16.0, transformers>=5.24, datasets and psutil. Where the machine lacks
+# them, carry wheels in a folder (default .whl, see benchmarks/fetch_gpu_wheels.sh) and this script installs them
+# with pip --no-index into /tmp/site first.
+#
+# Usage (repository root):  bash benchmarks/run_gpu.sh [extra bench_lopti.py arguments]
+set -euo pipefail
+
+OUT_DIR="${OUT:-benchmarks/results}"
+WHEELS="${BENCH_WHEELS:-.whl}"
+PYTHON="${PYTHON:-python3}"
+mkdir -p "$OUT_DIR"
+
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$WHEELS"/*.whl
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# The package itself, from the working tree (no install needed).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+    "$PYTHON" -c "import torch, transformers, trl, datasets; print('torch', torch.__version__, 'transformers', \
+transformers.__version__, 'trl', trl.__version__, 'datasets', datasets.__version__, 'cuda', torch.cuda.is_available())"
+} 2>&1 | tee "$OUT_DIR/gpu_env.txt"
+
+timeout 470 "$PYTHON" benchmarks/bench_lopti.py --size gpu --output-dir "$OUT_DIR" "$@" \
+    2>&1 | grep -v -i -E "warn|Loading weights|Writing model" | tee "$OUT_DIR/gpu_log.txt"
