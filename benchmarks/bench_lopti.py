@@ -235,8 +235,26 @@ SIZES: dict[str, BenchmarkSize] = {
             tie_word_embeddings=True,
         ),
     ),
+    # Completions longer than prompts, as in RL, so that generation is the larger part of a GRPO step.
     "smollm2-cpu": BenchmarkSize(
         name="smollm2-cpu",
+        model="smollm2",
+        prompts_per_batch=2,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_completion_length=128,
+        warmup_batches=1,  # the first optimizer step of each trainer also allocates Adam's state
+        measured_batches=2,
+        gradient_checkpointing=False,  # a 135M model has no memory pressure on CPU
+        lopti_threshold=0.5,
+        # One thread: on a CPU shared with other processes, several threads stall at every barrier; process CPU time
+        # of one thread measures the work itself. On a dedicated machine pass --threads with its core count.
+        threads=1,
+    ),
+    # The same with completions about as long as the prompts: loss+backward is the larger part of a GRPO step on CPU.
+    "smollm2-cpu-short": BenchmarkSize(
+        name="smollm2-cpu-short",
         model="smollm2",
         prompts_per_batch=2,
         num_generations=4,
