@@ -22,10 +22,12 @@ medians.
 
 Measured per generation batch (counted by hooks, not inferred from the configuration):
 
-- time: `generation` (`GRPOTrainer._generate`), `scoring` (the rest of `_generate_and_score_completions`: rewards,
-  advantages and any no-grad old/reference log-probability forward), `loss+backward+optimizer` (the rest of every
-  `training_step`, plus gradient clipping, optimizer, scheduler and `zero_grad`), and `step` (wall-clock time from the
-  end of the previous generation batch's last optimizer step to the end of this one's);
+- time, on two clocks (wall-clock, and CPU time of the process, which on a CPU shared with other processes measures
+  the work rather than the share of the CPU obtained): `generation` (`GRPOTrainer._generate`), `scoring` (the rest of
+  `_generate_and_score_completions`: rewards, advantages and any no-grad old/reference log-probability forward),
+  `loss+backward+optimizer` (the rest of every `training_step`, plus gradient clipping, optimizer, scheduler and
+  `zero_grad`), `own_code` (the time in `LoptiGRPOTrainer`'s added work, see `OWN_CODE`) and `step` (from the end of
+  the previous generation batch's last optimizer step to the end of this one's);
 - passes: policy forwards with gradient, policy forwards without gradient outside generation, reference-model
   forwards, `generate` calls (whose internal decoding forwards are counted apart, as `generation_forwards`), backward
   passes that reach the model (a post-accumulate-grad hook on the input embedding) and optimizer steps;
@@ -33,14 +35,15 @@ Measured per generation batch (counted by hooks, not inferred from the configura
   built), `torch.cuda.max_memory_allocated` on GPU;
 - throughput: completion tokens per second of step time.
 
-Sizes (`--size`): `tiny` (a random tiny Qwen2, about a minute on CPU; used by `tests/test_benchmark.py`),
-`smollm2-cpu` (SmolLM2-135M-Instruct, offline, see `trl_lopti.smollm2`), `gpu` (a randomly initialised
-Qwen2.5-1.5B-shaped model built from a `Qwen2Config`, bf16 autocast, plain `transformers` generation; see
-`benchmarks/run_gpu.sh`).
+Sizes (`--size`): `tiny` (a random tiny Qwen2, under a minute on CPU; used by `tests/test_benchmark.py`),
+`smollm2-cpu` (SmolLM2-135M-Instruct, offline, see `trl_lopti.smollm2`; 128-token completions),
+`smollm2-cpu-short` (the same with 48-token completions), `gpu` (a randomly initialised Qwen2.5-1.5B-shaped model
+built from a `Qwen2Config`, bf16 autocast, plain `transformers` generation; see `benchmarks/run_gpu.sh`).
 
 Usage:
 
     python benchmarks/bench_lopti.py --size smollm2-cpu --output-dir benchmarks/results
+    python benchmarks/bench_lopti.py --merge run1/bench_smollm2-cpu.json run2/bench_smollm2-cpu.json  # pool runs
 """
 
 from __future__ import annotations

@@ -124,8 +124,10 @@ def measure(
         return log_probs
 
     def step_trl() -> None:
-        labels = input_ids.masked_fill(~torch.cat([torch.zeros(batch_size, 1, dtype=torch.bool), completion], 1), -100)
-        log_probs = policy(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True).log_probs
+        scored = torch.cat([torch.zeros(batch_size, 1, dtype=torch.bool), completion], 1)
+        labels = input_ids.masked_fill(~scored, -100)
+        outputs = policy(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+        log_probs = outputs.log_probs
         (-(log_probs * advantages)[completion].sum()).backward()
 
     def hidden_and_targets() -> tuple[torch.Tensor, torch.Tensor]:

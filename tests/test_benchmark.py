@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 
+pytestmark = pytest.mark.slow  # trains five tiny trainers (about 15 s alone on 2 CPUs, under a minute when shared)
+
 BENCH_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_lopti.py"
 VARIANTS = ["grpo", "ar", "lopti", "ar+lopti", "lopti-refstyle"]
 
