@@ -426,16 +426,21 @@ def test_shared_prompt_forward_gives_the_same_report(tiny_model):
         assert a == pytest.approx(b, rel=1e-3, abs=1e-9)
 
 
+def report_logps(model, inputs):
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    T = inputs["completion_ids"].size(1)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -T - 1 : -1]
+    return torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, inputs["completion_ids"][..., None])[..., 0]
+
+
 def test_inner_steps_make_ratio_clipping_and_kl_visible(tiny_model):
     import copy
 
     model = copy.deepcopy(tiny_model)
     inputs = tiny_batch(model, seed=3)
-    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-    with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -7:-1]
-    before = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, inputs["completion_ids"][..., None])[..., 0]
+    before = report_logps(model, inputs)
     info = advance_policy_on_batch(model, inputs, 2, 1e-2, temperature=TEMPERATURE, beta=0.5)
     mask = inputs["completion_mask"].bool()
     torch.testing.assert_close(inputs["old_per_token_logps"][mask], before[mask], rtol=1e-5, atol=1e-5)
@@ -445,6 +450,12 @@ def test_inner_steps_make_ratio_clipping_and_kl_visible(tiny_model):
     assert report["kl_reference"] == "inputs"
     assert all(row["abs_w_kl_part_mean"] > 0 for row in report["quartiles"])
     assert any(row["abs_w_mean"] != pytest.approx(row["abs_w_no_kl_mean"]) for row in report["quartiles"])
+    ratio = torch.exp(report_logps(model, inputs) - inputs["old_per_token_logps"])
+    advantages = inputs["advantages"][:, None]
+    clipped = ((ratio > 1.2) & (advantages > 0)) | ((ratio < 0.8) & (advantages < 0))
+    assert 0 < clipped[mask].sum() < mask.sum()
+    assert sum(row["clipped_share"] * row["count"] for row in report["quartiles"]) == pytest.approx(
+        float(clipped[mask].sum()), abs=1e-6)  # every advantage is non-zero here
 
 
 def test_group_advantages_never_nan():

@@ -30,7 +30,8 @@ Conventions (all exact, see `grpo_token_weights`):
   parameters x 4 bytes, independent of the number of tokens); per-token parameter gradients are never formed.
 
 Entry points: `measure_token_gradients` (quartile table), `probability_shift_probe` (one-update probe),
-`run_token_diagnostics` (both, sharing the gradient computation), `TokenDiagnosticsCallback` (during training),
+`run_token_diagnostics` (both, sharing the gradient computation), `advance_policy_on_batch` (measure at a later inner
+iteration, where ratios, clipping and the KL part are active), `TokenDiagnosticsCallback` (during training),
 `diagnose_main` (the `trl-lopti diagnose` command).
 """
 
@@ -562,6 +563,7 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
 
 
 def _stat(values: torch.Tensor, how: str) -> float | None:
+    values = values.double()
     values = values[torch.isfinite(values)]
     if values.numel() == 0:
         return None
@@ -626,6 +628,8 @@ def _quartile_table(
         settings.epsilon_high, settings.use_bias_correction_kl,
     )
     w = w_pg + w_kl
+    nonzero_advantage = batch.advantages != 0
+    clipped = nonzero_advantage & (w_pg == 0)
     probs = context.old_logps.exp()
     one_minus_p = stats["one_minus_p"]
     unit = stats["hidden_norms"]
@@ -648,6 +652,8 @@ def _quartile_table(
             "abs_w_no_kl_mean": _stat(w_pg[group].abs(), "mean"),
             "abs_w_no_kl_median": _stat(w_pg[group].abs(), "median"),
             "abs_w_kl_part_mean": _stat(w_kl[group].abs(), "mean"),
+            "zero_advantage_share": _stat(~nonzero_advantage[group], "mean"),
+            "clipped_share": _stat(clipped[group & nonzero_advantage], "mean"),
             "hidden_grad_norm_mean": _stat((w.abs() * unit)[group], "mean"),
             "hidden_grad_norm_no_kl_mean": _stat((w_pg.abs() * unit)[group], "mean"),
             "unit_hidden_grad_norm_mean": _stat(unit[group], "mean"),
@@ -929,7 +935,10 @@ def run_token_diagnostics(
 
     The gradients at the starting parameters (the four quartiles' and those the probe needs) come from a single
     forward with grad per micro-batch followed by one backward per distinct gradient; the GRPO, lowest-only and
-    highest-only updates reuse the quartile gradients (they are their sum, Q1 and Q4).
+    highest-only updates reuse the quartile gradients (they are their sum, Q1 and Q4). Memory beyond the model: one
+    flat float32 buffer of the trainable parameters per distinct gradient (4 quartiles, plus AR and the Lopti low
+    pass when probed), one model copy with its optimizer state during the probe, and the activations of one
+    micro-batch.
 
     Args:
         model (`torch.nn.Module`):
@@ -974,7 +983,8 @@ def run_token_diagnostics(
     Returns:
         `dict[str, Any]`: `{"gradients": ..., "probe": ... or None, "timing_s": ...}`. `gradients` holds
         `quartile_edges`, `quartiles` (one row per quartile: `count`, `abs_w_mean/median` with KL,
-        `abs_w_no_kl_mean/median`, `hidden_grad_norm_mean` (`|w| * ||dlogpi/dh||`), `unit_hidden_grad_norm_mean`,
+        `abs_w_no_kl_mean/median`, `abs_w_kl_part_mean`, `zero_advantage_share`, `clipped_share` (of the tokens
+        with a non-zero advantage), `hidden_grad_norm_mean` (`|w| * ||dlogpi/dh||`), `unit_hidden_grad_norm_mean`,
         `ratio_to_one_minus_p_mean/max`, and with summed gradients `summed_grad_norm`, `cos_with_full`,
         `contribution_to_full`), `summed_grad_cosine` (4 x 4), `full_grad_norm`, `bound` and `lowest_over_highest`.
     """
