@@ -390,3 +390,53 @@ def test_lopti_pass_matches_the_independent_general_form(trainer, loss_type, imp
     expected = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     trainer.model.zero_grad(set_to_none=True)
     assert_gradients_close(gradients, expected)
+
+
+@pytest.fixture(scope="module")
+def moe_model_path(tmp_path_factory) -> str:
+    """A tiny random Qwen2-MoE with router logits (TRL then adds the router's auxiliary loss)."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    from trl_lopti.models import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    config = Qwen2MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, output_router_logits=True, router_aux_loss_coef=0.5,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-moe")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_router_auxiliary_loss_is_trained_once_per_cycle(moe_model_path, tmp_path):
+    """MoE: low + high == plain holds with TRL's router auxiliary loss (its gradient comes in the first pass only)."""
+    config = LoptiGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                             max_completion_length=MAX_COMPLETION_LENGTH, temperature=TEMPERATURE, report_to="none",
+                             use_cpu=True, bf16=False, advantage_reweighting_alpha=0.3, beta=0.1)
+    moe = LoptiGRPOTrainer(model=moe_model_path, reward_funcs=constant_reward, args=config,
+                           train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}))
+    assert moe.aux_loss_enabled
+    moe.current_gradient_accumulation_steps = 1
+    moe.model.train()
+    inputs = make_batch(moe, seed=7)
+    moe.lopti_threshold = median_eta(inputs)
+    plain_loss, plain = trainer_loss_and_gradients(moe, inputs, None)
+    moe._step = 0  # the first pass
+    moe.lopti_token_group = lambda: "low"
+    moe.model.zero_grad(set_to_none=True)
+    moe.compute_loss(moe.model, dict(inputs)).backward()
+    low = {n: p.grad.detach().clone() for n, p in moe.model.named_parameters() if p.grad is not None}
+    moe._step = moe.lopti_pass_micro_steps  # the second pass
+    moe.lopti_token_group = lambda: "high"
+    moe.model.zero_grad(set_to_none=True)
+    moe.compute_loss(moe.model, dict(inputs)).backward()
+    high = {n: p.grad.detach().clone() for n, p in moe.model.named_parameters() if p.grad is not None}
+    router = [n for n in plain if ".gate.weight" in n and "shared" not in n]
+    assert router and all(plain[n].abs().sum() > 0 for n in router)
+    summed = {n: low.get(n, torch.zeros_like(plain[n])) + high.get(n, torch.zeros_like(plain[n])) for n in plain}
+    assert_gradients_close(summed, plain)
