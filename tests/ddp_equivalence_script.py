@@ -9,40 +9,18 @@ import sys
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM
 
-from conftest import threshold_between_values
-from reference_grpo import completion_logps_and_entropies
+from test_schedule import COMPLETION_LENGTH, TEMPERATURE, fixed_generation_batch
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
 
-TEMPERATURE = 0.7
-GLOBAL_ROWS_PER_MICRO_STEP, STEPS_PER_GENERATION, COMPLETION_LENGTH, PROMPT_LENGTH = 4, 2, 6, 4
-
-
-def global_generation_batch(model_path: str) -> tuple[dict, float]:
-    generator = torch.Generator().manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_path)
-    rows = GLOBAL_ROWS_PER_MICRO_STEP * STEPS_PER_GENERATION
-    vocab_size = model.config.vocab_size
-    completion_mask = torch.ones(rows, COMPLETION_LENGTH, dtype=torch.long)
-    completion_mask[0, 3:] = 0
-    completion_mask[5, 4:] = 0
-    batch = {
-        "prompt_ids": torch.randint(3, vocab_size, (rows, PROMPT_LENGTH), generator=generator),
-        "prompt_mask": torch.ones(rows, PROMPT_LENGTH, dtype=torch.long),
-        "completion_ids": torch.randint(3, vocab_size, (rows, COMPLETION_LENGTH), generator=generator),
-        "completion_mask": completion_mask,
-        "advantages": torch.randn(rows, generator=generator),
-    }
-    with torch.no_grad():
-        logps, _ = completion_logps_and_entropies(model, batch, TEMPERATURE)
-    batch["ref_per_token_logps"] = logps  # the reference model is the initial model
-    return batch, threshold_between_values(logps[completion_mask.bool()].exp())
+GLOBAL_ROWS_PER_MICRO_STEP, STEPS_PER_GENERATION = 4, 2
 
 
 def main(model_path: str, output_dir: str, result_path: str) -> None:
-    batch, eta = global_generation_batch(model_path)
+    rows = GLOBAL_ROWS_PER_MICRO_STEP * STEPS_PER_GENERATION
+    batch, eta_log = fixed_generation_batch(model_path, rows, seed=0, beta=0.1)  # pi_ref = the initial policy
+    eta = float(torch.tensor(eta_log).exp())
     world_size = int(os.environ["WORLD_SIZE"])
     config = LoptiGRPOConfig(
         output_dir=output_dir, per_device_train_batch_size=GLOBAL_ROWS_PER_MICRO_STEP // world_size, gradient_accumulation_steps=STEPS_PER_GENERATION,
@@ -56,14 +34,14 @@ def main(model_path: str, output_dir: str, result_path: str) -> None:
                                args=config, train_dataset=Dataset.from_dict({"prompt": ["p"] * 16}))
     assert trainer.accelerator.num_processes == world_size
     rank = trainer.accelerator.process_index
-    local_rows = len(batch["advantages"]) // world_size
+    local_rows = rows // world_size
     generations = []
 
     def local_slice(generation_batch):
         generations.append(1)
         rows = slice(rank * local_rows, (rank + 1) * local_rows)
-        local = {key: value[rows].clone() for key, value in batch.items()}
-        local["num_items_in_batch"] = batch["completion_mask"].sum()  # TRL gathers it over processes
+        # every per-row tensor is sliced; num_items_in_batch stays global, as TRL gathers it over processes
+        local = {key: value[rows].clone() if value.dim() else value.clone() for key, value in batch.items()}
         return local
 
     trainer._generate_and_score_completions = local_slice
