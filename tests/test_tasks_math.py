@@ -15,7 +15,8 @@ import pytest
 pytest.importorskip("math_verify")
 
 from trl_lopti.tasks import math as math_task  # noqa: E402
-from trl_lopti.tasks.math import math_reward  # noqa: E402
+from trl_lopti.tasks import _time_limit  # noqa: E402
+from trl_lopti.tasks.math import math_reward, math_reward_lenient  # noqa: E402
 
 
 # A sum of 59 rational terms: sympy needs about a minute to compare it with SLOW_REFERENCE (pure Python, so it can be
@@ -50,7 +51,6 @@ EQUIVALENT = [
     ("\\left( 3, \\frac{\\pi}{2} \\right)", "\\boxed{(3, \\pi/2)}"),
     ("\\text{(C)}", "\\boxed{C}"),
     ("\\boxed{7}", "\\boxed{7}"),
-    ("2", "no box, but the final answer is $2$"),
     ("12", "\\boxed 12"),
 ]
 
@@ -87,12 +87,30 @@ def test_last_box_after_thinking_is_the_answer():
         "The answer is \\boxed{7}, and a broken box \\boxed{3",
     ]
     assert math_reward(completions, solution) == [1.0, 0.0, 0.0, 1.0, 1.0]
+    assert math_reward_lenient(completions, solution) == [1.0, 0.0, 0.0, 1.0, 1.0]
 
 
-def test_boxed_only_disables_the_fallbacks():
-    completions = ["The final answer is $2$.", "\\boxed{2}"]
-    assert math_reward(completions, ["2", "2"]) == [1.0, 1.0]
-    assert math_reward(completions, ["2", "2"], boxed_only=True) == [0.0, 1.0]
+def test_paper_grading_reads_the_text_after_the_first_think_close():
+    # The authors grade `response.split("</think>")[1]`: the part between the first and the second `</think>`.
+    completions = [
+        "<think>a</think> \\boxed{7} <think>b</think> \\boxed{8}",
+        "<think>a</think> \\boxed{8} <think>b</think> \\boxed{7}",
+        "<think>a</think></think>\\boxed{7}",
+    ]
+    assert math_reward(completions, ["7"] * 3) == [1.0, 0.0, 0.0]
+    assert math_reward_lenient(completions, ["7"] * 3) == [0.0, 1.0, 1.0]
+    assert math_task.final_part("x</think>y</think>z", "paper") == "y"
+    assert math_task.final_part("x</think>y</think>z", "lenient") == "z"
+    assert math_task.final_part("no marker", "paper") == "no marker"
+
+
+def test_paper_grading_needs_a_box_and_lenient_grading_does_not():
+    completions = ["The final answer is $2$.", "<think>2</think> so 2", "\\boxed{2}", "no box, but the answer is $2$"]
+    assert math_reward(completions, ["2"] * 4) == [0.0, 0.0, 1.0, 0.0]
+    assert math_reward_lenient(completions, ["2"] * 4) == [1.0, 1.0, 1.0, 1.0]
+    assert math_reward_lenient(["there is no answer here"], ["2"]) == [0.0]
+    with pytest.raises(ValueError, match="mode must be one of"):
+        math_task.verify_answer("\\boxed{2}", "2", mode="strict")
 
 
 def test_conversational_completions():
@@ -224,22 +242,23 @@ def test_reward_outside_the_main_thread():
         assert second.result(timeout=60) == [1.0, 1.0, 0.0, 0.0]
     assert 1.5 <= time.monotonic() - started < 30.0  # includes starting the worker process
     # Outside the main thread the checks ran in the worker process, which survived the timeout.
-    assert math_task._worker is not None and math_task._worker._process.poll() is None
+    worker = _time_limit._workers[math_task.grading.WORKER_TARGET]
+    assert worker._process is not None and worker._process.poll() is None
 
 
 def test_worker_process_is_killed_when_stuck_and_restarted(monkeypatch):
-    worker = math_task._VerifierWorker()
+    worker = _time_limit.WorkerProcess(math_task.grading.WORKER_TARGET, ("\\boxed{1}", "1", "paper", None))
     try:
-        assert worker.score("\\boxed{0.5}", "\\frac{1}{2}", False, 2.0) == 1.0
+        assert worker.call(("\\boxed{0.5}", "\\frac{1}{2}", "paper", 2.0), 2.0) == 1.0
         first_process = worker._process
         # The parent stops waiting before the child's own time limit: the child is killed.
-        monkeypatch.setattr(math_task, "_WORKER_GRACE_SECONDS", -1.7)
+        monkeypatch.setattr(_time_limit, "WORKER_GRACE_SECONDS", -1.7)
         started = time.monotonic()
-        assert worker.score(SLOW_ANSWER, SLOW_REFERENCE, False, 2.0) == 0.0
+        assert worker.call((SLOW_ANSWER, SLOW_REFERENCE, "paper", 2.0), 2.0) is None
         assert 0.3 <= time.monotonic() - started < 2.0
         assert worker._process is None and first_process.poll() is not None
-        monkeypatch.setattr(math_task, "_WORKER_GRACE_SECONDS", 1.0)
-        assert worker.score("\\boxed{(1,2]}", "(1, 2]", False, 2.0) == 1.0  # a new child
+        monkeypatch.setattr(_time_limit, "WORKER_GRACE_SECONDS", 1.0)
+        assert worker.call(("\\boxed{(1,2]}", "(1, 2]", "paper", 2.0), 2.0) == 1.0  # a new child
         assert worker._process is not first_process
     finally:
         worker.close()
@@ -252,14 +271,14 @@ def test_time_limit_in_a_helper_thread_stops_pure_python_work():
 
     baseline = threading.active_count()
     started = time.monotonic()
-    with pytest.raises(math_task._DeadlineExceeded):
-        math_task._run_in_thread(spin, 0.2)
+    with pytest.raises(math_task.DeadlineExceeded):
+        _time_limit._run_in_thread(spin, 0.2)
     assert time.monotonic() - started < 2.0
     deadline = time.monotonic() + 5.0
     while threading.active_count() > baseline and time.monotonic() < deadline:
         time.sleep(0.05)
     assert threading.active_count() == baseline  # the helper was stopped, not leaked
-    assert math_task._run_in_thread(lambda: 42, 1.0) == 42
+    assert _time_limit._run_in_thread(lambda: 42, 1.0) == 42
 
 
 def test_time_limit_with_alarm():
@@ -268,7 +287,7 @@ def test_time_limit_with_alarm():
             pass
 
     started = time.monotonic()
-    with pytest.raises(math_task._DeadlineExceeded):
+    with pytest.raises(math_task.DeadlineExceeded):
         math_task.run_with_time_limit(spin, 0.2)
     assert time.monotonic() - started < 2.0
     assert math_task.run_with_time_limit(lambda: "done", 1.0) == "done"
