@@ -6,12 +6,11 @@ import torch
 
 from trl_lopti.core_algos import (
     advantage_reweighting_weights,
-    isolate_advantages,
+    isolate_token_gradients,
     lopti_active_token_mask,
     low_probability_token_mask,
-    neutralize_inactive_kl,
+    reinforce_plus_plus_advantages,
     reweight_advantages,
-    stop_gradient_where_inactive,
     token_level_advantages,
 )
 
@@ -81,35 +80,69 @@ def test_unknown_token_group_is_rejected(batch):
         lopti_active_token_mask(logps, mask, 0.5, "middle")
 
 
-def test_isolated_advantages_are_zero_exactly_where_inactive(batch):
-    logps, mask, advantages = batch
-    active = lopti_active_token_mask(logps, mask, 0.5, "low")
-    isolated = isolate_advantages(advantages, active)
-    expected = np.where(active.numpy(), advantages.numpy()[:, None], 0.0)
-    np.testing.assert_array_equal(isolated.numpy(), expected)
-
-
-def test_stop_gradient_keeps_values_and_gradient_of_active_tokens_only():
+def test_isolation_keeps_values_and_passes_gradient_through_active_tokens_only():
     values = torch.randn(2, 3, requires_grad=True)
     active = torch.tensor([[True, False, True], [False, False, True]])
-    out = stop_gradient_where_inactive(values, active)
+    out = isolate_token_gradients(values, active)
     assert torch.equal(out.detach(), values.detach())
-    out.sum().backward()
-    assert torch.equal(values.grad, active.float())
+    upstream = torch.randn(2, 3)
+    out.backward(upstream)
+    assert torch.equal(values.grad, torch.where(active, upstream, torch.zeros_like(upstream)))
 
 
-def test_neutralized_kl_is_zero_in_value_and_gradient_for_inactive_tokens():
-    logps = torch.log(torch.tensor([[0.2, 0.6, 0.9]])).requires_grad_(True)
-    ref = torch.log(torch.tensor([[0.5, 0.1, 0.3]]))
-    active = torch.tensor([[True, False, False]])
-    ratio = torch.exp(logps - logps.detach() + 0.1)  # a differentiable importance ratio, as with bias correction
-    neutral_ref = neutralize_inactive_kl(ref, logps, active)
-    kl = (torch.exp(neutral_ref - logps) - (neutral_ref - logps) - 1) * ratio
-    kl.sum().backward()
-    assert kl[0, 1].item() == 0.0 and kl[0, 2].item() == 0.0
-    assert logps.grad[0, 1].item() == 0.0 and logps.grad[0, 2].item() == 0.0
-    # the active token keeps the k3 gradient: d/dlogp [(e^d - d - 1) r] with d = ref - logp and dr/dlogp = r
-    d = (ref[0, 0] - logps[0, 0]).item()
-    r = ratio[0, 0].item()
-    expected = (1 - np.exp(d)) * r + (np.exp(d) - d - 1) * r
-    assert logps.grad[0, 0].item() == pytest.approx(expected, rel=1e-5)
+def test_isolation_cuts_the_leak_through_a_sequence_level_ratio():
+    """A ratio shared by the whole sequence: zeroing advantages alone leaves gradient on inactive tokens."""
+    logps = torch.log(torch.tensor([[0.2, 0.6, 0.9, 0.05]])).requires_grad_(True)
+    old = logps.detach() - 0.1
+    advantages = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
+    active = torch.tensor([[True, False, False, True]])
+
+    def sequence_loss(token_logps, token_advantages):
+        sequence_ratio = torch.exp((token_logps - old).mean(-1, keepdim=True))
+        return -(sequence_ratio * token_advantages).sum()
+
+    sequence_loss(logps, torch.where(active, advantages, 0.0)).backward()
+    assert (logps.grad[~active].abs() > 0).all(), "zeroing advantages alone leaks through the shared ratio"
+    logps.grad = None
+    sequence_loss(isolate_token_gradients(logps, active), advantages).backward()
+    assert (logps.grad[~active] == 0).all() and (logps.grad[active].abs() > 0).all()
+
+
+def reinforce_plus_plus_by_tokens(rewards, lengths):
+    """Independent REINFORCE++: write every token's return out, whiten the token list, read one value per sequence."""
+    token_returns = np.concatenate([np.full(length, reward) for reward, length in zip(rewards, lengths)])
+    mean, variance = token_returns.mean(), token_returns.var(ddof=1)
+    return np.array([(reward - mean) / np.sqrt(variance + 1e-8) if length else 0.0
+                     for reward, length in zip(rewards, lengths)])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reinforce_plus_plus_whitens_over_tokens_not_sequences(seed):
+    rng = np.random.default_rng(seed)
+    rewards = rng.normal(size=12)
+    lengths = rng.integers(0, 30, size=12)
+    lengths[0] = 0  # an empty completion
+    advantages = reinforce_plus_plus_advantages(torch.tensor(rewards), torch.tensor(lengths))
+    expected = reinforce_plus_plus_by_tokens(rewards, lengths)
+    np.testing.assert_allclose(advantages.numpy(), expected, rtol=1e-5, atol=1e-6)
+    # token-weighted, not per sequence: the sequence-mean whitening gives other numbers
+    per_sequence = (rewards - rewards[lengths > 0].mean()) / rewards[lengths > 0].std(ddof=1)
+    assert not np.allclose(advantages.numpy()[lengths > 0], per_sequence[lengths > 0], atol=1e-3)
+    # whitened: token-weighted mean 0 and unbiased token variance 1 (up to the 1e-8)
+    token_advantages = np.repeat(advantages.numpy(), lengths)
+    assert abs(token_advantages.mean()) < 1e-5 and token_advantages.var(ddof=1) == pytest.approx(1.0, rel=1e-4)
+
+
+def test_reinforce_plus_plus_degenerate_batches_give_finite_advantages():
+    equal = reinforce_plus_plus_advantages(torch.full((6,), 2.0), torch.tensor([3, 0, 5, 1, 2, 4]))
+    assert torch.equal(equal, torch.zeros(6))
+    single_token = reinforce_plus_plus_advantages(torch.tensor([1.0, 0.0]), torch.tensor([1, 0]))
+    assert torch.equal(single_token, torch.zeros(2))
+    nothing = reinforce_plus_plus_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]))
+    assert torch.equal(nothing, torch.zeros(2))
+    unscorable = reinforce_plus_plus_advantages(torch.tensor([1.0, float("nan"), 0.0]), torch.tensor([2, 3, 2]))
+    assert torch.isfinite(unscorable).all() and unscorable[1] == 0
+    np.testing.assert_allclose(unscorable.numpy()[[0, 2]], reinforce_plus_plus_by_tokens([1.0, 0.0], [2, 2]),
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match=r"shape \(N,\)"):
+        reinforce_plus_plus_advantages(torch.zeros(2, 3), torch.ones(2, 3))

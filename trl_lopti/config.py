@@ -1,12 +1,14 @@
-"""`LoptiGRPOConfig`: TRL's `GRPOConfig` plus the three fields of Advantage Reweighting and Lopti."""
+"""`LoptiGRPOConfig`: TRL's `GRPOConfig` plus the fields of Advantage Reweighting, Lopti and REINFORCE++."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .core_algos import LOPTI_PASS_ORDERS
+from .core_algos import ADVANTAGE_ESTIMATORS, LOPTI_PASS_ORDERS
 
 
 @dataclass
@@ -16,8 +18,9 @@ class LoptiGRPOConfig(GRPOConfig):
 
     Every field of TRL's `GRPOConfig` keeps its meaning and default. The fields below add Advantage Reweighting (AR)
     and Low-Probability Token Isolation (Lopti) from "Do Not Let Low-Probability Tokens Over-Dominate in RL for
-    LLMs" (arXiv 2505.12929). With `advantage_reweighting_alpha=0.0` and `lopti_threshold=None` the trainer is
-    exactly TRL's `GRPOTrainer`.
+    LLMs" (arXiv 2505.12929), and the paper's second base algorithm, REINFORCE++. With
+    `advantage_reweighting_alpha=0.0`, `lopti_threshold=None` and `advantage_estimator="grpo"` the trainer is exactly
+    TRL's `GRPOTrainer`.
 
     Parameters:
         > Parameters that control Advantage Reweighting
@@ -33,17 +36,19 @@ class LoptiGRPOConfig(GRPOConfig):
             eta: completion tokens with `pi_old < eta` are "low", the others "high". Each generation batch is then
             trained twice: first with only the low tokens active, then with only the high tokens active (from the
             parameters the first pass produced). Must lie in (0, 1); `None` disables Lopti. The paper uses 0.5 and
-            recommends [0.3, 0.5].
+            recommends [0.3, 0.5]; the authors' script for Lopti alone uses 0.4. What a pass costs and how it counts
+            against `max_steps`: README, section "The Lopti schedule".
         lopti_order (`str`, *optional*, defaults to `"low_first"`):
             Which token group is updated first: `"low_first"` (the method) or `"high_first"` (the paper's ablation,
             which collapses training; offered for reproducing it).
 
-    Lopti and the training schedule:
-        Each pass is the whole schedule plain GRPO runs on a generation batch (all its micro-batches, optimizer
-        steps and `num_iterations`), so a generation batch costs twice the optimizer steps. `num_train_epochs` keeps
-        its meaning (passes over the prompts: GRPO and Lopti see the same rollouts per epoch), while `max_steps`,
-        `save_steps`, `logging_steps` and the learning-rate schedule count optimizer steps, as in the Trainer. To
-        compare GRPO and Lopti at equal rollouts with `max_steps`, give Lopti twice the `max_steps`.
+        > Parameters that control the advantage estimator
+
+        advantage_estimator (`str`, *optional*, defaults to `"grpo"`):
+            `"grpo"`: TRL's group-relative advantages (every GRPO option applies). `"reinforce_plus_plus"`: the
+            paper's REINFORCE++ (outcome reward, gamma 1): each completion's reward, whitened over all completion
+            tokens of the whole generation batch on every process (token-weighted mean, unbiased variance), with no
+            per-prompt baseline; `scale_rewards` is then not used. AR and Lopti apply on top of either.
     """
 
     advantage_reweighting_alpha: float = field(
@@ -67,19 +72,41 @@ class LoptiGRPOConfig(GRPOConfig):
             "choices": list(LOPTI_PASS_ORDERS),
         },
     )
+    advantage_estimator: str = field(
+        default="grpo",
+        metadata={
+            "help": "Advantage estimator: 'grpo' (TRL's group-relative advantages) or 'reinforce_plus_plus' (the "
+            "reward whitened over all completion tokens of the generation batch, no group baseline).",
+            "choices": list(ADVANTAGE_ESTIMATORS),
+        },
+    )
 
     def __post_init__(self):
-        _validate_lopti_fields(self)
+        self.advantage_reweighting_alpha = _real_in_range(
+            "advantage_reweighting_alpha", self.advantage_reweighting_alpha, "[0, 1]", lambda x: 0.0 <= x <= 1.0,
+            allow_none=False, disabled_hint="0 disables AR",
+        )
+        self.lopti_threshold = _real_in_range(
+            "lopti_threshold", self.lopti_threshold, "(0, 1)", lambda x: 0.0 < x < 1.0,
+            allow_none=True, disabled_hint="None disables Lopti",
+        )
+        if self.lopti_order not in LOPTI_PASS_ORDERS:
+            raise ValueError(f"lopti_order must be one of {sorted(LOPTI_PASS_ORDERS)}, got {self.lopti_order!r}")
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(
+                f"advantage_estimator must be one of {list(ADVANTAGE_ESTIMATORS)}, got {self.advantage_estimator!r}"
+            )
         super().__post_init__()
+        if self.advantage_estimator == "reinforce_plus_plus" and self.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError(
+                "advantage_estimator='reinforce_plus_plus' whitens the weighted sum of the rewards, so "
+                "multi_objective_aggregation must be 'sum_then_normalize' (its normalisation is then not used), got "
+                f"{self.multi_objective_aggregation!r}"
+            )
         if self.lopti_threshold is not None:
             pass_micro_steps = self.steps_per_generation * self.num_iterations
             if pass_micro_steps % self.gradient_accumulation_steps != 0:
-                raise ValueError(
-                    "Lopti needs every pass to end on an optimizer step: steps_per_generation * num_iterations "
-                    f"({self.steps_per_generation} * {self.num_iterations} = {pass_micro_steps}) must be a multiple "
-                    f"of gradient_accumulation_steps ({self.gradient_accumulation_steps}). Set steps_per_generation "
-                    "to a multiple of gradient_accumulation_steps, or lopti_threshold=None."
-                )
+                raise ValueError(lopti_schedule_error(self))
 
     @property
     def lopti_enabled(self) -> bool:
@@ -92,22 +119,61 @@ class LoptiGRPOConfig(GRPOConfig):
         return self.advantage_reweighting_alpha != 0.0
 
 
-def _validate_lopti_fields(config: LoptiGRPOConfig) -> None:
-    alpha = config.advantage_reweighting_alpha
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
-        raise ValueError(f"advantage_reweighting_alpha must be a number in [0, 1] (0 disables AR), got {alpha!r}")
-    config.advantage_reweighting_alpha = float(alpha)
+def lopti_schedule_error(config: GRPOConfig, upgraded_from_grpo_config: bool = False) -> str:
+    """
+    The message for a schedule in which a Lopti pass would not end on an optimizer step.
 
-    threshold = config.lopti_threshold
-    if threshold is not None:
-        if isinstance(threshold, str) and threshold.strip().lower() in ("none", "null", ""):
-            threshold = None
-        elif isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < threshold < 1.0:
-            raise ValueError(
-                f"lopti_threshold must be a number in the open interval (0, 1), or None to disable Lopti; got "
-                f"{threshold!r}"
-            )
-    config.lopti_threshold = None if threshold is None else float(threshold)
+    Args:
+        config (`GRPOConfig`):
+            The configuration (its `steps_per_generation` already resolved by `GRPOConfig.__post_init__`).
+        upgraded_from_grpo_config (`bool`, *optional*, defaults to `False`):
+            Whether the user passed a plain `GRPOConfig` (so never set a Lopti field).
 
-    if config.lopti_order not in LOPTI_PASS_ORDERS:
-        raise ValueError(f"lopti_order must be one of {sorted(LOPTI_PASS_ORDERS)}, got {config.lopti_order!r}")
+    Returns:
+        `str`: What is wrong, in the fields the user has, and how to fix it.
+    """
+    steps, iterations, accumulation = (
+        config.steps_per_generation, config.num_iterations, config.gradient_accumulation_steps
+    )
+    fitting = accumulation // math.gcd(accumulation, iterations)
+    suggestion = steps + (-steps) % fitting  # the next steps_per_generation that fits
+    global_batch = config.generation_batch_size // steps
+    message = (
+        f"Lopti trains each generation batch in two passes, and each pass must end on an optimizer step: "
+        f"steps_per_generation * num_iterations ({steps} * {iterations} = {steps * iterations}) must be a multiple of "
+        f"gradient_accumulation_steps ({accumulation}). Set steps_per_generation={suggestion} (or "
+        f"generation_batch_size={suggestion * global_batch}, {global_batch} completions per micro-step over all "
+        "processes)"
+    )
+    if upgraded_from_grpo_config:
+        return (
+            "LoptiGRPOTrainer got a plain GRPOConfig and turns on the paper's Lopti (lopti_threshold=0.5) for it. "
+            + message
+            + ", or pass trl_lopti.LoptiGRPOConfig(..., lopti_threshold=None) to train without Lopti."
+        )
+    return message + ", or set lopti_threshold=None to train without Lopti."
+
+
+def _real_in_range(name, value, interval, contains, allow_none, disabled_hint):
+    """Validates a real-valued field: any real number (numpy included) or its text; `None`/"none" where allowed."""
+    expected = f"{name} must be a number in {interval} ({disabled_hint})"
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in ("none", "null"):
+            if allow_none:
+                return None
+            raise ValueError(f"{expected}; got {value!r}")
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"{expected}; got the text {value!r}, which is not a number") from None
+    if value is None:
+        if allow_none:
+            return None
+        raise ValueError(f"{expected}; got None")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{expected}; got {value!r} of type {type(value).__name__}")
+    value = float(value)
+    if not contains(value):  # NaN fails every comparison
+        raise ValueError(f"{expected}; got {value!r}")
+    return value

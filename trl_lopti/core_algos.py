@@ -15,9 +15,16 @@ Advantage Reweighting:
     A'(i, t) = (alpha * pi_old(i, t) + (1 - alpha)) * A(i)
 
 Lopti: split the completion tokens once by `pi_old < eta` into "low" and "high" and run the update twice, once with
-only the low tokens active, once with only the high tokens active. A token is made inactive for a pass by giving it
-a zero advantage, a zero KL term and a zero entropy-bonus gradient, without changing the loss normaliser, so that at
-equal parameters `grad(low pass) + grad(high pass) == grad(plain GRPO)`.
+only the low tokens active, once with only the high tokens active. In a pass, gradient flows only through the
+log-probabilities and entropies of the active tokens, while every value in the loss (ratios, clipping, KL, entropy
+bonus, normaliser) stays what plain GRPO computes. For token-level losses this is exactly the paper's "zero advantage,
+KL and entropy for inactive tokens"; for losses that couple the tokens of a sequence (sequence-level importance
+sampling, LUSPO, VESPO) it is the only form that isolates. By the chain rule, at equal parameters
+`grad(low pass) + grad(high pass) == grad(plain GRPO)` for every loss.
+
+REINFORCE++ (outcome reward, gamma 1, KL as a loss term): every token of completion i has the return R(i), whitened
+over all completion tokens of the whole generation batch: `A(i) = (R(i) - m) / sqrt(v + 1e-8)` with the token-weighted
+mean m and the unbiased token-weighted variance v.
 """
 
 from __future__ import annotations
@@ -25,10 +32,12 @@ from __future__ import annotations
 import torch
 
 
-LOPTI_PASS_ORDERS: dict[str, tuple[str, str]] = {
+LOPTI_PASS_ORDERS: dict[str, tuple[str, ...]] = {
     "low_first": ("low", "high"),  # the paper's method
     "high_first": ("high", "low"),  # the paper's ablation (training collapses); never the default
 }
+
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("grpo", "reinforce_plus_plus")
 
 
 def advantage_reweighting_weights(old_per_token_logps: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -143,33 +152,17 @@ def lopti_active_token_mask(
     raise ValueError(f"token_group must be 'low' or 'high', got {token_group!r}")
 
 
-def isolate_advantages(advantages: torch.Tensor, active_mask: torch.Tensor) -> torch.Tensor:
+def isolate_token_gradients(values: torch.Tensor, active_mask: torch.Tensor) -> torch.Tensor:
     """
-    Zeroes the advantage of every inactive token.
+    Lopti token isolation in its general form: keeps every value, lets gradient flow only through the active tokens.
 
-    Args:
-        advantages (`torch.Tensor`):
-            Advantages of shape (B,) or (B, T).
-        active_mask (`torch.Tensor`):
-            Boolean mask of the active tokens, shape (B, T).
-
-    Returns:
-        `torch.Tensor`: Token-level advantages (B, T), zero where `active_mask` is False.
-    """
-    token_advantages = token_level_advantages(advantages, active_mask.size(1))
-    return torch.where(active_mask, token_advantages, torch.zeros_like(token_advantages))
-
-
-def stop_gradient_where_inactive(values: torch.Tensor, active_mask: torch.Tensor) -> torch.Tensor:
-    """
-    Keeps the values but lets gradient flow only through the active tokens.
-
-    Used for the entropy bonus: its normaliser (the number of masked tokens) and its value stay as TRL computes
-    them, while the inactive tokens contribute no gradient.
+    Applied to the per-token log-probabilities and entropies of the policy before the loss reads them, it makes every
+    term of the loss (advantages, ratios, clipping, KL, entropy bonus, normaliser) keep the value plain GRPO computes,
+    while the gradient of the loss w.r.t. each inactive token's log-probability and entropy is exactly zero.
 
     Args:
         values (`torch.Tensor`):
-            Per-token values, shape (B, T).
+            Per-token values (log-probabilities or entropies), shape (B, T).
         active_mask (`torch.Tensor`):
             Boolean mask of the active tokens, shape (B, T).
 
@@ -179,26 +172,34 @@ def stop_gradient_where_inactive(values: torch.Tensor, active_mask: torch.Tensor
     return torch.where(active_mask, values, values.detach())
 
 
-def neutralize_inactive_kl(
-    ref_per_token_logps: torch.Tensor, per_token_logps: torch.Tensor, active_mask: torch.Tensor
-) -> torch.Tensor:
+def reinforce_plus_plus_advantages(rewards: torch.Tensor, completion_lengths: torch.Tensor) -> torch.Tensor:
     """
-    Reference log-probabilities that make the k3 KL term of every inactive token zero in value and gradient.
+    REINFORCE++ advantages for outcome rewards with gamma = 1, one per completion.
 
-    TRL's per-token KL is `k3(d) = exp(d) - d - 1` with `d = ref - logp` (optionally times the differentiable
-    importance ratio). Setting `ref := logp.detach()` for an inactive token gives `d = 0`, where both `k3` and its
-    derivative `1 - exp(d)` vanish, so the token adds neither loss nor gradient whatever the KL options; the
-    normaliser is untouched.
+    Each completion's return is its reward at every one of its tokens; the returns are whitened over all completion
+    tokens of the batch: `A(i) = (R(i) - m) / sqrt(v + 1e-8)`, where `m` and `v` are the mean and the unbiased
+    (n - 1) variance of the returns over the `n` completion tokens (a completion of length L counts L times). There
+    is no per-prompt baseline. Completions without tokens, or with a NaN reward (unscorable), get 0 and do not count.
 
     Args:
-        ref_per_token_logps (`torch.Tensor`):
-            Reference-model log-probabilities, shape (B, T).
-        per_token_logps (`torch.Tensor`):
-            Current-policy log-probabilities (with gradient), shape (B, T).
-        active_mask (`torch.Tensor`):
-            Boolean mask of the active tokens, shape (B, T).
+        rewards (`torch.Tensor`):
+            One reward per completion, shape (N,), over the whole generation batch (every process).
+        completion_lengths (`torch.Tensor`):
+            The number of loss tokens of each completion, shape (N,).
 
     Returns:
-        `torch.Tensor`: Reference log-probabilities to use for this pass, shape (B, T), without gradient.
+        `torch.Tensor`: Advantages of shape (N,), float32.
     """
-    return torch.where(active_mask, ref_per_token_logps, per_token_logps.detach())
+    if rewards.shape != completion_lengths.shape or rewards.dim() != 1:
+        raise ValueError(
+            f"rewards and completion_lengths must both have shape (N,), got {tuple(rewards.shape)} and "
+            f"{tuple(completion_lengths.shape)}"
+        )
+    rewards = rewards.float()
+    weights = torch.where(torch.isnan(rewards), 0.0, completion_lengths.float())
+    rewards = torch.nan_to_num(rewards, nan=0.0)
+    num_tokens = weights.sum()
+    mean = (weights * rewards).sum() / num_tokens.clamp(min=1.0)
+    variance = (weights * (rewards - mean) ** 2).sum() / (num_tokens - 1.0).clamp(min=1.0)
+    advantages = (rewards - mean) * torch.rsqrt(variance + 1e-8)
+    return torch.where(weights > 0, advantages, torch.zeros_like(advantages))

@@ -1,77 +1,77 @@
-"""`LoptiGRPOTrainer`: TRL's `GRPOTrainer` with Advantage Reweighting and Low-Probability Token Isolation.
+"""`LoptiGRPOTrainer`: TRL's `GRPOTrainer` with Advantage Reweighting, Low-Probability Token Isolation and REINFORCE++.
 
 The math is in `trl_lopti/core_algos.py`; this file is plumbing. TRL still computes every loss, KL, clipping,
-importance-sampling and normalisation term itself; this trainer only changes, per token, the advantage that TRL's
-loss reads, and (for Lopti) which tokens carry gradient in which pass.
+importance-sampling and normalisation term itself; this trainer changes, per token, the advantage TRL's loss reads
+(AR) and through which tokens' log-probabilities and entropies gradient flows in which pass (Lopti).
 
-How it hooks into TRL 1.16 (each fact is pinned by `tests/test_trl_contract.py`):
+The TRL 1.16 facts it relies on, each pinned by `tests/test_trl_contract.py`:
 
-1. `GRPOTrainer._compute_loss(model, inputs)` calls `self._get_per_token_logps_and_entropies(model, ...)` exactly
-   once for the policy, and only afterwards reads `inputs["advantages"]`, `inputs["old_per_token_logps"]` and
-   `inputs["ref_per_token_logps"]`; it accepts token-level advantages of shape (B, T). `compute_loss` hands TRL a
-   shallow copy of `inputs` and arms a one-shot hook on `_get_per_token_logps_and_entropies`; the hook sees the
-   policy's log-probabilities and rewrites the copy's advantages (AR weights, Lopti token isolation) before TRL
-   reads them. In on-policy runs (where TRL computes no old log-probabilities because they equal the current ones)
-   this gets `pi_old` from TRL's own forward: AR costs no extra forward pass.
-2. `GRPOTrainer._prepare_inputs` generates when `self._step % (steps_per_generation * num_iterations) == 0`, keeps
-   the split generation batch in `self._buffered_inputs` and hands out slice `self._step % steps_per_generation`;
-   `GRPOTrainer.training_step` increments `self._step` once per micro-step. Lopti is a schedule over that counter:
-   the generation batch is served twice, `steps_per_generation * num_iterations` micro-steps per pass, the first
-   pass through TRL's `_prepare_inputs`, the second replaying `self._buffered_inputs`. Every optimizer step stays an
-   ordinary Trainer step (gradient synchronisation, clipping, scheduler, DeepSpeed and FSDP untouched).
-3. The train dataloader repeats each generation batch `num_iterations * steps_per_generation` times (TRL's
-   `RepeatSampler`, or `repeat_iterable_dataset` for iterable datasets), both read from `self.num_iterations`; with
-   Lopti the dataloader is built with twice that repeat count so an epoch still covers every prompt once.
-
-Cost of one generation batch, in forward+backward passes of the policy: plain GRPO runs one forward+backward per
-micro-batch per iteration (`steps_per_generation * num_iterations` per device), plus one no-grad forward for old
-log-probabilities only where TRL needs them (off-policy schedules, vLLM importance sampling). AR adds nothing.
-Lopti runs that schedule twice (2 x forward+backward) and adds no forward of its own: in on-policy runs `pi_old` is
-captured from the first pass's forward. A pass that has no active token anywhere in the generation batch (on any
-process) is skipped when this is known before it starts (always for the second pass; for the first pass when TRL
-precomputed old log-probabilities): its micro-steps run no forward or backward, produce no gradient, and the
-optimizer leaves the parameters untouched (the scheduler still advances). Under DeepSpeed empty passes run normally.
+1. `GRPOTrainer._compute_loss(model, inputs)` calls `self._get_per_token_logps_and_entropies` exactly once for the
+   policy and reads `inputs["advantages"]` and `inputs["old_per_token_logps"]` only afterwards; it accepts
+   token-level advantages (B, T). `compute_loss` gives TRL a shallow copy of `inputs` and, for the duration of that
+   one call, has the override of `_get_per_token_logps_and_entropies` rewrite the copy's advantages (AR) and return
+   log-probabilities and entropies whose gradient flows only through the pass's active tokens (Lopti). On-policy,
+   where TRL computes no old log-probabilities, `pi_old` is the detached output of that forward: no extra forward.
+2. `GRPOTrainer._prepare_inputs` generates when `self._step % (steps_per_generation * num_iterations) == 0`, buffers
+   the split generation batch in `self._buffered_inputs` and serves slice `self._step % steps_per_generation`;
+   `training_step` increments `self._step` after each micro-step. Lopti is a schedule over that counter: each
+   generation batch is served once per pass (README, "The Lopti schedule"), the first pass through TRL's
+   `_prepare_inputs`, the later ones replaying `self._buffered_inputs`. Every optimizer step is an ordinary Trainer
+   step (gradient synchronisation, clipping, scheduler, DeepSpeed and FSDP untouched).
+3. The train sampler repeats each generation batch `num_iterations * steps_per_generation` times, read from
+   `self.num_iterations` while the dataloader is built; Lopti builds it with one repeat per pass.
+4. `_calculate_rewards` returns the rewards of the whole generation batch, gathered over processes in process
+   order, and `_generate_and_score_completions` calls it once (REINFORCE++ reads it there).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
+import textwrap
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from .config import LoptiGRPOConfig
+from .config import LoptiGRPOConfig, lopti_schedule_error
 from .core_algos import (
     LOPTI_PASS_ORDERS,
     advantage_reweighting_weights,
-    isolate_advantages,
-    lopti_active_token_mask,
+    isolate_token_gradients,
     low_probability_token_mask,
-    neutralize_inactive_kl,
-    reweight_advantages,
-    stop_gradient_where_inactive,
+    reinforce_plus_plus_advantages,
     token_level_advantages,
 )
 
 
-logger = logging.getLogger(__name__)
-
 # Key under which the first pass stores the pi_old log-probabilities it captured, in TRL's buffered micro-batch.
 CAPTURED_OLD_LOGPS_KEY = "lopti_captured_old_per_token_logps"
 
+# The threshold for `lopti/low_token_share` when Lopti is off (the paper's eta), so GRPO and AR runs log it too.
+UNSPLIT_REPORTING_THRESHOLD = 0.5
+
+LOPTI_PAPER_CITATION = textwrap.dedent("""\
+    @article{yang2025lopti,
+        title        = {{Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs}},
+        author       = {Zhihe Yang and Xufang Luo and Zilong Wang and Dongqi Han and Zhiyuan He and Dongsheng Li and Yunjian Xu},
+        year         = 2025,
+        eprint       = {arXiv:2505.12929},
+    }""")
+
 
 @dataclass
-class _LossHookState:
-    """What the one-shot hook on `_get_per_token_logps_and_entropies` needs to rewrite one micro-batch."""
+class _TokenWeighting:
+    """What the log-prob forward of one `compute_loss` call must do to the micro-batch TRL is about to read."""
 
-    loss_inputs: dict[str, Any]  # the copy of `inputs` that TRL's `_compute_loss` reads
-    buffered_inputs: dict[str, Any]  # the trainer's buffered micro-batch (where captured pi_old is stored)
-    token_group: str | None  # "low", "high", or None (no Lopti: every token active)
+    loss_inputs: dict[str, Any]  # the copy of `inputs` that TRL's `_compute_loss` reads (advantages rewritten here)
+    buffered_inputs: dict[str, Any]  # the buffered micro-batch (the first pass stores its captured pi_old here)
+    token_group: str | None  # "low" or "high": the tokens that carry gradient in this pass; None: every token
+    first_pass: bool  # whether this is the first pass over the generation batch (or there is only one)
     mode: str  # "train" or "eval"
+    applied: bool = False
 
 
 def as_lopti_config(args: GRPOConfig | None, model: Any) -> LoptiGRPOConfig:
@@ -79,8 +79,8 @@ def as_lopti_config(args: GRPOConfig | None, model: Any) -> LoptiGRPOConfig:
     Returns a `LoptiGRPOConfig` for `args`.
 
     A `LoptiGRPOConfig` passes through. A plain `GRPOConfig` (a user who only swapped the trainer class) becomes a
-    `LoptiGRPOConfig` with the same values and the paper's defaults for the new fields. `None` gives the defaults,
-    with TRL's naming of the output folder.
+    `LoptiGRPOConfig` with the same values and the paper's defaults for the new fields, with a warning that says so.
+    `None` gives the defaults, with TRL's naming of the output folder.
 
     Args:
         args (`GRPOConfig` or `None`):
@@ -98,18 +98,22 @@ def as_lopti_config(args: GRPOConfig | None, model: Any) -> LoptiGRPOConfig:
         return LoptiGRPOConfig(output_dir=f"{str(model_name).split('/')[-1]}-Lopti-GRPO")
     if not isinstance(args, GRPOConfig):
         raise TypeError(f"args must be a LoptiGRPOConfig or a GRPOConfig, got {type(args).__name__}")
-    values = {
-        config_field.name: getattr(args, config_field.name)
-        for config_field in dataclasses.fields(GRPOConfig)
-        if config_field.init
-    }
+    if (args.steps_per_generation * args.num_iterations) % args.gradient_accumulation_steps != 0:
+        raise ValueError(lopti_schedule_error(args, upgraded_from_grpo_config=True))
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig) if f.init}
     # GRPOConfig.__post_init__ filled in generation_batch_size from steps_per_generation; both set is an error.
     values["generation_batch_size"] = None
-    logger.info(
-        "LoptiGRPOTrainer got a plain GRPOConfig: using its values with the paper's Advantage Reweighting "
-        "(alpha=%s) and Lopti (eta=%s) defaults.",
-        LoptiGRPOConfig.advantage_reweighting_alpha,
-        LoptiGRPOConfig.lopti_threshold,
+    defaults = LoptiGRPOConfig
+    warnings.warn(
+        "LoptiGRPOTrainer got a plain GRPOConfig and turns on the paper's defaults: Advantage Reweighting "
+        f"(advantage_reweighting_alpha={defaults.advantage_reweighting_alpha}) and Lopti "
+        f"(lopti_threshold={defaults.lopti_threshold}, lopti_order={defaults.lopti_order!r}). Lopti trains each "
+        "generation batch twice, so it makes two optimizer steps where GRPO makes one: max_steps, the learning-rate "
+        "schedule, save_steps and logging_steps now count twice per generation batch, and max_steps buys half the "
+        "rollouts. Pass a trl_lopti.LoptiGRPOConfig to choose these values (lopti_threshold=None and "
+        "advantage_reweighting_alpha=0 give plain GRPO).",
+        UserWarning,
+        stacklevel=3,
     )
     return LoptiGRPOConfig(**values)
 
@@ -119,115 +123,141 @@ class LoptiGRPOTrainer(GRPOTrainer):
     TRL's `GRPOTrainer` with Advantage Reweighting (AR) and Low-Probability Token Isolation (Lopti), arXiv 2505.12929.
 
     Same constructor and arguments as `GRPOTrainer`. `args` should be a [`LoptiGRPOConfig`]; a plain `GRPOConfig`
-    is upgraded with the paper's defaults (`advantage_reweighting_alpha=0.3`, `lopti_threshold=0.5`).
+    is upgraded with the paper's defaults (`advantage_reweighting_alpha=0.3`, `lopti_threshold=0.5`), with a warning.
 
     - AR replaces each completion's advantage `A(i)` by the token-level `(alpha * pi_old(i, t) + 1 - alpha) * A(i)`.
       The KL penalty is not reweighted.
     - Lopti splits the completion tokens of each generation batch once by `pi_old < lopti_threshold` and trains the
-      batch twice: first with only the low tokens active (zero advantage, KL and entropy-bonus gradient for the
-      others, same loss normaliser), then with only the high tokens active, from the parameters the first pass
-      produced and with importance ratios against the same `pi_old`. Each pass is the whole schedule plain GRPO
-      runs on a generation batch, so Lopti makes twice the optimizer steps per generation batch.
+      batch once per token group: first only the low tokens carry gradient, then only the high ones, from the
+      parameters the first pass produced and with importance ratios against the same `pi_old`. In a pass every value
+      of the loss is what plain GRPO computes; only the gradient through the inactive tokens' log-probabilities and
+      entropies is cut, which isolates the groups for every loss type and importance-sampling level. The router's
+      auxiliary loss (MoE models), not a per-token term, gets its gradient in the first pass only.
+    - `advantage_estimator="reinforce_plus_plus"` replaces TRL's group-relative advantages by REINFORCE++'s.
 
-    Cost (forward/backward passes of the policy per generation batch, per device): GRPO runs
-    `steps_per_generation * num_iterations` forward+backward passes (plus one no-grad forward for old
-    log-probabilities where TRL needs them). AR adds none. Lopti runs `2 * steps_per_generation * num_iterations`
-    forward+backward passes and no additional forward. A pass with no active token anywhere, known before it
-    starts, costs nothing (see the module docstring).
+    The schedule, its cost and what `max_steps` counts: README, section "The Lopti schedule".
 
-    Logged metrics (W&B-friendly, prefix `lopti/`): `lopti/low_token_share` (share of completion tokens with
-    `pi_old < eta`, or `< 0.5` where Lopti is off), `lopti/ar_weight_mean` (mean AR weight over completion tokens),
-    `lopti/active_token_share` (share of completion tokens active in the current pass), and
-    `lopti/loss_low_pass` / `lopti/loss_high_pass` (the loss of each pass, per optimizer step).
-
-    Checkpoints: the Trainer counts optimizer steps, so a checkpoint can fall between the two passes. A resumed
-    run, like a resumed `GRPOTrainer`, starts a fresh generation cycle: it generates anew and runs a low pass
-    (in `"low_first"` order) before any high pass, so no high pass ever runs without its low pass.
+    Logged metrics (prefix `lopti/`), once per generation batch: `lopti/low_token_share` (share of the batch's
+    completion tokens with `pi_old < eta`; eta = 0.5 when Lopti is off), `lopti/ar_weight_mean` (mean AR weight over
+    them, with AR on); once per pass: `lopti/loss_low_pass`, `lopti/loss_high_pass` (TRL's loss, whose value is the
+    plain GRPO loss at the parameters of that pass). Completions (`log_completions`) are logged once per generation
+    batch.
     """
 
     _tag_names = ["trl", "grpo", "lopti"]
     _name = "Lopti-GRPO"
+    _paper = {
+        "title": "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs",
+        "id": "2505.12929",
+        "citation": LOPTI_PAPER_CITATION + "\n\n" + GRPOTrainer._paper["citation"],
+    }
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *extra_args, **kwargs):
         args = as_lopti_config(args, model)
         super().__init__(model, reward_funcs, args, *extra_args, **kwargs)
         self.advantage_reweighting_alpha = args.advantage_reweighting_alpha
         self.lopti_threshold = args.lopti_threshold
-        self.lopti_pass_order = LOPTI_PASS_ORDERS[args.lopti_order]
-        self._lopti_token_group: str | None = None  # token group active in the current training micro-step
-        self._lopti_skip_pass = False  # the current pass has no active token on any process
-        self._loss_hook_state: _LossHookState | None = None
+        self.lopti_pass_order = LOPTI_PASS_ORDERS[args.lopti_order] if args.lopti_threshold is not None else (None,)
+        self.advantage_estimator = args.advantage_estimator
+        self._name = describe_method(args)
+        self._token_weighting: _TokenWeighting | None = None  # set for the duration of one compute_loss call
+        self._generation_batch_token_totals: torch.Tensor | None = None  # metric sums of the current batch
+        self._generation_batch_rewards: torch.Tensor | None = None  # REINFORCE++: rewards of every process
+        self._generation_batches_seen = 0
+        self._completions_logged_for = -1
 
     # ------------------------------------------------------------------------------------------------ schedule
     @property
     def lopti_pass_micro_steps(self) -> int:
-        """Micro-steps in one Lopti pass: the schedule plain GRPO runs on one generation batch."""
+        """Micro-steps in one pass: the schedule plain GRPO runs on one generation batch."""
         return self.args.steps_per_generation * self.num_iterations
 
     def lopti_pass_index(self, micro_step: int | None = None) -> int:
         """
-        Which pass (0 or 1) a training micro-step belongs to.
+        Which pass over its generation batch a training micro-step belongs to.
 
         Args:
             micro_step (`int` or `None`, *optional*):
                 TRL's micro-step counter; defaults to the current one (`self._step`).
 
         Returns:
-            `int`: 0 for the first pass of its generation batch, 1 for the second.
+            `int`: 0 for the first pass, 1 for the second (always 0 without Lopti).
         """
         micro_step = self._step if micro_step is None else micro_step
-        return (micro_step % (2 * self.lopti_pass_micro_steps)) // self.lopti_pass_micro_steps
+        cycle_micro_steps = len(self.lopti_pass_order) * self.lopti_pass_micro_steps
+        return (micro_step % cycle_micro_steps) // self.lopti_pass_micro_steps
+
+    def lopti_token_group(self) -> str | None:
+        """The token group that carries gradient in the current training micro-step (`None` without Lopti)."""
+        return self.lopti_pass_order[self.lopti_pass_index()]
 
     def get_train_dataloader(self):
-        if self.lopti_threshold is None:
+        # One repeat of TRL's schedule per pass: an epoch still covers every prompt once.
+        with _temporarily_set(self, "num_iterations", len(self.lopti_pass_order) * self.num_iterations):
             return super().get_train_dataloader()
-        # TRL's sampler repeats each generation batch `self.num_iterations * steps_per_generation` times; Lopti serves
-        # it twice as often. Doubling `num_iterations` only while the dataloader is built doubles that repeat count
-        # for map-style (RepeatSampler) and iterable datasets alike, and nothing else.
-        with _temporarily_set(self, "num_iterations", 2 * self.num_iterations):
-            return super().get_train_dataloader()
-
-    def training_step(self, model, inputs, num_items_in_batch):
-        if self.lopti_threshold is not None:
-            pass_index = self.lopti_pass_index()
-            self._lopti_token_group = self.lopti_pass_order[pass_index]
-            if self._step % self.lopti_pass_micro_steps == 0:  # first micro-step of a pass: decided in compute_loss
-                self._lopti_skip_pass = None
-        return super().training_step(model, inputs, num_items_in_batch)
 
     def _prepare_inputs(self, generation_batch):
-        if self.lopti_threshold is None or not self.model.training or self.lopti_pass_index() == 0:
+        if not self.model.training or self.lopti_pass_index() == 0:
             return super()._prepare_inputs(generation_batch)
-        # Second pass: replay the generation batch of the first pass (TRL's `_step` keeps counting, so it does not
+        # A later pass replays the generation batch of the first (TRL's `_step` keeps counting, so it does not
         # generate here: it generates again at the start of the next cycle).
         buffered = self._buffered_inputs[self._step % self.args.steps_per_generation]
         if "old_per_token_logps" not in buffered and CAPTURED_OLD_LOGPS_KEY not in buffered:
             raise RuntimeError("Lopti second pass without the pi_old of its first pass; please report this bug.")
         return buffered
 
+    # ------------------------------------------------------------------------------------------------ advantages
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.advantage_estimator == "reinforce_plus_plus":
+            self._generation_batch_rewards = rewards_per_func
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        self._generation_batches_seen += 1
+        if self.advantage_estimator == "reinforce_plus_plus":
+            rewards_per_func, self._generation_batch_rewards = self._generation_batch_rewards, None
+            output["advantages"] = self._reinforce_plus_plus_advantages(rewards_per_func, output)
+        return output
+
+    def _reinforce_plus_plus_advantages(self, rewards_per_func: torch.Tensor, output: dict) -> torch.Tensor:
+        """REINFORCE++ advantages of this process's completions, whitened over the whole generation batch."""
+        weights = self.reward_weights.to(rewards_per_func.device)
+        rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan  # unscorable, as TRL marks them
+        lengths = self.accelerator.gather(_loss_mask(output).sum(dim=1))  # process order, as the rewards
+        advantages = reinforce_plus_plus_advantages(rewards, lengths)
+        # the completions table shows the advantages trained on
+        logged = self._logs["advantages"]
+        for _ in range(min(len(advantages), len(logged))):
+            logged.pop()
+        logged.extend(advantages.tolist())
+        local = len(output["completion_mask"])
+        start = self.accelerator.process_index * local
+        return advantages[start : start + local].to(output["completion_mask"].device)
+
     # ------------------------------------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
-        token_group = self._lopti_token_group if (mode == "train" and self.lopti_threshold is not None) else None
-        if token_group is not None:
-            if self._lopti_skip_pass is None:
-                self._lopti_skip_pass = self._pass_has_no_active_token(token_group)
-            if self._lopti_skip_pass:
-                self._log_pass_loss(token_group, torch.zeros((), device=self.accelerator.device))
-                # A leaf with no graph: backward touches no parameter, gradients stay None and the optimizer
-                # skips every parameter.
-                return torch.zeros((), device=self.accelerator.device, requires_grad=True)
+        token_group = self.lopti_token_group() if mode == "train" else None
+        first_pass = mode == "eval" or self.lopti_pass_index() == 0
+        if token_group is not None and self._pass_has_no_active_token(token_group):
+            if first_pass:  # ruled out before it ran, so pi_old is known: the batch's metrics still count
+                mask = _loss_mask(inputs)
+                self._record_generation_batch_metrics(mode, *self._token_split(inputs["old_per_token_logps"], mask), mask)
+            self._log_pass_loss(token_group, torch.zeros((), device=self.accelerator.device))
+            # A leaf with no graph: backward touches no parameter, gradients stay None and the optimizer skips
+            # every parameter.
+            return torch.zeros((), device=self.accelerator.device, requires_grad=True)
         loss_inputs = dict(inputs)
-        if token_group is not None and "old_per_token_logps" not in loss_inputs and CAPTURED_OLD_LOGPS_KEY in inputs:
-            # Second pass of an on-policy run: the ratio is against the pi_old captured in the first pass.
+        if "old_per_token_logps" not in loss_inputs and CAPTURED_OLD_LOGPS_KEY in inputs and not first_pass:
+            # A later pass of an on-policy run: the ratio is against the pi_old captured in the first pass.
             loss_inputs["old_per_token_logps"] = inputs[CAPTURED_OLD_LOGPS_KEY]
-        self._loss_hook_state = _LossHookState(loss_inputs, inputs, token_group, mode)
-        try:
+        weighting = _TokenWeighting(loss_inputs, inputs, token_group, first_pass, mode)
+        with self._weighting_of_next_policy_forward(weighting):
             loss = super().compute_loss(model, loss_inputs, return_outputs, num_items_in_batch)
-        finally:
-            hook_state_left = self._loss_hook_state
-            self._loss_hook_state = None
-        if hook_state_left is not None:
+        if not weighting.applied:
             raise RuntimeError(
                 "GRPOTrainer._compute_loss no longer calls _get_per_token_logps_and_entropies: this TRL version is "
                 "not supported by trl_lopti."
@@ -236,71 +266,83 @@ class LoptiGRPOTrainer(GRPOTrainer):
             self._log_pass_loss(token_group, loss.detach())
         return loss
 
+    @contextlib.contextmanager
+    def _weighting_of_next_policy_forward(self, weighting: _TokenWeighting):
+        self._token_weighting = weighting
+        try:
+            yield
+        finally:
+            self._token_weighting = None
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         per_token_logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
-        hook_state, self._loss_hook_state = self._loss_hook_state, None
-        if hook_state is not None:
-            entropies = self._apply_token_weighting(hook_state, per_token_logps, entropies)
+        weighting, self._token_weighting = self._token_weighting, None  # only the policy forward of the loss
+        if weighting is not None:
+            weighting.applied = True
+            per_token_logps, entropies, aux_loss = self._apply_token_weighting(
+                weighting, per_token_logps, entropies, aux_loss
+            )
         return per_token_logps, entropies, aux_loss
 
-    def _apply_token_weighting(
-        self, hook_state: _LossHookState, per_token_logps: torch.Tensor, entropies: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """Rewrites the advantages (and, for Lopti, the KL reference and entropy gradient) TRL is about to read."""
-        loss_inputs = hook_state.loss_inputs
-        completion_mask = loss_inputs["completion_mask"]
-        mask = completion_mask if "tool_mask" not in loss_inputs else completion_mask * loss_inputs["tool_mask"]
+    def _apply_token_weighting(self, weighting: _TokenWeighting, per_token_logps, entropies, aux_loss):
+        """Rewrites the advantages TRL is about to read (AR) and isolates the active tokens' gradients (Lopti)."""
+        loss_inputs = weighting.loss_inputs
+        mask = _loss_mask(loss_inputs)
         old_per_token_logps = loss_inputs.get("old_per_token_logps")
         if old_per_token_logps is None:
             # On-policy: TRL itself uses these detached log-probs as pi_old (its forward is at the behaviour policy).
             old_per_token_logps = per_token_logps.detach()
-            if hook_state.token_group is not None:
-                hook_state.buffered_inputs[CAPTURED_OLD_LOGPS_KEY] = old_per_token_logps
+            if weighting.token_group is not None:
+                weighting.buffered_inputs[CAPTURED_OLD_LOGPS_KEY] = old_per_token_logps
 
-        advantages = loss_inputs["advantages"]
-        if self.advantage_reweighting_alpha != 0.0:
-            advantages = reweight_advantages(advantages, old_per_token_logps, self.advantage_reweighting_alpha)
-
-        if hook_state.token_group is not None:
-            active_mask = lopti_active_token_mask(
-                old_per_token_logps, mask, self.lopti_threshold, hook_state.token_group
-            )
-            advantages = isolate_advantages(advantages, active_mask)
-            if self.beta != 0.0:
-                loss_inputs["ref_per_token_logps"] = neutralize_inactive_kl(
-                    loss_inputs["ref_per_token_logps"], per_token_logps, active_mask
-                )
+        low_mask, weights = self._token_split(old_per_token_logps, mask)
+        if weights is not None:  # AR: A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i)
+            advantages = loss_inputs["advantages"]
+            loss_inputs["advantages"] = token_level_advantages(advantages, weights.size(1)) * weights
+        if weighting.token_group is not None:
+            active_mask = low_mask if weighting.token_group == "low" else mask.bool() & ~low_mask
+            per_token_logps = isolate_token_gradients(per_token_logps, active_mask)
             if entropies is not None:
-                entropies = stop_gradient_where_inactive(entropies, active_mask)
-            self._log_token_share("lopti/active_token_share", active_mask, mask, hook_state.mode)
-        loss_inputs["advantages"] = advantages
+                entropies = isolate_token_gradients(entropies, active_mask)
+            if aux_loss is not None and not weighting.first_pass:
+                aux_loss = aux_loss.detach()
+        if weighting.first_pass:
+            self._record_generation_batch_metrics(weighting.mode, low_mask, weights, mask)
+        return per_token_logps, entropies, aux_loss
 
-        low_mask = low_probability_token_mask(old_per_token_logps, mask, self.lopti_threshold or 0.5)
-        self._log_token_share("lopti/low_token_share", low_mask, mask, hook_state.mode)
+    def _token_split(self, old_per_token_logps: torch.Tensor, mask: torch.Tensor):
+        """The low-probability mask (the Lopti split) and the AR weights (`None` without AR) of a micro-batch."""
+        low_mask = low_probability_token_mask(
+            old_per_token_logps, mask, self.lopti_threshold or UNSPLIT_REPORTING_THRESHOLD
+        )
+        weights = None
         if self.advantage_reweighting_alpha != 0.0:
             weights = advantage_reweighting_weights(old_per_token_logps, self.advantage_reweighting_alpha)
-            self._log_masked_mean("lopti/ar_weight_mean", weights, mask, hook_state.mode)
-        return entropies
+        return low_mask, weights
 
-    # ------------------------------------------------------------------------------------------------ helpers
-    def _pass_has_no_active_token(self, token_group: str) -> bool:
-        """Whether the pass starting now has no active token on any process (False where unknown yet)."""
-        if self.is_deepspeed_enabled:
-            return False
-        active_tokens = 0
-        for micro_batch in self._buffered_inputs:
-            old_per_token_logps = micro_batch.get("old_per_token_logps", micro_batch.get(CAPTURED_OLD_LOGPS_KEY))
-            if old_per_token_logps is None:
-                return False  # on-policy first pass: pi_old comes from this pass's own forward
-            mask = micro_batch["completion_mask"]
-            if "tool_mask" in micro_batch:
-                mask = mask * micro_batch["tool_mask"]
-            active = lopti_active_token_mask(old_per_token_logps, mask, self.lopti_threshold, token_group)
-            active_tokens += int(active.sum())
-        total = self.accelerator.reduce(torch.tensor(active_tokens, device=self.accelerator.device), reduction="sum")
-        return int(total) == 0
+    # ------------------------------------------------------------------------------------------------ metrics
+    def _record_generation_batch_metrics(self, mode: str, low_mask, weights, mask) -> None:
+        """Sums the token metrics over the first sweep of a generation batch; logs them once, at its last micro-step."""
+        mask = mask.float()
+        weight_sum = (weights.float() * mask).sum() if weights is not None else mask.new_zeros(())
+        totals = torch.stack([(low_mask.float() * mask).sum(), weight_sum, mask.sum()])
+        if mode == "train":
+            sweep_step = self._step % self.lopti_pass_micro_steps
+            if sweep_step >= self.args.steps_per_generation:  # a later iteration (num_iterations > 1)
+                return
+            if sweep_step == 0 or self._generation_batch_token_totals is None:
+                self._generation_batch_token_totals = torch.zeros_like(totals)
+            self._generation_batch_token_totals += totals
+            if sweep_step != self.args.steps_per_generation - 1:
+                return
+            totals, self._generation_batch_token_totals = self._generation_batch_token_totals, None
+        totals = self.accelerator.reduce(totals, reduction="sum")
+        if totals[2] > 0:
+            self._metrics[mode]["lopti/low_token_share"].append((totals[0] / totals[2]).item())
+            if weights is not None:
+                self._metrics[mode]["lopti/ar_weight_mean"].append((totals[1] / totals[2]).item())
 
     def _log_pass_loss(self, token_group: str, loss: torch.Tensor) -> None:
         # The loss TRL returns is one micro-step's share of its optimizer step; scaled back to a per-step value.
@@ -308,15 +350,58 @@ class LoptiGRPOTrainer(GRPOTrainer):
         value = self.accelerator.gather(per_step_loss.reshape(1)).mean().item()
         self._metrics["train"][f"lopti/loss_{token_group}_pass"].append(value)
 
-    def _log_token_share(self, name: str, selected: torch.Tensor, mask: torch.Tensor, mode: str) -> None:
-        self._log_masked_mean(name, selected.float(), mask, mode)
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # TRL writes the completions table at every log; a generation batch trained over several optimizer steps
+        # (Lopti's passes, steps_per_generation > gradient_accumulation_steps) would be written once per step.
+        fresh = self._completions_logged_for != self._generation_batches_seen
+        with _temporarily_set(self, "log_completions", self.log_completions and fresh):
+            if self.log_completions:
+                self._completions_logged_for = self._generation_batches_seen
+            super().log(logs, start_time)
 
-    def _log_masked_mean(self, name: str, values: torch.Tensor, mask: torch.Tensor, mode: str) -> None:
-        mask = mask.to(values.dtype)
-        totals = torch.stack([(values * mask).sum(), mask.sum()]).float()
-        totals = self.accelerator.reduce(totals, reduction="sum")
-        if totals[1] > 0:
-            self._metrics[mode][name].append((totals[0] / totals[1]).item())
+    # ------------------------------------------------------------------------------------------------ helpers
+    def _pass_has_no_active_token(self, token_group: str) -> bool:
+        """Whether the current pass has no active token on any process (False where not known before it runs)."""
+        if self.is_deepspeed_enabled:
+            return False
+        active_tokens = 0
+        for micro_batch in self._buffered_inputs:
+            old_per_token_logps = micro_batch.get("old_per_token_logps", micro_batch.get(CAPTURED_OLD_LOGPS_KEY))
+            if old_per_token_logps is None:
+                return False  # on-policy first pass: pi_old comes from this pass's own forward
+            mask = _loss_mask(micro_batch)
+            low = low_probability_token_mask(old_per_token_logps, mask, self.lopti_threshold)
+            active = low if token_group == "low" else mask.bool() & ~low
+            active_tokens += int(active.sum())
+        total = self.accelerator.reduce(torch.tensor(active_tokens, device=self.accelerator.device), reduction="sum")
+        return int(total) == 0
+
+
+def describe_method(config: LoptiGRPOConfig) -> str:
+    """
+    The method a configuration trains with, in words (the model card's "trained with").
+
+    Args:
+        config (`LoptiGRPOConfig`):
+            The configuration.
+
+    Returns:
+        `str`: For example `"GRPO with Advantage Reweighting (alpha=0.3) and Lopti (eta=0.5, low tokens first)"`.
+    """
+    base = {"grpo": "GRPO", "reinforce_plus_plus": "REINFORCE++"}[config.advantage_estimator]
+    parts = []
+    if config.advantage_reweighting_alpha != 0.0:
+        parts.append(f"Advantage Reweighting (alpha={config.advantage_reweighting_alpha:g})")
+    if config.lopti_threshold is not None:
+        order = "low tokens first" if config.lopti_order == "low_first" else "high tokens first, the paper's ablation"
+        parts.append(f"Low-Probability Token Isolation (Lopti, eta={config.lopti_threshold:g}, {order})")
+    return f"{base} with {' and '.join(parts)}" if parts else base
+
+
+def _loss_mask(inputs: dict[str, Any]) -> torch.Tensor:
+    """The tokens TRL's loss sums over: completion tokens, less tool output where TRL masks it."""
+    mask = inputs["completion_mask"]
+    return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
 
 
 @contextlib.contextmanager
@@ -329,4 +414,4 @@ def _temporarily_set(obj: Any, name: str, value: Any):
         setattr(obj, name, previous)
 
 
-__all__ = ["LoptiGRPOTrainer", "as_lopti_config", "token_level_advantages"]
+__all__ = ["LoptiGRPOTrainer", "as_lopti_config", "describe_method"]

@@ -1,0 +1,121 @@
+"""LoptiGRPOConfig: defaults, validation at construction, the Lopti schedule constraint, the GRPOConfig upgrade."""
+
+import warnings
+from dataclasses import fields
+
+import numpy as np
+import pytest
+from trl import GRPOConfig
+
+from trl_lopti import LoptiGRPOConfig
+from trl_lopti.trainer import as_lopti_config
+
+
+def make(**values):
+    return LoptiGRPOConfig(output_dir="unused", report_to="none", use_cpu=True, **values)
+
+
+def test_defaults_are_the_papers_and_extend_grpo_config():
+    config = make()
+    assert isinstance(config, GRPOConfig)
+    assert (config.advantage_reweighting_alpha, config.lopti_threshold, config.lopti_order) == (0.3, 0.5, "low_first")
+    assert config.advantage_estimator == "grpo"
+    assert config.lopti_enabled and config.advantage_reweighting_enabled
+
+
+@pytest.mark.parametrize("alpha", [-0.1, 1.01, float("nan"), "high", True, None, "none", [0.3]])
+def test_alpha_out_of_range_names_the_field_and_range(alpha):
+    with pytest.raises(ValueError, match=r"advantage_reweighting_alpha must be a number in \[0, 1\]"):
+        make(advantage_reweighting_alpha=alpha)
+
+
+@pytest.mark.parametrize("eta", [0.0, 1.0, -0.5, 2.0, "half", float("nan"), np.float32(1.0), True, "1.5"])
+def test_threshold_out_of_range_names_the_field_and_range(eta):
+    with pytest.raises(ValueError, match=r"lopti_threshold must be a number in \(0, 1\)"):
+        make(lopti_threshold=eta)
+
+
+@pytest.mark.parametrize(
+    "alpha, eta, expected",
+    [
+        (np.int64(0), np.float32(0.5), (0.0, 0.5)),  # numpy scalars, as from a sweep
+        (np.float64(0.25), np.float16(0.375), (0.25, 0.375)),
+        (1, 0.4, (1.0, 0.4)),
+        ("0.3", " 0.5 ", (0.3, 0.5)),  # text is read as a number, the way the command line reads it
+    ],
+)
+def test_any_real_number_or_its_text_is_accepted_and_stored_as_float(alpha, eta, expected):
+    config = make(advantage_reweighting_alpha=alpha, lopti_threshold=eta)
+    assert (config.advantage_reweighting_alpha, config.lopti_threshold) == pytest.approx(expected)
+    assert type(config.advantage_reweighting_alpha) is float and type(config.lopti_threshold) is float
+
+
+def test_text_that_is_not_a_number_says_so():
+    with pytest.raises(ValueError, match=r"got the text 'half', which is not a number"):
+        make(lopti_threshold="half")
+
+
+@pytest.mark.parametrize("disabled", [None, "None", "null", "NONE"])
+def test_none_disables_lopti(disabled):
+    config = make(lopti_threshold=disabled, advantage_reweighting_alpha=0)
+    assert config.lopti_threshold is None and not config.lopti_enabled
+    assert config.advantage_reweighting_alpha == 0.0 and not config.advantage_reweighting_enabled
+
+
+def test_unknown_order_and_estimator_name_the_allowed_values():
+    with pytest.raises(ValueError, match=r"lopti_order must be one of \['high_first', 'low_first'\]"):
+        make(lopti_order="random")
+    with pytest.raises(ValueError, match=r"advantage_estimator must be one of \['grpo', 'reinforce_plus_plus'\]"):
+        make(advantage_estimator="ppo")
+    assert make(advantage_estimator="reinforce_plus_plus").advantage_estimator == "reinforce_plus_plus"
+    with pytest.raises(ValueError, match="multi_objective_aggregation must be 'sum_then_normalize'"):
+        make(advantage_estimator="reinforce_plus_plus", multi_objective_aggregation="normalize_then_sum")
+
+
+@pytest.mark.parametrize(
+    "accumulation, steps, iterations",
+    [(4, 2, 1), (2, 3, 1), (4, 3, 2), (6, 4, 1)],
+)
+def test_every_lopti_pass_must_end_on_an_optimizer_step_and_the_error_gives_a_fix_that_works(
+    accumulation, steps, iterations
+):
+    with pytest.raises(ValueError, match=r"steps_per_generation \* num_iterations") as error:
+        make(gradient_accumulation_steps=accumulation, steps_per_generation=steps, num_iterations=iterations)
+    message = str(error.value)
+    assert "lopti_threshold=None" in message
+    suggested = int(message.split("Set steps_per_generation=")[1].split()[0])
+    assert suggested > steps
+    config = make(gradient_accumulation_steps=accumulation, steps_per_generation=suggested, num_iterations=iterations)
+    assert (config.steps_per_generation * config.num_iterations) % config.gradient_accumulation_steps == 0
+    # fine without Lopti
+    make(gradient_accumulation_steps=accumulation, steps_per_generation=steps, num_iterations=iterations,
+         lopti_threshold=None)
+
+
+def test_a_plain_grpo_config_is_upgraded_with_a_visible_warning():
+    plain = GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, learning_rate=3e-6, max_steps=7)
+    with pytest.warns(UserWarning, match=r"plain GRPOConfig") as caught:
+        upgraded = as_lopti_config(plain, model="some/model")
+    message = str(caught[0].message)
+    for text in ("advantage_reweighting_alpha=0.3", "lopti_threshold=0.5", "max_steps", "half the rollouts"):
+        assert text in message
+    assert isinstance(upgraded, LoptiGRPOConfig)
+    assert (upgraded.learning_rate, upgraded.max_steps) == (3e-6, 7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a LoptiGRPOConfig passes through silently
+        assert as_lopti_config(upgraded, model="some/model") is upgraded
+
+
+def test_a_plain_grpo_config_with_an_unfit_schedule_gets_an_error_in_its_own_terms():
+    plain = GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, steps_per_generation=3,
+                       gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match="plain GRPOConfig") as error:
+        as_lopti_config(plain, model="some/model")
+    message = str(error.value)
+    assert "steps_per_generation=4" in message and "LoptiGRPOConfig(..., lopti_threshold=None)" in message
+
+
+def test_fields_have_help_for_the_cli():
+    helps = {f.name: f.metadata.get("help", "") for f in fields(LoptiGRPOConfig)}
+    for name in ("advantage_reweighting_alpha", "lopti_threshold", "lopti_order", "advantage_estimator"):
+        assert helps[name]
