@@ -1,5 +1,6 @@
-"""Math: the verified-answer reward (equivalent forms, wrong answers, garbage, time limits in and outside the main
-thread) and the dataset loaders (local files in each Hub set's format)."""
+"""Math: the paper's grading and the lenient one (equivalent forms, wrong answers, garbage, the first `</think>`,
+the required box, time limits in and outside the main thread) and the loaders (the authors' DSR-uniform file in their
+verl format, written here; local files in each Hub set's format)."""
 
 from __future__ import annotations
 
@@ -414,3 +415,83 @@ def test_hub_names_and_splits(monkeypatch, tmp_path):
     assert orz[0]["solution"] == "1"
     with pytest.raises(ValueError, match="Unknown math dataset"):
         math_task.load_math_dataset("gsm8k")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The authors' math files (DSR-uniform): raw-text prompts, from parquet files written here in their verl format
+# ---------------------------------------------------------------------------------------------------------------------
+def verl_math_row(problem, answer, difficulty=None):
+    extra_info = {"index": 0, "split": "train"}
+    if difficulty is not None:
+        extra_info["difficulty"] = difficulty
+    return {
+        "data_source": "deepscaler",
+        "prompt": [{"content": f"{problem} {SUFFIX}", "role": "user"}],
+        "ability": "math",
+        "reward_model": {"ground_truth": answer, "style": "rule"},
+        "extra_info": extra_info,
+    }
+
+
+def write_parquet(path, rows):
+    import datasets
+
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return str(path)
+
+
+def test_paper_math_set_keeps_the_raw_text_prompt(tmp_path):
+    rows = [verl_math_row("What is $1+1$?", "2", 3.5), verl_math_row("Half of one?", "\\frac{1}{2}", 71.25)]
+    dataset = math_task.load_paper_math_dataset("dsr_uniform", write_parquet(tmp_path / "dsr.parquet", rows))
+    assert dataset.column_names == ["prompt", "solution", "difficulty"]
+    assert dataset["prompt"] == [f"What is $1+1$? {SUFFIX}", f"Half of one? {SUFFIX}"]  # text: no chat template
+    assert dataset["solution"] == ["2", "\\frac{1}{2}"] and dataset["difficulty"] == [3.5, 71.25]
+    # Graded as the paper grades: the boxed answer after the first </think>.
+    completions = ["<think>1+1</think> \\boxed{2}", "<think>so 0.5</think> it is 0.5"]
+    assert math_reward(completions, dataset["solution"]) == [1.0, 0.0]
+
+
+def test_paper_math_set_errors_and_default_url(tmp_path, monkeypatch):
+    alternatives = [verl_math_row("Speed?", ["0.01", "0.02"])]
+    with pytest.raises(ValueError, match="2 alternative answers"):
+        math_task.load_paper_math_dataset("aime_dsr", write_parquet(tmp_path / "alt.parquet", alternatives))
+    with pytest.raises(ValueError, match="name: unknown paper math set 'minerva_dsr'"):
+        math_task.load_paper_math_dataset("minerva_dsr")
+    read = []
+
+    def fake_load_parquet(source):
+        read.append(source)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(math_task.data, "load_parquet", fake_load_parquet)
+    with pytest.raises(RuntimeError, match="stop"):
+        math_task.load_paper_math_dataset()
+    assert read == [
+        "https://raw.githubusercontent.com/zhyang2226/AR-Lopti/cbeb333376decdfe571fa8613bdebcfcc526628d/"
+        "data/deepscaler_c/deepscaler_uniform_train.parquet"
+    ]
+
+
+def test_cli_builds_dsr_uniform_from_a_local_copy(tmp_path):
+    from trl_lopti.cli import build_datasets, parse_train_args, resolved_config
+
+    path = write_parquet(tmp_path / "dsr.parquet", [verl_math_row(f"Problem {i}?", str(i), float(i)) for i in range(5)])
+    args = ["--task", "math", "--dataset_name", "dsr_uniform", "--math_data_file", path, "--model_name_or_path",
+            "Qwen/Qwen2.5-7B", "--use_cpu", "true", "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    script_args, training_args, model_args = parse_train_args(args)
+    assert resolved_config(script_args, training_args, model_args)["dataset"] == {
+        "task": "math", "source": "paper", "name": "dsr_uniform", "data_file": path,
+    }
+    train, evaluation = build_datasets(script_args, training_args)
+    assert evaluation is None and train["prompt"] == [f"Problem {i}? {SUFFIX}" for i in range(5)]
+
+
+def test_hub_sets_can_have_raw_text_prompts(tmp_path):
+    path = tmp_path / "math500.jsonl"
+    path.write_text(json.dumps({"problem": "  What is 2+2? ", "answer": "4"}) + "\n")
+    text = math_task.load_math_dataset("math500", data_files=str(path), text_prompt=True)
+    assert text["prompt"] == [f"What is 2+2? {SUFFIX}"]
+    chat = math_task.load_math_dataset("math500", data_files=str(path))
+    assert chat["prompt"] == [[{"role": "user", "content": f"What is 2+2? {SUFFIX}"}]]
+    with pytest.raises(ValueError, match="system_prompt: a raw-text prompt"):
+        math_task.make_math_prompt("x", system_prompt="S", text_prompt=True)
