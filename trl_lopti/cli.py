@@ -40,6 +40,7 @@ REWARD_FUNCS = {
     "knights_knaves_format_reward": "trl_lopti.tasks.knights_knaves:knights_knaves_format_reward",
     "knights_knaves_answer_reward": "trl_lopti.tasks.knights_knaves:knights_knaves_answer_reward",
     "math_reward": "trl_lopti.tasks.math:math_reward",
+    "math_reward_lenient": "trl_lopti.tasks.math:math_reward_lenient",
     "accuracy_reward": "trl.rewards:accuracy_reward",
     "reasoning_accuracy_reward": "trl.rewards:reasoning_accuracy_reward",
     "think_format_reward": "trl.rewards:think_format_reward",
@@ -444,7 +445,8 @@ def dataset_spec(script_args: LoptiScriptArguments, training_args=None) -> dict[
             Used to tell whether an evaluation set is needed.
 
     Returns:
-        `dict[str, Any]`: `source` (`"generated"`, `"hub"`, `"local"`, `"math_registry"`) and the loading parameters.
+        `dict[str, Any]`: `source` (`"generated"`, `"hub"`, `"local"`, `"math_registry"`, `"paper"`) and the loading
+        parameters.
     """
     task = script_args.task
     wants_eval = training_args is not None and str(getattr(training_args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO")

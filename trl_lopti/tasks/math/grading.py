@@ -356,19 +356,7 @@ def math_reward_lenient(
     """
     TRL reward function, lenient math grading: like [`math_reward`], but the text after the LAST `</think>` is graded
     and, without a `\\boxed{}`, math-verify's own extraction ("the final answer is ...", the last formula or number)
-    is the fallback. Not the paper's grader; useful for models that do not box their answers.
-
-    Args:
-        completions (`Sequence[str]` or `Sequence[list[dict]]`):
-            Plain-text or conversational completions.
-        solution (`Sequence[Any]`):
-            Reference answer per completion.
-        timeout_seconds (`float` or `None`, *optional*, defaults to `3.0`):
-            Time limit per completion.
-        **kwargs:
-            Other dataset columns and trainer arguments, ignored.
-
-    Returns:
-        `list[float]`: One score per completion.
+    is the fallback. Not the paper's grader; useful for models that do not box their answers. Arguments and return
+    value: as [`math_reward`].
     """
     return _math_rewards(completions, solution, "lenient", timeout_seconds)
