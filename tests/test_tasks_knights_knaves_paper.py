@@ -175,7 +175,8 @@ def test_published_quizzes_are_rendered_exactly_from_the_speech_templates():
     names = ["Michael", "Zoey", "Ethan"]
     chosen = []
     for speaker, statement in enumerate(statements):
-        sentences = [t.format(name=names[speaker], claim=kk.render_statement(statement, names)) for t in kk.SPEECH_TEMPLATES]
+        claim = kk.render_statement(statement, names)
+        sentences = [template.format(name=names[speaker], claim=claim) for template in kk.SPEECH_TEMPLATES]
         matching = [t for t, sentence in zip(kk.SPEECH_TEMPLATES, sentences) if sentence in PUBLISHED_QUIZ]
         assert len(matching) == 1, (speaker, matching)
         chosen += matching
@@ -183,7 +184,8 @@ def test_published_quizzes_are_rendered_exactly_from_the_speech_templates():
 
 
 def test_generator_uses_the_published_pool_and_templates():
-    assert len(kk.NAMES) == len(set(kk.NAMES)) == 51 and len(kk.SPEECH_TEMPLATES) == len(set(kk.SPEECH_TEMPLATES)) == 18
+    assert len(kk.NAMES) == len(set(kk.NAMES)) == 51
+    assert len(kk.SPEECH_TEMPLATES) == len(set(kk.SPEECH_TEMPLATES)) == 18
     rows = kk.generate_puzzles([3, 7], 60, seed=11)
     used_names = {name for row in rows for name in row["names"]}
     assert used_names <= set(kk.NAMES) and len(used_names) > 40

@@ -470,7 +470,8 @@ def test_paper_math_set_errors_and_default_url(tmp_path, monkeypatch):
 def test_cli_builds_dsr_uniform_from_a_local_copy(tmp_path):
     from trl_lopti.cli import build_datasets, parse_train_args, resolved_config
 
-    path = write_parquet(tmp_path / "dsr.parquet", [verl_math_row(f"Problem {i}?", str(i), float(i)) for i in range(5)])
+    rows = [verl_math_row(f"Problem {i}?", str(i), float(i)) for i in range(5)]
+    path = write_parquet(tmp_path / "dsr.parquet", rows)
     args = ["--task", "math", "--dataset_name", "dsr_uniform", "--math_data_file", path, "--model_name_or_path",
             "Qwen/Qwen2.5-7B", "--use_cpu", "true", "--output_dir", str(tmp_path / "out")]  # fmt: skip
     script_args, training_args, model_args = parse_train_args(args)

@@ -1,4 +1,5 @@
-"""Running work under a wall-clock limit: in this process (a `SIGALRM` timer or a helper thread) or in a worker process.
+"""Running work under a wall-clock limit: in this process (a `SIGALRM` timer or a helper thread) or in a worker
+process.
 
 A worker process serves one function of a `trl_lopti.tasks` module in its own main thread, where the `SIGALRM` limit
 can interrupt it; the parent kills the worker when it does not answer in time (stuck in C code) and starts a new one
@@ -25,7 +26,8 @@ from typing import Any, TypeVar
 _T = TypeVar("_T")
 
 ALARM_REPEAT_SECONDS = 0.05
-"""The `SIGALRM` timer repeats at this interval until disarmed, in case library code swallows the first interruption."""
+"""The `SIGALRM` timer repeats at this interval until disarmed, in case library code swallows the first
+interruption."""
 
 WORKER_STARTUP_SECONDS = 120.0
 """How long a new worker process may take to import its module and answer `ready`."""

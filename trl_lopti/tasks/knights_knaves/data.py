@@ -105,7 +105,8 @@ def make_prompt(quiz: str, system_prompt: str = SYSTEM_PROMPT, prefill_think: bo
 
 def _example(record: dict[str, Any], system_prompt: str, prefill_think: bool) -> dict[str, Any]:
     """A puzzle record (see `puzzle_record`) with its conversational `prompt` and `think_prefilled`."""
-    return {"prompt": make_prompt(record["quiz"], system_prompt, prefill_think), **record, "think_prefilled": prefill_think}
+    prompt = make_prompt(record["quiz"], system_prompt, prefill_think)
+    return {"prompt": prompt, **record, "think_prefilled": prefill_think}
 
 
 def generate_dataset(
@@ -232,7 +233,8 @@ def _paper_files(split: str, sizes: Sequence[int], data_dir: str | None) -> list
     files = [Path(data_dir).expanduser() / f"{size}ppl" / f"{split}.parquet" for size in sizes]
     missing = [str(file) for file in files if not file.is_file()]
     if missing:
-        raise FileNotFoundError(f"data_dir: missing {missing} (expected the layout {{3..7}}ppl/{{train,test}}.parquet)")
+        layout = "{3..7}ppl/{train,test}.parquet"
+        raise FileNotFoundError(f"data_dir: missing {missing} (expected the layout {layout})")
     return [str(file) for file in files]
 
 
@@ -243,7 +245,9 @@ def _load_paper_split(split: str, sizes: Sequence[int], data_dir: str | None):
     return rows.map(paper_record_to_example, remove_columns=rows.column_names)
 
 
-def load_paper_knights_knaves(split: str = "train", num_people: Sequence[int] = PAPER_SIZES, data_dir: str | None = None):
+def load_paper_knights_knaves(
+    split: str = "train", num_people: Sequence[int] = PAPER_SIZES, data_dir: str | None = None
+):
     """
     The paper's K&K split: the authors' puzzles with the text prompt their model saw.
 

@@ -1,10 +1,10 @@
 """Grading of math answers for TRL: the paper's grading (`math_reward`) and a lenient variant (`math_reward_lenient`).
 
-The paper's grader (the authors' verl fork, DeepScaleR's reward) scores 1 for a correct final answer and 0 otherwise,
-where the final answer must be a `\\boxed{...}` in the text after the FIRST `</think>` (the whole response when there is
-none): no box, no reward. [`math_reward`] does that; [`math_reward_lenient`] grades the text after the LAST
-`</think>` and, without a box, falls back to math-verify's own extraction ("the final answer is ...", the last
-formula or number).
+The paper's grader (the authors' verl fork, DeepScaleR's reward) scores 1 for a correct final answer and 0
+otherwise, where the final answer must be a `\\boxed{...}` in the text after the FIRST `</think>` (the whole response
+when there is none): no box, no reward. [`math_reward`] does that; [`math_reward_lenient`] grades the text after
+the LAST `</think>` and, without a box, falls back to math-verify's own extraction ("the final answer is ...", the
+last formula or number).
 
 Equivalence is math-verify's (`parse` + `verify`) in both modes, under a wall-clock limit; nothing raises. The
 authors compare with DeepScaleR's `grade_answer_mathd` / `grade_answer_sympy` instead (see `configs/README.md` for
