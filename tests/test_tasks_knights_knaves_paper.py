@@ -193,3 +193,19 @@ def test_generator_uses_the_published_pool_and_templates():
     quizzes = " ".join(row["quiz"] for row in rows)
     assert 'said, "' in quizzes and not re.search(r'(stated|remarked|noted|commented), "[^"]*\."', quizzes)
     assert "that if " not in quizzes
+
+
+def test_cli_kk_source_overrides_the_dataset_name_rule(tmp_path):
+    from trl_lopti.cli import dataset_spec, parse_train_args
+
+    def spec(*extra):
+        args = ["--task", "knights_knaves", "--model_name_or_path", "Qwen/Qwen2.5-3B-Instruct", "--use_cpu", "true",
+                "--output_dir", str(tmp_path), *extra]  # fmt: skip
+        script_args, training_args, _ = parse_train_args(args)
+        return dataset_spec(script_args, training_args)
+
+    assert spec()["source"] == "generated"
+    assert spec("--kk_source", "hub")["path"] == kk.KNIGHTS_KNAVES_HUB_ID
+    assert spec("--dataset_name", "K-and-K/knights-and-knaves")["source"] == "hub"
+    assert spec("--dataset_name", "K-and-K/knights-and-knaves", "--kk_source", "generated")["source"] == "generated"
+    assert spec("--kk_source", "paper")["source"] == "paper"

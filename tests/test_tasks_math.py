@@ -112,6 +112,8 @@ def test_paper_grading_needs_a_box_and_lenient_grading_does_not():
     assert math_reward_lenient(["there is no answer here"], ["2"]) == [0.0]
     with pytest.raises(ValueError, match="mode must be one of"):
         math_task.verify_answer("\\boxed{2}", "2", mode="strict")
+    with pytest.raises(TypeError, match="boxed_only: math_reward always requires"):
+        math_reward(["\\boxed{2}"], ["2"], boxed_only=False)
 
 
 def test_conversational_completions():

@@ -456,9 +456,10 @@ def dataset_spec(script_args: LoptiScriptArguments, training_args=None) -> dict[
         spec["prefill_think"] = script_args.kk_prefill_think
         if script_args.kk_source == "paper":  # the authors' split and prompt text, built by trl_lopti.tasks
             spec.update(source="paper", data_dir=script_args.kk_data_dir, prefill_think=True)
-        elif script_args.dataset_name:
-            local = _local_data(script_args.dataset_name)
-            spec.update(source="local" if local else "hub", path=str(local or script_args.dataset_name),
+        elif script_args.kk_source == "hub" or (script_args.kk_source is None and script_args.dataset_name):
+            name = script_args.dataset_name or "K-and-K/knights-and-knaves"
+            local = _local_data(name)
+            spec.update(source="local" if local else "hub", path=str(local or name),
                         subset=script_args.dataset_train_split)  # fmt: skip
         else:
             spec.update(source="generated", num_samples=script_args.kk_num_samples, seed=script_args.kk_seed)
