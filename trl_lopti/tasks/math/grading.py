@@ -349,8 +349,8 @@ def math_reward(
     """
     if "boxed_only" in kwargs:  # the former switch: a silent no-op here would change the grading unnoticed
         raise TypeError(
-            "boxed_only: math_reward always requires a \\boxed{} answer (the paper's grading); use math_reward_lenient "
-            "for the unboxed fallback"
+            "boxed_only: math_reward always requires a \\boxed{} answer (the paper's grading); use "
+            "math_reward_lenient for the unboxed fallback"
         )
     return _math_rewards(completions, solution, "paper", timeout_seconds)
 
