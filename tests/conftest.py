@@ -16,3 +16,30 @@ def tiny_model_path(tmp_path_factory) -> str:
     from trl_lopti.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+# Rule for every test (it keeps the suite green on any machine): never place a threshold, quantile or median exactly
+# on a value the code under test recomputes. Two forward implementations (or log space vs probability space) round
+# the same token to either side of it on different CPUs. Put thresholds half-way between two values that are far
+# apart, as `threshold_between_values` does.
+
+
+def threshold_between_values(values, min_relative_gap: float = 1e-3) -> float:
+    """
+    A threshold that splits `values` about in half and lies far from every one of them.
+
+    Takes the widest gap between neighbouring sorted values in the middle half and returns its midpoint; fails if that
+    gap is narrower than `min_relative_gap` of the midpoint (then no robust split exists). The default, 1e-3, is
+    about a hundred times the largest difference two float32 forward implementations show on one value.
+    """
+    import torch
+
+    ordered = torch.sort(torch.as_tensor(values, dtype=torch.float64).flatten()).values
+    n = ordered.numel()
+    lower, upper = n // 4, max(n // 4 + 1, (3 * n) // 4)
+    gaps = ordered[lower + 1 : upper + 1] - ordered[lower:upper]
+    widest = int(torch.argmax(gaps))
+    low_value, high_value = float(ordered[lower + widest]), float(ordered[lower + widest + 1])
+    midpoint = (low_value + high_value) / 2
+    assert high_value - low_value >= min_relative_gap * abs(midpoint), "no robust threshold between these values"
+    return midpoint

@@ -1,4 +1,8 @@
-"""Run by tests/test_distributed.py under `ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2` (gloo DDP on CPU)."""
+"""Run by tests/test_distributed.py under `ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2` (gloo DDP on CPU).
+
+Arguments: model path, output folder, result path, and the advantage estimator ("grpo" or "reinforce_plus_plus").
+With REINFORCE++ it also records, per generation batch and rank, the rewards, completion lengths and advantages.
+"""
 
 import json
 import sys
@@ -44,7 +48,34 @@ class RecordAfterEachStep(TrainerCallback):
         })
 
 
-def main(model_path: str, output_dir: str, result_path: str) -> None:
+class RecordAdvantages:
+    """Wraps the trainer's generation to keep each generation batch's local rewards, lengths and advantages."""
+
+    def __init__(self):
+        self.rewards, self.batches = [], []
+
+    def attach(self, trainer):
+        generate = trainer._generate_and_score_completions
+
+        def recorded(inputs):
+            self.rewards.clear()
+            output = generate(inputs)
+            self.batches.append({
+                "rewards": list(self.rewards),
+                "lengths": output["completion_mask"].sum(dim=1).tolist(),
+                "advantages": output["advantages"].tolist(),
+            })
+            return output
+
+        trainer._generate_and_score_completions = recorded
+
+    def reward(self, completions, **kwargs):
+        rewards = length_reward(completions)
+        self.rewards.extend(rewards)
+        return rewards
+
+
+def main(model_path: str, output_dir: str, result_path: str, advantage_estimator: str = "grpo") -> None:
     config = LoptiGRPOConfig(
         output_dir=output_dir,
         per_device_train_batch_size=2,
@@ -59,17 +90,26 @@ def main(model_path: str, output_dir: str, result_path: str) -> None:
         use_cpu=True,
         advantage_reweighting_alpha=0.3,
         lopti_threshold=0.003,
+        advantage_estimator=advantage_estimator,
         seed=3,
     )
     dataset = Dataset.from_dict({"prompt": [f"Say something about {i}." for i in range(16)]})
     recorder = RecordAfterEachStep()
+    advantages = RecordAdvantages() if advantage_estimator == "reinforce_plus_plus" else None
+    reward = advantages.reward if advantages is not None else length_reward
     trainer = LoptiGRPOTrainer(
-        model=model_path, reward_funcs=length_reward, args=config, train_dataset=dataset, callbacks=[recorder]
+        model=model_path, reward_funcs=reward, args=config, train_dataset=dataset, callbacks=[recorder]
     )
     recorder.trainer = trainer
+    if advantages is not None:
+        advantages.attach(trainer)
     initial = parameter_fingerprint(trainer.model)
     trainer.train()
     final = gathered(parameter_fingerprint(trainer.model))
+    per_rank_batches = None
+    if advantages is not None:
+        per_rank_batches = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank_batches, advantages.batches)
     if trainer.accelerator.is_main_process:
         result = {
             "world_size": dist.get_world_size(),
@@ -81,10 +121,11 @@ def main(model_path: str, output_dir: str, result_path: str) -> None:
                                 if "lopti/loss_low_pass" in e],
             "high_pass_losses": [e["lopti/loss_high_pass"] for e in trainer.state.log_history
                                  if "lopti/loss_high_pass" in e],
+            "per_rank_batches": per_rank_batches,
         }
         with open(result_path, "w") as handle:
             json.dump(result, handle)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:])

@@ -41,16 +41,27 @@ def reference_grpo_loss(
     gradient_accumulation_steps: int = 1,
     steps_per_generation: int = 1,
     importance_sampling_ratio: torch.Tensor | None = None,
+    importance_sampling_level: str = "token",
+    grad_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """
-    The GRPO-family loss of one micro-batch, as TRL 1.16 defines it (token-level importance sampling,
+    The GRPO-family loss of one micro-batch, as TRL 1.16 defines it (token- or sequence-level importance sampling,
     bias-corrected k3 KL), with per-token advantages.
 
     `kl_mask` multiplies the KL term per token (1 keeps it). `entropy_grad_mask` lets the entropy bonus gradient
     flow only through the selected tokens (its value and normaliser stay those of all completion tokens).
+    `grad_mask` lets gradient flow only through the selected tokens' log-probabilities and entropies (every value
+    unchanged): Lopti's isolation in its general form.
     """
     mask = mask.float()
-    ratio = torch.exp(logps - old_logps)
+    if grad_mask is not None:
+        logps = torch.where(grad_mask.bool(), logps, logps.detach())
+        entropies = torch.where(grad_mask.bool(), entropies, entropies.detach())
+    if importance_sampling_level == "sequence":
+        log_ratio = ((logps - old_logps) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    else:
+        log_ratio = logps - old_logps
+    ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     per_token_loss = -torch.minimum(ratio * token_advantages, clipped_ratio * token_advantages)
     if importance_sampling_ratio is not None:
@@ -68,6 +79,8 @@ def reference_grpo_loss(
     elif loss_type == "dr_grpo":
         loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
         loss = loss / gradient_accumulation_steps
+    elif loss_type == "luspo":
+        loss = (per_token_loss * mask).sum(-1).mean() / gradient_accumulation_steps
     elif loss_type == "dapo":
         normalizer = max(float(num_items_in_batch), 1.0) * gradient_accumulation_steps / steps_per_generation
         loss = (per_token_loss * mask).sum() / normalizer

@@ -1,4 +1,5 @@
-"""Lopti under 2-process DDP on CPU (gloo): every pass is an ordinary, synchronised optimizer step."""
+"""Lopti under 2-process DDP on CPU (gloo): every pass is an ordinary, synchronised optimizer step, and DDP trains
+the same model as one process on the same completions."""
 
 import json
 import os
@@ -16,17 +17,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_process_ddp_keeps_ranks_identical_after_each_pass(tiny_model_path, tmp_path):
-    result_path = tmp_path / "result.json"
-    script = Path(__file__).with_name("ddp_lopti_script.py")
+def torchrun(script_name: str, num_processes: int, *arguments: str) -> None:
+    script = Path(__file__).with_name(script_name)
     environment = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), str(script), tiny_model_path, str(tmp_path / "out"), str(result_path),
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes), "--master_addr",
+        "127.0.0.1", "--master_port", str(free_port()), str(script), *arguments,
     ]
     completed = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("advantage_estimator", ["grpo", "reinforce_plus_plus"])
+def test_two_process_ddp_keeps_ranks_identical_after_each_pass(tiny_model_path, tmp_path, advantage_estimator):
+    result_path = tmp_path / "result.json"
+    torchrun("ddp_lopti_script.py", 2, tiny_model_path, str(tmp_path / "out"), str(result_path), advantage_estimator)
     result = json.loads(result_path.read_text())
     assert result["world_size"] == 2 and "MULTI_CPU" in result["distributed_type"]
     assert [record["step"] for record in result["steps"]] == [1, 2, 3, 4]
@@ -36,3 +42,44 @@ def test_two_process_ddp_keeps_ranks_identical_after_each_pass(tiny_model_path, 
     assert all(record["ranks_equal"] for record in result["steps"])
     assert result["final_ranks_equal"] and result["model_changed"]
     assert len(result["low_pass_losses"]) == 2 and len(result["high_pass_losses"]) == 2
+    if advantage_estimator == "reinforce_plus_plus":
+        assert_reinforce_plus_plus_whitens_over_both_processes(result["per_rank_batches"])
+
+
+def assert_reinforce_plus_plus_whitens_over_both_processes(per_rank_batches):
+    """Each rank's advantages are its slice of the whitening over the tokens of both ranks (not of its own)."""
+    import numpy as np
+
+    assert len(per_rank_batches) == 2 and len(per_rank_batches[0]) == len(per_rank_batches[1]) == 2
+    for rank0, rank1 in zip(*per_rank_batches):
+        rewards = np.array(rank0["rewards"] + rank1["rewards"])
+        lengths = np.array(rank0["lengths"] + rank1["lengths"])
+        token_returns = np.repeat(rewards, lengths)
+        assert token_returns.std() > 0, "degenerate batch: all rewards equal"
+        expected = (rewards - token_returns.mean()) / np.sqrt(token_returns.var(ddof=1) + 1e-8)
+        np.testing.assert_allclose(rank0["advantages"] + rank1["advantages"], expected, rtol=1e-5, atol=1e-6)
+        local_returns = np.repeat(rank0["rewards"], rank0["lengths"])
+        local = (np.array(rank0["rewards"]) - local_returns.mean()) / np.sqrt(local_returns.var(ddof=1) + 1e-8)
+        assert not np.allclose(rank0["advantages"], local, atol=1e-4), "whitened over one process only"
+
+
+@pytest.mark.slow
+def test_two_process_ddp_equals_one_process_with_twice_the_batch(tiny_model_path, tmp_path):
+    """A Lopti cycle (sequence-level ratio, KL, AR) on a fixed generation batch split over 2 gloo processes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    results = {}
+    for num_processes in (1, 2):
+        path = tmp_path / f"parameters_{num_processes}.pt"
+        torchrun("ddp_equivalence_script.py", num_processes, tiny_model_path, str(tmp_path / f"out{num_processes}"),
+                 str(path))
+        results[num_processes] = torch.load(path)
+    assert [results[n]["world_size"] for n in (1, 2)] == [1, 2]
+    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_path).named_parameters())
+    single, distributed = results[1]["parameters"], results[2]["parameters"]
+    moved = 0.0
+    for name, expected in single.items():
+        torch.testing.assert_close(distributed[name], expected, atol=2e-6, rtol=1e-4, msg=name)
+        moved += float((expected - initial[name].detach()).abs().sum())
+    assert moved > 1e-3, "the cycle must move the parameters"

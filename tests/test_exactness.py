@@ -1,4 +1,9 @@
-"""Exactness of AR and Lopti at equal parameters, against an independent GRPO loss (tests/reference_grpo.py)."""
+"""Exactness of AR and Lopti at equal parameters, against an independent GRPO loss (tests/reference_grpo.py).
+
+Lopti's isolation in its general form: in a pass, the gradient w.r.t. every inactive token's log-probability and
+entropy is exactly zero, the active tokens' gradients are those of plain GRPO, and low + high == plain, for every loss
+type and both importance-sampling levels.
+"""
 
 import math
 
@@ -6,7 +11,9 @@ import pytest
 import torch
 from datasets import Dataset
 
+from conftest import threshold_between_values
 from reference_grpo import completion_logps_and_entropies, reference_grpo_loss
+from trl import GRPOTrainer
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
 
@@ -75,9 +82,8 @@ def make_batch(trainer, seed: int, old_logps_noise: float = 0.3) -> dict:
 
 
 def median_eta(inputs: dict) -> float:
-    """A threshold that puts about half the completion tokens in each group (a random tiny model is uncertain)."""
-    old_probs = inputs["old_per_token_logps"].exp()[inputs["completion_mask"].bool()]
-    return float(old_probs.median())
+    """A threshold that puts about half the completion tokens in each group, far from every token's pi_old."""
+    return threshold_between_values(inputs["old_per_token_logps"].exp()[inputs["completion_mask"].bool()])
 
 
 def configure(trainer, loss_type: str, beta: float, alpha: float, eta: float | None = 0.5, entropy_coef: float = 0.0):
@@ -89,10 +95,15 @@ def configure(trainer, loss_type: str, beta: float, alpha: float, eta: float | N
     trainer.lopti_threshold = eta
 
 
+def set_pass(trainer, token_group: str | None):
+    """Makes the next compute_loss a first-cycle micro-step of the given pass (None: no Lopti, every token)."""
+    trainer._step = 0
+    trainer.lopti_token_group = lambda: token_group
+
+
 def trainer_loss_and_gradients(trainer, inputs: dict, token_group: str | None):
     trainer.model.zero_grad(set_to_none=True)
-    trainer._lopti_token_group = token_group
-    trainer._lopti_skip_pass = False
+    set_pass(trainer, token_group)
     loss = trainer.compute_loss(trainer.model, dict(inputs))
     loss.backward()
     gradients = {name: p.grad.detach().clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
@@ -250,10 +261,132 @@ def test_degenerate_micro_batches_give_finite_zero_gradients(trainer):
         trainer.loss_type = loss_type
         for token_group in ["low", "high", None]:
             trainer.model.zero_grad(set_to_none=True)
-            trainer._lopti_token_group, trainer._lopti_skip_pass = token_group, False
+            set_pass(trainer, token_group)
             loss = trainer.compute_loss(trainer.model, dict(inputs))
             loss.backward()
             assert torch.isfinite(loss)
             for parameter in trainer.model.parameters():
                 assert parameter.grad is None or torch.isfinite(parameter.grad).all()
     trainer.model.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------------------------------------- general isolation
+TRL_OPTIONS = {
+    "plain": {},
+    "top_entropy_quantile": {"top_entropy_quantile": 0.5},
+    "delta": {"delta": 1.05},
+    "off_policy_mask": {"off_policy_mask_threshold": 0.05},
+    "vllm_is_correction": {"vllm": True},
+}
+
+
+def apply_options(trainer, inputs: dict, options: dict):
+    """Sets TRL options on the trainer (and the vLLM fields on the batch); returns a function that undoes it."""
+    saved = (trainer.top_entropy_quantile, trainer.args.delta, trainer.off_policy_mask_threshold, trainer.use_vllm,
+             trainer.vllm_importance_sampling_correction)
+    trainer.top_entropy_quantile = options.get("top_entropy_quantile", 1.0)
+    trainer.args.delta = options.get("delta")
+    trainer.off_policy_mask_threshold = options.get("off_policy_mask_threshold")
+    if options.get("vllm"):
+        generator = torch.Generator().manual_seed(4)
+        inputs["sampling_per_token_logps"] = inputs["old_per_token_logps"] + 0.2 * torch.randn(
+            inputs["old_per_token_logps"].shape, generator=generator)
+        inputs["importance_sampling_ratio"] = 0.5 + torch.rand(inputs["completion_mask"].shape, generator=generator)
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+
+    def restore():
+        (trainer.top_entropy_quantile, trainer.args.delta, trainer.off_policy_mask_threshold, trainer.use_vllm,
+         trainer.vllm_importance_sampling_correction) = saved
+
+    return restore
+
+
+class PolicyOutputs:
+    """Keeps the log-probabilities and entropies TRL's policy forward returns, with their gradients."""
+
+    def __init__(self, monkeypatch):
+        self.logps = self.entropies = None
+        original = GRPOTrainer._get_per_token_logps_and_entropies
+
+        def capture(trainer_self, *args, **kwargs):
+            logps, entropies, aux_loss = original(trainer_self, *args, **kwargs)
+            if logps.requires_grad:
+                logps.retain_grad()
+                entropies.retain_grad()
+                self.logps, self.entropies = logps, entropies
+            return logps, entropies, aux_loss
+
+        monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", capture)
+
+    def gradients(self, trainer, inputs: dict, token_group: str | None):
+        loss, _ = trainer_loss_and_gradients(trainer, inputs, token_group)
+        return loss, self.logps.grad.clone(), self.entropies.grad.clone()
+
+
+def lopti_groups(inputs: dict, eta: float):
+    mask = inputs["completion_mask"].bool()
+    low = (inputs["old_per_token_logps"].exp() < eta) & mask
+    return {"low": low, "high": mask & ~low}
+
+
+@pytest.mark.parametrize("loss_type", ALL_LOSS_TYPES)
+@pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
+@pytest.mark.parametrize("option", list(TRL_OPTIONS))
+def test_inactive_tokens_get_exactly_zero_gradient_and_active_ones_plain_grpos(
+    trainer, monkeypatch, loss_type, importance_sampling_level, option
+):
+    if loss_type == "vespo" and importance_sampling_level == "sequence":
+        pytest.skip("VESPO is sequence-level by construction")
+    outputs = PolicyOutputs(monkeypatch)
+    inputs = make_batch(trainer, seed=7)
+    eta = median_eta(inputs)
+    configure(trainer, loss_type, beta=0.1, alpha=0.3, eta=eta, entropy_coef=0.05)
+    trainer.importance_sampling_level = importance_sampling_level
+    restore = apply_options(trainer, inputs, TRL_OPTIONS[option])
+    try:
+        plain_loss, plain_logp_grad, plain_entropy_grad = outputs.gradients(trainer, inputs, None)
+        groups = lopti_groups(inputs, eta)
+        summed = torch.zeros_like(plain_logp_grad)
+        for token_group, active in groups.items():
+            loss, logp_grad, entropy_grad = outputs.gradients(trainer, inputs, token_group)
+            inactive = ~active
+            assert torch.count_nonzero(logp_grad[inactive]) == 0, f"{token_group} pass leaks to inactive tokens"
+            assert torch.count_nonzero(entropy_grad[inactive]) == 0
+            torch.testing.assert_close(logp_grad[active], plain_logp_grad[active], atol=1e-7, rtol=1e-5)
+            torch.testing.assert_close(entropy_grad[active], plain_entropy_grad[active], atol=1e-7, rtol=1e-5)
+            torch.testing.assert_close(loss, plain_loss)  # every value in the loss is plain GRPO's
+            summed += logp_grad
+        torch.testing.assert_close(summed, plain_logp_grad, atol=1e-7, rtol=1e-5)
+        assert plain_logp_grad[groups["low"]].abs().sum() > 0 and plain_logp_grad[groups["high"]].abs().sum() > 0
+    finally:
+        restore()
+        trainer.importance_sampling_level = "token"
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo", "luspo"])
+@pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
+@pytest.mark.parametrize("token_group", ["low", "high"])
+def test_lopti_pass_matches_the_independent_general_form(trainer, loss_type, importance_sampling_level, token_group):
+    """Parameter gradients of each pass against the reference loss with gradient only through active tokens."""
+    inputs = make_batch(trainer, seed=13)
+    eta = median_eta(inputs)
+    configure(trainer, loss_type, beta=0.1, alpha=0.3, eta=eta, entropy_coef=0.05)
+    trainer.importance_sampling_level = importance_sampling_level
+    try:
+        _, gradients = trainer_loss_and_gradients(trainer, inputs, token_group)
+    finally:
+        trainer.importance_sampling_level = "token"
+    trainer.model.zero_grad(set_to_none=True)
+    logps, entropies = completion_logps_and_entropies(trainer.model, inputs, TEMPERATURE)
+    old_logps = inputs["old_per_token_logps"]
+    reference = reference_grpo_loss(
+        logps, entropies, old_logps, inputs["advantages"][:, None] * (0.3 * old_logps.exp() + 0.7),
+        inputs["completion_mask"], loss_type=loss_type, epsilon_low=EPSILON_LOW, epsilon_high=EPSILON_HIGH,
+        beta=0.1, ref_logps=inputs["ref_per_token_logps"], entropy_coef=0.05,
+        num_items_in_batch=inputs["num_items_in_batch"], max_completion_length=MAX_COMPLETION_LENGTH,
+        importance_sampling_level=importance_sampling_level, grad_mask=lopti_groups(inputs, eta)[token_group],
+    )
+    reference.backward()
+    expected = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.model.zero_grad(set_to_none=True)
+    assert_gradients_close(gradients, expected)

@@ -7,6 +7,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
+from conftest import threshold_between_values
 from reference_grpo import completion_logps_and_entropies, reference_grpo_loss
 from trl import GRPOTrainer
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
@@ -41,12 +42,13 @@ def fixed_generation_batch(model_path: str, num_rows: int, seed: int, beta: floa
         logps, _ = completion_logps_and_entropies(model, batch, TEMPERATURE)
         if beta != 0.0:
             batch["ref_per_token_logps"] = logps  # the reference model is the initial model
-    eta = float(logps[completion_mask.bool()].median())  # random tiny model: pick eta that splits the batch
+    # random tiny model: an eta (in log space) that splits the batch, far from every token's log-probability
+    eta = threshold_between_values(logps[completion_mask.bool()])
     return batch, eta
 
 
 def run_one_cycle(model_path, output_dir, gradient_accumulation_steps, steps_per_generation, num_iterations, beta,
-                  lopti_order="low_first"):
+                  lopti_order="low_first", importance_sampling_level="token", loss_type="dapo"):
     per_device_train_batch_size = 2
     num_rows = per_device_train_batch_size * steps_per_generation
     batch, eta = fixed_generation_batch(model_path, num_rows, seed=0, beta=beta)
@@ -63,6 +65,8 @@ def run_one_cycle(model_path, output_dir, gradient_accumulation_steps, steps_per
         advantage_reweighting_alpha=0.3,
         lopti_threshold=float(torch.tensor(eta).exp()),
         lopti_order=lopti_order,
+        importance_sampling_level=importance_sampling_level,
+        loss_type=loss_type,
         optim="sgd",
         learning_rate=LEARNING_RATE,
         lr_scheduler_type="constant",
@@ -98,7 +102,13 @@ def run_one_cycle(model_path, output_dir, gradient_accumulation_steps, steps_per
 
 
 def hand_run_cycle(initial_model, slices, config, eta_log, beta, pass_order):
-    """Two sequential SGD updates (low tokens, then high tokens from the new parameters), ratio against pi_old."""
+    """
+    Two sequential SGD updates (low tokens, then high tokens from the new parameters), ratio against pi_old.
+
+    In each pass every value of the loss is plain GRPO's and gradient flows only through the active tokens'
+    log-probabilities (the general form; for token-level losses the same gradient as zeroing the inactive tokens'
+    advantages and KL).
+    """
     model = copy.deepcopy(initial_model)
     model.train()
     with torch.no_grad():
@@ -112,14 +122,16 @@ def hand_run_cycle(initial_model, slices, config, eta_log, beta, pass_order):
             mask = micro_batch["completion_mask"].float()
             low = (pi_old_logps < eta_log).float() * mask
             active = low if token_group == "low" else mask - low
-            advantages = micro_batch["advantages"][:, None] * (0.3 * pi_old_logps.exp() + 0.7) * active
+            advantages = micro_batch["advantages"][:, None] * (0.3 * pi_old_logps.exp() + 0.7)
             logps, entropies = completion_logps_and_entropies(model, micro_batch, TEMPERATURE)
             loss = reference_grpo_loss(
                 logps, entropies, pi_old_logps, advantages, mask,
-                loss_type="dapo", epsilon_low=config.epsilon, epsilon_high=config.epsilon_high or config.epsilon, beta=beta,
-                ref_logps=micro_batch.get("ref_per_token_logps"), kl_mask=active, num_items_in_batch=num_items,
+                loss_type=config.loss_type, epsilon_low=config.epsilon,
+                epsilon_high=config.epsilon_high or config.epsilon, beta=beta,
+                ref_logps=micro_batch.get("ref_per_token_logps"), num_items_in_batch=num_items,
                 gradient_accumulation_steps=config.gradient_accumulation_steps,
                 steps_per_generation=config.steps_per_generation,
+                importance_sampling_level=config.importance_sampling_level, grad_mask=active,
             )
             loss.backward()
             if (micro_step + 1) % config.gradient_accumulation_steps == 0:
@@ -132,19 +144,24 @@ def hand_run_cycle(initial_model, slices, config, eta_log, beta, pass_order):
 
 
 @pytest.mark.parametrize(
-    "gradient_accumulation_steps, steps_per_generation, num_iterations, beta, lopti_order",
+    "gradient_accumulation_steps, steps_per_generation, num_iterations, beta, lopti_order, is_level, loss_type",
     [
-        (2, 2, 1, 0.0, "low_first"),  # on-policy: pi_old captured from the first pass's forward
-        (1, 2, 1, 0.1, "low_first"),  # steps_per_generation > gradient_accumulation_steps: TRL computes pi_old
-        (1, 1, 2, 0.1, "low_first"),  # num_iterations = 2, with the KL term over a second update
-        (2, 2, 1, 0.1, "high_first"),  # the paper's ablation order
+        (2, 2, 1, 0.0, "low_first", "token", "dapo"),  # on-policy: pi_old captured from the first pass's forward
+        (1, 2, 1, 0.1, "low_first", "token", "dapo"),  # steps_per_generation > accumulation: TRL computes pi_old
+        (1, 1, 2, 0.1, "low_first", "token", "dapo"),  # num_iterations = 2, with the KL term over a second update
+        (2, 2, 1, 0.1, "high_first", "token", "dapo"),  # the paper's ablation order
+        (2, 2, 1, 0.1, "low_first", "sequence", "dapo"),  # GSPO-style sequence ratio, on-policy
+        (1, 2, 1, 0.1, "low_first", "sequence", "luspo"),  # LUSPO, off-policy pi_old
+        (1, 1, 2, 0.1, "low_first", "sequence", "grpo"),  # sequence ratio over two iterations, with KL
     ],
 )
 def test_one_lopti_cycle_equals_hand_run_two_step_update(
-    tiny_model_path, tmp_path, gradient_accumulation_steps, steps_per_generation, num_iterations, beta, lopti_order
+    tiny_model_path, tmp_path, gradient_accumulation_steps, steps_per_generation, num_iterations, beta, lopti_order,
+    is_level, loss_type,
 ):
     trainer, initial_model, generation_calls, eta_log = run_one_cycle(
-        tiny_model_path, tmp_path, gradient_accumulation_steps, steps_per_generation, num_iterations, beta, lopti_order
+        tiny_model_path, tmp_path, gradient_accumulation_steps, steps_per_generation, num_iterations, beta, lopti_order,
+        is_level, loss_type,
     )
     assert len(generation_calls) == 1, "one generation per Lopti cycle"
     pass_order = ("low", "high") if lopti_order == "low_first" else ("high", "low")

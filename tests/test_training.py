@@ -106,9 +106,10 @@ def test_both_methods_disabled_is_grpo_trainer(tiny_model_path, tmp_path):
 
 def test_a_plain_grpo_config_gets_the_paper_defaults(tiny_model_path, tmp_path):
     config = small_config(tmp_path, GRPOConfig, learning_rate=3e-3, max_steps=2)
-    trainer = LoptiGRPOTrainer(
-        model=tiny_model_path, reward_funcs=length_reward, args=config, train_dataset=conversational_dataset()
-    )
+    with pytest.warns(UserWarning, match="plain GRPOConfig"):
+        trainer = LoptiGRPOTrainer(
+            model=tiny_model_path, reward_funcs=length_reward, args=config, train_dataset=conversational_dataset()
+        )
     assert isinstance(trainer.args, LoptiGRPOConfig)
     assert (trainer.args.advantage_reweighting_alpha, trainer.args.lopti_threshold) == (0.3, 0.5)
     assert trainer.args.learning_rate == 3e-3 and trainer.args.steps_per_generation == 2
@@ -177,3 +178,86 @@ def test_resume_from_a_checkpoint_between_the_two_passes(tiny_model_path, tmp_pa
     assert "num_tokens" in steps[0], "a fresh generation at the first resumed step"
     assert_no_nan_in_logs(resumed)
     assert get_last_checkpoint(str(tmp_path)) is not None
+
+
+def test_completions_are_logged_once_per_generation_batch(tiny_model_path, tmp_path):
+    import pandas as pd
+
+    config = small_config(tmp_path, lopti_threshold=SPLITTING_ETA, log_completions=True, max_steps=4)
+    trainer, _ = train(tiny_model_path, config)
+    tables = sorted((tmp_path / "completions").glob("completions_*.parquet"))
+    # 4 optimizer steps = 2 generation batches (low pass, high pass each): one table per generation batch
+    assert [path.name for path in tables] == ["completions_00001.parquet", "completions_00003.parquet"]
+    first, second = (pd.read_parquet(path) for path in tables)
+    assert len(first) == len(second) == 8  # per_device_train_batch_size 4 x steps_per_generation 2
+    assert first["completion"].astype(str).tolist() != second["completion"].astype(str).tolist()
+
+
+def test_low_token_share_is_logged_once_per_generation_batch_over_the_whole_batch(tiny_model_path, tmp_path):
+    from trl_lopti.trainer import CAPTURED_OLD_LOGPS_KEY
+
+    config = small_config(tmp_path, lopti_threshold=SPLITTING_ETA, max_steps=4)
+    trainer, _ = train(tiny_model_path, config)
+    rows = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert ["lopti/low_token_share" in row for row in rows] == [True, False, True, False]
+    assert ["lopti/ar_weight_mean" in row for row in rows] == [True, False, True, False]
+    # the last value is the share over every micro-batch of the last generation batch
+    micro_batches = trainer._buffered_inputs
+    low = sum(int(((b[CAPTURED_OLD_LOGPS_KEY].exp() < SPLITTING_ETA) * b["completion_mask"]).sum()) for b in micro_batches)
+    total = sum(int(b["completion_mask"].sum()) for b in micro_batches)
+    assert rows[2]["lopti/low_token_share"] == pytest.approx(low / total, abs=1e-6)
+    weights = sum(float(((0.3 * b[CAPTURED_OLD_LOGPS_KEY].exp() + 0.7) * b["completion_mask"]).sum())
+                  for b in micro_batches)
+    assert rows[2]["lopti/ar_weight_mean"] == pytest.approx(weights / total, rel=1e-5)
+
+
+def test_model_card_credits_the_method_and_its_settings(tiny_model_path, tmp_path):
+    config = small_config(tmp_path, advantage_reweighting_alpha=0.3, lopti_threshold=0.4, max_steps=1)
+    trainer = LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=length_reward, args=config,
+                               train_dataset=conversational_dataset())
+    trainer.create_model_card(model_name="kk-lopti")
+    card = (tmp_path / "README.md").read_text()
+    assert ("This model was trained with GRPO with Advantage Reweighting (alpha=0.3) and Low-Probability Token "
+            "Isolation (Lopti, eta=0.4, low tokens first), a method introduced in [Do Not Let Low-Probability "
+            "Tokens Over-Dominate in RL for LLMs](https://huggingface.co/papers/2505.12929)") in card
+    assert "eprint       = {arXiv:2505.12929}" in card  # the method's BibTeX
+    assert "eprint       = {arXiv:2402.03300}" in card  # and GRPO's, the base it builds on
+    assert "method introduced in [DeepSeekMath" not in card
+
+
+def test_reinforce_plus_plus_trains_on_batch_whitened_advantages(tiny_model_path, tmp_path):
+    """REINFORCE++ with AR and Lopti: the trained advantages are the token-whitened rewards (no group baseline)."""
+    import numpy as np
+
+    records, rewards = [], []
+
+    def reward(completions, **kwargs):
+        values = length_reward(completions)
+        rewards.extend(values)
+        return values
+
+    config = small_config(tmp_path, advantage_estimator="reinforce_plus_plus", advantage_reweighting_alpha=0.1,
+                          lopti_threshold=SPLITTING_ETA, beta=0.05)
+    trainer = LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=reward, args=config,
+                               train_dataset=conversational_dataset())
+    generate = trainer._generate_and_score_completions
+
+    def recorded(inputs):
+        rewards.clear()
+        output = generate(inputs)
+        records.append((list(rewards), output["completion_mask"].sum(1).numpy(), output["advantages"].numpy()))
+        return output
+
+    trainer._generate_and_score_completions = recorded
+    initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert changed_parameters(trainer, initial) == set(initial)
+    assert_no_nan_in_logs(trainer)
+    assert len(records) == 2
+    for batch_rewards, lengths, advantages in records:
+        token_returns = np.repeat(batch_rewards, lengths)
+        assert token_returns.std() > 0
+        expected = (np.array(batch_rewards) - token_returns.mean()) / np.sqrt(token_returns.var(ddof=1) + 1e-8)
+        np.testing.assert_allclose(advantages, expected, rtol=1e-5, atol=1e-6)
+    # the completions table shows the advantages trained on
+    np.testing.assert_allclose(list(trainer._logs["advantages"]), records[-1][2], rtol=1e-6)

@@ -70,3 +70,25 @@ def test_incompatible_trl_version_fails_with_a_clear_message(monkeypatch):
         compat.check_trl_version()
     monkeypatch.setattr(compat, "version", lambda name: importlib.metadata.version(name))
     assert compat.check_trl_version() == importlib.metadata.version("trl")
+
+
+def test_rewards_are_gathered_over_processes_and_scored_once_per_generation():
+    calculate = inspect.getsource(GRPOTrainer._calculate_rewards)
+    assert "rewards_per_func = gather(rewards_per_func)" in calculate and "return rewards_per_func" in calculate
+    generate = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert generate.count("self._calculate_rewards(") == 1
+    assert "self.accelerator.process_index * len(prompts)" in generate, "process slices in process order"
+    assert 'self._logs["advantages"].extend(all_process_advantages.tolist())' in generate
+
+
+def test_log_writes_the_completions_table_whenever_log_completions_is_set():
+    log = inspect.getsource(GRPOTrainer.log)
+    assert "if self.accelerator.is_main_process and self.log_completions:" in log
+    assert 'f"completions_{self.state.global_step:05d}.parquet"' in log
+
+
+def test_model_card_reads_the_trainer_name_and_paper():
+    card = inspect.getsource(GRPOTrainer.create_model_card)
+    for read in ("trainer_name=self._name", 'trainer_citation=self._paper.get("citation")',
+                 'paper_title=self._paper.get("title")', 'paper_id=self._paper.get("id")'):
+        assert read in card, read

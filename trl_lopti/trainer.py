@@ -362,7 +362,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------ helpers
     def _pass_has_no_active_token(self, token_group: str) -> bool:
         """Whether the current pass has no active token on any process (False where not known before it runs)."""
-        if self.is_deepspeed_enabled:
+        if self.is_deepspeed_enabled or not self._buffered_inputs:
             return False
         active_tokens = 0
         for micro_batch in self._buffered_inputs:
