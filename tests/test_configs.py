@@ -1,9 +1,11 @@
-"""Every preset under configs/ parses through the `trl-lopti train` parser (dry run) and keeps the paper's settings."""
+"""Every preset under configs/ parses through the `trl-lopti train` parser (dry run) and reproduces the authors'
+scripts (`scripts/train_kklogic_*_4x80GB.sh` of zhyang2226/AR-Lopti, a verl fork) in TRL's terms."""
 
 import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from trl_lopti.cli import parse_train_args, resolved_config
@@ -12,21 +14,30 @@ from trl_lopti.cli import parse_train_args, resolved_config
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TRAINING_PRESETS = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name != "accelerate")
 ACCELERATE_CONFIGS = sorted((CONFIGS / "accelerate").glob("*.yaml"))
+NUM_PROCESSES = 4  # trainer.n_gpus_per_node=4 in the authors' scripts; every preset says it assumes 4
 
-# Method suffix of a preset file name -> (advantage_reweighting_alpha, lopti_threshold); AR alone is 0.2 on K&K and
-# 0.1 on math in the paper.
-METHODS = {"grpo": (0.0, None), "lopti": (0.0, 0.5), "ar_lopti": (0.3, 0.5)}
-AR_ALPHA = {"kk": 0.2, "math": 0.1}
-# Which accelerate config a preset is launched with (its header says so), to check the global batch.
-LAUNCH_CONFIG = {"kk": "multi_gpu.yaml", "math": "multi_gpu.yaml", "vllm": "vllm_server.yaml"}
+# The authors' K&K script (identical in the four files but for alpha / eta / SEPERATE_UPDT), in verl's names.
+SCRIPT = {
+    "TRAIN_BS": 64, "ROLLOUT_N": 8, "UPDATE_BS": 256, "MICRO_BS": 32, "LR": 1e-6, "EPOCH": 5, "ROLLOUT_TEMP": 0.7,
+    "CLIP_LOW": 0.2, "CLIP_HIGH": 0.24, "clip_ratio_c": 10.0, "KL_COEF": 0.001, "max_response_length": 4096,
+    "weight_decay": 0.01, "grad_clip": 1.0, "test_freq": 20, "save_freq": 20,
+}  # fmt: skip
+# (advantage_estimator, alpha, eta) by the method suffix of a file name: the scripts' REWEIGHT_K / SEPERATE_PROB on
+# K&K; the paper's text for math (alpha 0.1, eta 0.5) and for REINFORCE++ (alpha 0.1, eta 0.5).
+KK_METHODS = {
+    "grpo": ("grpo", 0.0, None), "ar": ("grpo", 0.2, None), "lopti": ("grpo", 0.0, 0.4), "ar_lopti": ("grpo", 0.3, 0.5),
+    "reinforce_pp": ("reinforce_plus_plus", 0.0, None), "reinforce_pp_ar": ("reinforce_plus_plus", 0.1, None),
+    "reinforce_pp_lopti": ("reinforce_plus_plus", 0.0, 0.5), "reinforce_pp_ar_lopti": ("reinforce_plus_plus", 0.1, 0.5),
+}  # fmt: skip
+MATH_METHODS = {"grpo": ("grpo", 0.0, None), "ar": ("grpo", 0.1, None), "lopti": ("grpo", 0.0, 0.5)}
+SCRIPT_OF = {"grpo": "baseline", "ar": "AR", "lopti": "Lopti", "ar_lopti": "AR-Lopti"}
 
 
-def method_of(path: Path) -> str:
+def method_of(path: Path, methods: dict) -> str:
     stem = path.stem.removesuffix("_server")
-    for suffix in ("ar_lopti", "lopti", "grpo", "ar"):
-        if stem.endswith("_" + suffix):
-            return suffix
-    raise AssertionError(f"{path.name}: name must end with _grpo, _ar, _lopti or _ar_lopti")
+    matches = [method for method in methods if stem.endswith("_" + method)]
+    assert matches, f"{path.name}: name must end with one of {sorted(methods)}"
+    return max(matches, key=len)
 
 
 def test_the_presets_of_the_issue_exist():
@@ -34,19 +45,23 @@ def test_the_presets_of_the_issue_exist():
     for model in ("qwen2.5-3b-instruct", "qwen2.5-7b-instruct-1m"):
         for method in ("grpo", "ar", "lopti", "ar_lopti"):
             assert f"kk/{model}_{method}.yaml" in names
-    assert {"math/qwen2.5-7b_deepscaler_ar.yaml", "math/qwen2.5-7b_deepscaler_lopti.yaml"} <= names
+    for method in ("reinforce_pp", "reinforce_pp_ar", "reinforce_pp_lopti", "reinforce_pp_ar_lopti"):
+        assert f"kk/qwen2.5-3b-instruct_{method}.yaml" in names
+    assert {f"math/qwen2.5-7b_dsr_uniform_{method}.yaml" for method in MATH_METHODS} <= names
     assert any(p.parent.name == "vllm" for p in TRAINING_PRESETS)
-    assert {p.name for p in ACCELERATE_CONFIGS} >= {"multi_gpu.yaml", "zero2.yaml", "zero3.yaml", "fsdp2.yaml", "vllm_server.yaml"}
+    launchers = {"multi_gpu.yaml", "zero2.yaml", "zero3.yaml", "fsdp2.yaml", "vllm_server.yaml"}
+    assert {p.name for p in ACCELERATE_CONFIGS} >= launchers
 
 
 @pytest.mark.parametrize("path", TRAINING_PRESETS, ids=lambda p: str(p.relative_to(CONFIGS)))
-def test_preset_parses_with_the_paper_hyperparameters(path, capsys):
+def test_preset_reproduces_the_authors_script(path, capsys):
     script_args, training_args, model_args = parse_train_args(["--config", str(path), "--dry_run"])
     resolved = resolved_config(script_args, training_args, model_args)  # validates model, dataset spec and rewards
     group = path.parent.name
+    text = path.read_text()
 
     # Every key of the file reached a dataclass with the file's value, converted to the field's type.
-    raw = yaml.safe_load(path.read_text())
+    raw = yaml.safe_load(text)
     for key, value in raw.items():
         parsed = next(getattr(obj, key) for obj in (script_args, training_args, model_args) if hasattr(obj, key))
         if key == "report_to":
@@ -56,48 +71,109 @@ def test_preset_parses_with_the_paper_hyperparameters(path, capsys):
         else:
             assert parsed == value, key
 
-    # The paper's K&K script: lr 1e-6, 8 rollouts, T=0.7, clip 0.20/0.24, KL 0.001 (k3), 4096 tokens, 5 epochs.
-    assert training_args.learning_rate == 1e-6
-    assert training_args.num_generations == 8
-    assert training_args.temperature == 0.7
-    assert (training_args.epsilon, training_args.epsilon_high) == (0.2, 0.24)
-    assert training_args.beta == 0.001 and training_args.use_bias_correction_kl is False
-    assert training_args.max_completion_length == 4096
-    assert training_args.num_train_epochs == 5
+    # Optimiser, sampling and loss: the script's values.
+    assert training_args.learning_rate == SCRIPT["LR"]
+    assert training_args.lr_scheduler_type == "constant" and training_args.warmup_steps == 0
+    assert training_args.weight_decay == SCRIPT["weight_decay"] and training_args.max_grad_norm == SCRIPT["grad_clip"]
+    assert training_args.num_generations == SCRIPT["ROLLOUT_N"] and training_args.temperature == SCRIPT["ROLLOUT_TEMP"]
+    assert (training_args.epsilon, training_args.epsilon_high) == (SCRIPT["CLIP_LOW"], SCRIPT["CLIP_HIGH"])
+    assert training_args.delta == SCRIPT["clip_ratio_c"]
+    assert training_args.beta == SCRIPT["KL_COEF"] and training_args.use_bias_correction_kl is False
+    assert training_args.loss_type == "bnpo"  # verl's token-mean over each micro-batch (see the preset header)
+    assert training_args.max_completion_length == SCRIPT["max_response_length"]
+    assert training_args.num_train_epochs == SCRIPT["EPOCH"] and training_args.num_iterations == 1
     assert training_args.report_to == ["wandb"]
 
-    # Global batch: 64 prompts x 8 rollouts, one optimizer update per generation batch, on the paired launcher.
-    launcher = yaml.safe_load((CONFIGS / "accelerate" / LAUNCH_CONFIG[group]).read_text())
-    completions = training_args.per_device_train_batch_size * launcher["num_processes"] * training_args.gradient_accumulation_steps
-    assert completions == 64 * 8
-    assert training_args.steps_per_generation == training_args.gradient_accumulation_steps
-    assert f"--config_file configs/accelerate/{LAUNCH_CONFIG[group]}" in path.read_text()
-    assert f"--config {path.relative_to(CONFIGS.parent)}" in path.read_text()
+    # Schedule on the 4 processes the preset assumes: micro-batch 32, optimizer step 256, generation batch 512.
+    assert f"{NUM_PROCESSES} processes" in text
+    per_micro_step = training_args.per_device_train_batch_size * NUM_PROCESSES
+    assert per_micro_step == SCRIPT["MICRO_BS"]
+    assert per_micro_step * training_args.gradient_accumulation_steps == SCRIPT["UPDATE_BS"]
+    assert per_micro_step * training_args.steps_per_generation == SCRIPT["TRAIN_BS"] * SCRIPT["ROLLOUT_N"]
+    optimizer_steps_per_pass = training_args.steps_per_generation // training_args.gradient_accumulation_steps
+    assert optimizer_steps_per_pass == SCRIPT["TRAIN_BS"] * SCRIPT["ROLLOUT_N"] // SCRIPT["UPDATE_BS"] == 2
+    passes = 2 if training_args.lopti_threshold is not None else 1
+    assert training_args.save_steps == SCRIPT["save_freq"] * optimizer_steps_per_pass * passes
+    if group == "vllm":  # its launcher runs 4 training processes (GPU 0 serves vLLM)
+        launcher = yaml.safe_load((CONFIGS / "accelerate" / "vllm_server.yaml").read_text())
+        assert launcher["num_processes"] == NUM_PROCESSES
+    else:
+        assert f"--num_processes {NUM_PROCESSES}" in text
+    assert f"--config {path.relative_to(CONFIGS.parent)}" in text
 
-    # AR and Lopti settings by file name.
-    method = method_of(path)
-    alpha, eta = (AR_ALPHA["math" if group == "math" else "kk"], None) if method == "ar" else METHODS[method]
+    # Method: estimator, alpha and eta by file name; the header names the script it reproduces.
+    methods = MATH_METHODS if group == "math" else KK_METHODS
+    method = method_of(path, methods)
+    estimator, alpha, eta = methods[method]
+    assert training_args.advantage_estimator == estimator
     assert training_args.advantage_reweighting_alpha == alpha
     assert training_args.lopti_threshold == eta
     assert training_args.lopti_order == "low_first"
-    assert resolved["lopti"] == {"advantage_reweighting_alpha": alpha, "lopti_threshold": eta, "lopti_order": "low_first"}
+    expected_lopti = {"advantage_reweighting_alpha": alpha, "lopti_threshold": eta, "lopti_order": "low_first"}
+    assert resolved["lopti"] == expected_lopti
+    if method in SCRIPT_OF:
+        assert f"scripts/train_kklogic_{SCRIPT_OF[method]}_4x80GB.sh" in text or group == "math"
+    header = text.split("\n\n", 1)[0]
+    assert "Remaining differences" in text and "delta" in header and "max_prompt_length" in header
 
-    # Task and model.
+    # Data: the paper's split, prompt text and grader.
     if group == "math":
         assert script_args.task == "math" and model_args.model_name_or_path == "Qwen/Qwen2.5-7B"
-        assert resolved["dataset"]["hub_id"] == "agentica-org/DeepScaleR-Preview-Dataset"
+        assert resolved["dataset"] == {"task": "math", "source": "paper", "name": "dsr_uniform", "data_file": None}
         assert resolved["reward_funcs"] == ["math_reward"]
     else:
-        assert script_args.task == "knights_knaves" and script_args.kk_num_people == [3, 4, 5, 6, 7]
+        assert script_args.task == "knights_knaves" and script_args.kk_source == "paper"
         assert resolved["dataset"] == {
-            "task": "knights_knaves", "num_people": [3, 4, 5, 6, 7], "prefill_think": True, "source": "hub",
-            "path": "K-and-K/knights-and-knaves", "subset": "train",
+            "task": "knights_knaves", "num_people": [3, 4, 5, 6, 7], "prefill_think": True, "source": "paper",
+            "data_dir": None, "eval_split": "test",
         }  # fmt: skip
+        assert training_args.eval_steps == SCRIPT["test_freq"] * optimizer_steps_per_pass * passes
         assert resolved["reward_funcs"] == ["knights_knaves_reward"]
         model_slug = path.stem.split("_")[0]
         assert model_args.model_name_or_path.lower() == "qwen/" + model_slug
     assert resolved["model"]["source"] == "hub"
     assert model_args.dtype == "bfloat16"
+
+
+def verl_dual_clip_loss(ratio, advantages, clip_low, clip_high, clip_ratio_c):
+    """verl's per-token policy loss with dual clip (its core_algos.compute_policy_loss), written from its definition."""
+    clipped = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high))
+    dual = torch.minimum(-advantages * clip_ratio_c, clipped)
+    return torch.where(advantages < 0, dual, clipped)
+
+
+def trl_delta_loss(ratio, advantages, epsilon, epsilon_high, delta):
+    """TRL 1.16's per-token loss for loss_type grpo/bnpo/dapo with two-sided clipping `delta`."""
+    clipped_ratio = ratio.clamp(1 - epsilon, 1 + epsilon_high)
+    return -torch.minimum(ratio.clamp(max=delta) * advantages, clipped_ratio * advantages)
+
+
+def test_trl_delta_is_verl_dual_clip_at_the_preset_values():
+    # The presets use `delta` for verl's clip_ratio_c: same per-token loss and gradient for every ratio and sign
+    # of the advantage, as long as delta > 1 + epsilon_high (ratios avoid the kinks, where gradients are ambiguous).
+    preset = CONFIGS / "kk" / "qwen2.5-3b-instruct_ar_lopti.yaml"
+    _, training_args, _ = parse_train_args(["--config", str(preset), "--dry_run"])
+    epsilon, epsilon_high, delta = training_args.epsilon, training_args.epsilon_high, training_args.delta
+    kinks = torch.tensor([1 - epsilon, 1 + epsilon_high, delta], dtype=torch.float64)
+    ratios = torch.cat([torch.linspace(0.05, 30.0, 4001, dtype=torch.float64), torch.tensor([9.5, 10.5, 25.0])])
+    ratios = ratios[(ratios[:, None] - kinks).abs().min(dim=1).values > 1e-6]
+    for advantage in (-2.0, -0.3, 0.7, 1.5):
+        ratio_a = ratios.clone().requires_grad_(True)
+        ratio_b = ratios.clone().requires_grad_(True)
+        advantages = torch.full_like(ratios, advantage)
+        verl = verl_dual_clip_loss(ratio_a, advantages, epsilon, epsilon_high, delta)
+        trl = trl_delta_loss(ratio_b, advantages, epsilon, epsilon_high, delta)
+        torch.testing.assert_close(trl, verl, rtol=0, atol=1e-12)
+        verl.sum().backward()
+        trl.sum().backward()
+        torch.testing.assert_close(ratio_b.grad, ratio_a.grad, rtol=0, atol=1e-12)
+    # The dual clip binds: above c a negative-advantage token's loss is constant (|A| * c) and has no gradient.
+    capped = verl_dual_clip_loss(torch.tensor([25.0]), torch.tensor([-2.0]), epsilon, epsilon_high, delta)
+    assert capped.item() == 2.0 * delta
+    # And the equivalence needs delta > 1 + epsilon_high: with delta = 1.1, positive advantages differ.
+    low = trl_delta_loss(torch.tensor([1.2]), torch.tensor([1.0]), epsilon, epsilon_high, 1.1)
+    dual = verl_dual_clip_loss(torch.tensor([1.2]), torch.tensor([1.0]), epsilon, epsilon_high, 1.1)
+    assert low.item() != dual.item()
 
 
 def test_vllm_preset_matches_its_serve_command():

@@ -52,6 +52,9 @@ def test_notebook_has_badge_parameters_and_install_cell():
     assert "Qwen2.5-1.5B-Instruct" in sources
     install = [cell for cell in notebook.cells if cell.cell_type == "code" and "pip\", \"install" in cell.source]
     assert len(install) == 1 and "if INSTALL:" in install[0].source
+    # The install source is one named parameter, used by the install cell and nowhere else.
+    assert namespace["TRL_LOPTI_PIP_SOURCE"].startswith("trl_lopti[peft]")
+    assert "TRL_LOPTI_PIP_SOURCE]" in install[0].source and "git+" not in install[0].source
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +123,8 @@ def test_notebook_runs_end_to_end_with_a_tiny_model(tiny_model_path, tmp_path, p
 
     results = json.loads((output_dir / "results.json").read_text())
     assert results["model_name"] == tiny_model_path
+    # The prompts pre-fill "<think>", as the markdown says: text ending in the open assistant turn.
+    assert isinstance(results["prompt_example"], str) and results["prompt_example"].endswith("<think>")
     assert set(results["runs"]) == {"GRPO", "AR + Lopti"}
     grpo, lopti = results["runs"]["GRPO"], results["runs"]["AR + Lopti"]
     assert (grpo["alpha"], grpo["eta"]) == (0.0, None)

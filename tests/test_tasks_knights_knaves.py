@@ -299,7 +299,7 @@ def test_hub_loader_uses_the_published_names(published_jsonl, monkeypatch):
         return local
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    dataset = kk.load_knights_knaves_dataset([3, 7], subset="test", revision="main")
+    dataset = kk.load_knights_knaves_dataset([3, 7], split="test", source="hub", revision="main")
     assert calls == [
         ("K-and-K/knights-and-knaves", "test", "3ppl", {"revision": "main"}),
         ("K-and-K/knights-and-knaves", "test", "7ppl", {"revision": "main"}),

@@ -1,5 +1,6 @@
-"""Math: the verified-answer reward (equivalent forms, wrong answers, garbage, time limits in and outside the main
-thread) and the dataset loaders (local files in each Hub set's format)."""
+"""Math: the paper's grading and the lenient one (equivalent forms, wrong answers, garbage, the first `</think>`,
+the required box, time limits in and outside the main thread) and the loaders (the authors' DSR-uniform file in their
+verl format, written here; local files in each Hub set's format)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 pytest.importorskip("math_verify")
 
 from trl_lopti.tasks import math as math_task  # noqa: E402
-from trl_lopti.tasks.math import math_reward  # noqa: E402
+from trl_lopti.tasks import _time_limit  # noqa: E402
+from trl_lopti.tasks.math import math_reward, math_reward_lenient  # noqa: E402
 
 
 # A sum of 59 rational terms: sympy needs about a minute to compare it with SLOW_REFERENCE (pure Python, so it can be
@@ -50,7 +52,6 @@ EQUIVALENT = [
     ("\\left( 3, \\frac{\\pi}{2} \\right)", "\\boxed{(3, \\pi/2)}"),
     ("\\text{(C)}", "\\boxed{C}"),
     ("\\boxed{7}", "\\boxed{7}"),
-    ("2", "no box, but the final answer is $2$"),
     ("12", "\\boxed 12"),
 ]
 
@@ -87,12 +88,32 @@ def test_last_box_after_thinking_is_the_answer():
         "The answer is \\boxed{7}, and a broken box \\boxed{3",
     ]
     assert math_reward(completions, solution) == [1.0, 0.0, 0.0, 1.0, 1.0]
+    assert math_reward_lenient(completions, solution) == [1.0, 0.0, 0.0, 1.0, 1.0]
 
 
-def test_boxed_only_disables_the_fallbacks():
-    completions = ["The final answer is $2$.", "\\boxed{2}"]
-    assert math_reward(completions, ["2", "2"]) == [1.0, 1.0]
-    assert math_reward(completions, ["2", "2"], boxed_only=True) == [0.0, 1.0]
+def test_paper_grading_reads_the_text_after_the_first_think_close():
+    # The authors grade `response.split("</think>")[1]`: the part between the first and the second `</think>`.
+    completions = [
+        "<think>a</think> \\boxed{7} <think>b</think> \\boxed{8}",
+        "<think>a</think> \\boxed{8} <think>b</think> \\boxed{7}",
+        "<think>a</think></think>\\boxed{7}",
+    ]
+    assert math_reward(completions, ["7"] * 3) == [1.0, 0.0, 0.0]
+    assert math_reward_lenient(completions, ["7"] * 3) == [0.0, 1.0, 1.0]
+    assert math_task.final_part("x</think>y</think>z", "paper") == "y"
+    assert math_task.final_part("x</think>y</think>z", "lenient") == "z"
+    assert math_task.final_part("no marker", "paper") == "no marker"
+
+
+def test_paper_grading_needs_a_box_and_lenient_grading_does_not():
+    completions = ["The final answer is $2$.", "<think>2</think> so 2", "\\boxed{2}", "no box, but the answer is $2$"]
+    assert math_reward(completions, ["2"] * 4) == [0.0, 0.0, 1.0, 0.0]
+    assert math_reward_lenient(completions, ["2"] * 4) == [1.0, 1.0, 1.0, 1.0]
+    assert math_reward_lenient(["there is no answer here"], ["2"]) == [0.0]
+    with pytest.raises(ValueError, match="mode must be one of"):
+        math_task.verify_answer("\\boxed{2}", "2", mode="strict")
+    with pytest.raises(TypeError, match="boxed_only: math_reward always requires"):
+        math_reward(["\\boxed{2}"], ["2"], boxed_only=False)
 
 
 def test_conversational_completions():
@@ -224,22 +245,23 @@ def test_reward_outside_the_main_thread():
         assert second.result(timeout=60) == [1.0, 1.0, 0.0, 0.0]
     assert 1.5 <= time.monotonic() - started < 30.0  # includes starting the worker process
     # Outside the main thread the checks ran in the worker process, which survived the timeout.
-    assert math_task._worker is not None and math_task._worker._process.poll() is None
+    worker = _time_limit._workers[math_task.grading.WORKER_TARGET]
+    assert worker._process is not None and worker._process.poll() is None
 
 
 def test_worker_process_is_killed_when_stuck_and_restarted(monkeypatch):
-    worker = math_task._VerifierWorker()
+    worker = _time_limit.WorkerProcess(math_task.grading.WORKER_TARGET, ("\\boxed{1}", "1", "paper", None))
     try:
-        assert worker.score("\\boxed{0.5}", "\\frac{1}{2}", False, 2.0) == 1.0
+        assert worker.call(("\\boxed{0.5}", "\\frac{1}{2}", "paper", 2.0), 2.0) == 1.0
         first_process = worker._process
         # The parent stops waiting before the child's own time limit: the child is killed.
-        monkeypatch.setattr(math_task, "_WORKER_GRACE_SECONDS", -1.7)
+        monkeypatch.setattr(_time_limit, "WORKER_GRACE_SECONDS", -1.7)
         started = time.monotonic()
-        assert worker.score(SLOW_ANSWER, SLOW_REFERENCE, False, 2.0) == 0.0
+        assert worker.call((SLOW_ANSWER, SLOW_REFERENCE, "paper", 2.0), 2.0) is None
         assert 0.3 <= time.monotonic() - started < 2.0
         assert worker._process is None and first_process.poll() is not None
-        monkeypatch.setattr(math_task, "_WORKER_GRACE_SECONDS", 1.0)
-        assert worker.score("\\boxed{(1,2]}", "(1, 2]", False, 2.0) == 1.0  # a new child
+        monkeypatch.setattr(_time_limit, "WORKER_GRACE_SECONDS", 1.0)
+        assert worker.call(("\\boxed{(1,2]}", "(1, 2]", "paper", 2.0), 2.0) == 1.0  # a new child
         assert worker._process is not first_process
     finally:
         worker.close()
@@ -252,14 +274,14 @@ def test_time_limit_in_a_helper_thread_stops_pure_python_work():
 
     baseline = threading.active_count()
     started = time.monotonic()
-    with pytest.raises(math_task._DeadlineExceeded):
-        math_task._run_in_thread(spin, 0.2)
+    with pytest.raises(math_task.DeadlineExceeded):
+        _time_limit._run_in_thread(spin, 0.2)
     assert time.monotonic() - started < 2.0
     deadline = time.monotonic() + 5.0
     while threading.active_count() > baseline and time.monotonic() < deadline:
         time.sleep(0.05)
     assert threading.active_count() == baseline  # the helper was stopped, not leaked
-    assert math_task._run_in_thread(lambda: 42, 1.0) == 42
+    assert _time_limit._run_in_thread(lambda: 42, 1.0) == 42
 
 
 def test_time_limit_with_alarm():
@@ -268,7 +290,7 @@ def test_time_limit_with_alarm():
             pass
 
     started = time.monotonic()
-    with pytest.raises(math_task._DeadlineExceeded):
+    with pytest.raises(math_task.DeadlineExceeded):
         math_task.run_with_time_limit(spin, 0.2)
     assert time.monotonic() - started < 2.0
     assert math_task.run_with_time_limit(lambda: "done", 1.0) == "done"
@@ -395,3 +417,79 @@ def test_hub_names_and_splits(monkeypatch, tmp_path):
     assert orz[0]["solution"] == "1"
     with pytest.raises(ValueError, match="Unknown math dataset"):
         math_task.load_math_dataset("gsm8k")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The authors' math files (DSR-uniform): raw-text prompts, from parquet files written here in their verl format
+# ---------------------------------------------------------------------------------------------------------------------
+def verl_math_row(problem, answer, difficulty=None):
+    extra_info = {"index": 0, "split": "train"}
+    if difficulty is not None:
+        extra_info["difficulty"] = difficulty
+    return {
+        "data_source": "deepscaler",
+        "prompt": [{"content": f"{problem} {SUFFIX}", "role": "user"}],
+        "ability": "math",
+        "reward_model": {"ground_truth": answer, "style": "rule"},
+        "extra_info": extra_info,
+    }
+
+
+def write_parquet(path, rows):
+    import datasets
+
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return str(path)
+
+
+def test_paper_math_set_keeps_the_raw_text_prompt(tmp_path):
+    rows = [verl_math_row("What is $1+1$?", "2", 3.5), verl_math_row("Half of one?", "\\frac{1}{2}", 71.25)]
+    dataset = math_task.load_paper_math_dataset("dsr_uniform", write_parquet(tmp_path / "dsr.parquet", rows))
+    assert dataset.column_names == ["prompt", "solution", "difficulty"]
+    assert dataset["prompt"] == [f"What is $1+1$? {SUFFIX}", f"Half of one? {SUFFIX}"]  # text: no chat template
+    assert dataset["solution"] == ["2", "\\frac{1}{2}"] and dataset["difficulty"] == [3.5, 71.25]
+    # Graded as the paper grades: the boxed answer after the first </think>.
+    completions = ["<think>1+1</think> \\boxed{2}", "<think>so 0.5</think> it is 0.5"]
+    assert math_reward(completions, dataset["solution"]) == [1.0, 0.0]
+
+
+def test_paper_math_set_errors_and_default_url(tmp_path, monkeypatch):
+    alternatives = [verl_math_row("Speed?", ["0.01", "0.02"])]
+    with pytest.raises(ValueError, match="2 alternative answers"):
+        math_task.load_paper_math_dataset("aime_dsr", write_parquet(tmp_path / "alt.parquet", alternatives))
+    with pytest.raises(ValueError, match="name: unknown paper math set 'minerva_dsr'"):
+        math_task.load_paper_math_dataset("minerva_dsr")
+    read = []
+    monkeypatch.setattr(math_task.data, "load_parquet", read.append)  # records the source, returns no rows
+    with pytest.raises(AttributeError):
+        math_task.load_paper_math_dataset()
+    assert read == [
+        "https://raw.githubusercontent.com/zhyang2226/AR-Lopti/cbeb333376decdfe571fa8613bdebcfcc526628d/"
+        "data/deepscaler_c/deepscaler_uniform_train.parquet"
+    ]
+
+
+def test_cli_builds_dsr_uniform_from_a_local_copy(tmp_path):
+    from trl_lopti.cli import build_datasets, parse_train_args, resolved_config
+
+    rows = [verl_math_row(f"Problem {i}?", str(i), float(i)) for i in range(5)]
+    path = write_parquet(tmp_path / "dsr.parquet", rows)
+    args = ["--task", "math", "--dataset_name", "dsr_uniform", "--math_data_file", path, "--model_name_or_path",
+            "Qwen/Qwen2.5-7B", "--use_cpu", "true", "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    script_args, training_args, model_args = parse_train_args(args)
+    assert resolved_config(script_args, training_args, model_args)["dataset"] == {
+        "task": "math", "source": "paper", "name": "dsr_uniform", "data_file": path,
+    }
+    train, evaluation = build_datasets(script_args, training_args)
+    assert evaluation is None and train["prompt"] == [f"Problem {i}? {SUFFIX}" for i in range(5)]
+
+
+def test_hub_sets_can_have_raw_text_prompts(tmp_path):
+    path = tmp_path / "math500.jsonl"
+    path.write_text(json.dumps({"problem": "  What is 2+2? ", "answer": "4"}) + "\n")
+    text = math_task.load_math_dataset("math500", data_files=str(path), text_prompt=True)
+    assert text["prompt"] == [f"What is 2+2? {SUFFIX}"]
+    chat = math_task.load_math_dataset("math500", data_files=str(path))
+    assert chat["prompt"] == [[{"role": "user", "content": f"What is 2+2? {SUFFIX}"}]]
+    with pytest.raises(ValueError, match="system_prompt: a raw-text prompt"):
+        math_task.make_math_prompt("x", system_prompt="S", text_prompt=True)

@@ -40,6 +40,7 @@ REWARD_FUNCS = {
     "knights_knaves_format_reward": "trl_lopti.tasks.knights_knaves:knights_knaves_format_reward",
     "knights_knaves_answer_reward": "trl_lopti.tasks.knights_knaves:knights_knaves_answer_reward",
     "math_reward": "trl_lopti.tasks.math:math_reward",
+    "math_reward_lenient": "trl_lopti.tasks.math:math_reward_lenient",
     "accuracy_reward": "trl.rewards:accuracy_reward",
     "reasoning_accuracy_reward": "trl.rewards:reasoning_accuracy_reward",
     "think_format_reward": "trl.rewards:think_format_reward",
@@ -82,6 +83,16 @@ class LoptiScriptArguments(ScriptArguments):
             Seed of the K&K generator.
         kk_prefill_think (`bool`, *optional*, defaults to `True`):
             End each K&K prompt with an assistant `"<think>"` that the model continues, as the paper does.
+        kk_source (`str`, *optional*):
+            `"paper"`: the authors' puzzles, split (train 4,500 / test 500) and exact prompt text
+            (`trl_lopti.tasks.knights_knaves.load_knights_knaves_dataset(source="paper")`); evaluation uses
+            `dataset_test_split` (`"test"`). Unset: the published set when `dataset_name` is given, else generated.
+        kk_data_dir (`str`, *optional*):
+            `kk_source: paper`: a local folder laid out as `{3..7}ppl/{train,test}.parquet` (default: the authors'
+            files by URL).
+        math_data_file (`str`, *optional*):
+            `math` with `dataset_name` one of `trl_lopti.tasks.math.PAPER_MATH_FILES` (e.g. `"dsr_uniform"`): a local
+            copy of that file (default: the authors' file by URL).
         math_problem_column (`str`, *optional*, defaults to `"problem"`):
             `math` from a hub id or file: column with the problem.
         math_answer_column (`str`, *optional*, defaults to `"answer"`):
@@ -117,6 +128,20 @@ class LoptiScriptArguments(ScriptArguments):
     kk_seed: int = field(default=0, metadata={"help": "Seed of the K&K generator and of data shuffling."})
     kk_prefill_think: bool = field(
         default=True, metadata={"help": "End each K&K prompt with an assistant '<think>' (as the paper does)."}
+    )
+    kk_source: str | None = field(
+        default=None,
+        metadata={
+            "help": "K&K data: 'paper' (the authors' split and prompt text), 'hub' or 'generated'; unset: 'hub' when "
+            "dataset_name is set, else 'generated'.",
+            "choices": ["paper", "hub", "generated"],
+        },
+    )
+    kk_data_dir: str | None = field(
+        default=None, metadata={"help": "kk_source 'paper': local folder with {3..7}ppl/{train,test}.parquet."}
+    )
+    math_data_file: str | None = field(
+        default=None, metadata={"help": "Math paper sets (e.g. dataset_name 'dsr_uniform'): a local copy of the file."}
     )
     math_problem_column: str = field(
         default="problem", metadata={"help": "Math from a hub id or a file: column with the problem."}
@@ -155,6 +180,8 @@ class LoptiScriptArguments(ScriptArguments):
                 raise CliError(
                     f"reward_funcs: required for task 'dataset' (names from {sorted(REWARD_FUNCS)} or dotted paths)"
                 )
+        if self.kk_source not in (None, "paper", "hub", "generated"):
+            raise CliError(f"kk_source: must be 'paper', 'hub', 'generated' or unset, got {self.kk_source!r}")
         if self.task == "math" and not self.dataset_name:
             raise CliError(
                 "dataset_name: required for task 'math' (e.g. 'deepscaler', a hub id, or a local .jsonl/.parquet file)"
@@ -418,7 +445,8 @@ def dataset_spec(script_args: LoptiScriptArguments, training_args=None) -> dict[
             Used to tell whether an evaluation set is needed.
 
     Returns:
-        `dict[str, Any]`: `source` (`"generated"`, `"hub"`, `"local"`, `"math_registry"`) and the loading parameters.
+        `dict[str, Any]`: `source` (`"generated"`, `"hub"`, `"local"`, `"math_registry"`, `"paper"`) and the loading
+        parameters.
     """
     task = script_args.task
     wants_eval = training_args is not None and str(getattr(training_args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO")
@@ -426,9 +454,12 @@ def dataset_spec(script_args: LoptiScriptArguments, training_args=None) -> dict[
     if task == "knights_knaves":
         spec["num_people"] = list(script_args.kk_num_people)
         spec["prefill_think"] = script_args.kk_prefill_think
-        if script_args.dataset_name:
-            local = _local_data(script_args.dataset_name)
-            spec.update(source="local" if local else "hub", path=str(local or script_args.dataset_name),
+        if script_args.kk_source == "paper":  # the authors' split and prompt text, built by trl_lopti.tasks
+            spec.update(source="paper", data_dir=script_args.kk_data_dir, prefill_think=True)
+        elif script_args.kk_source == "hub" or (script_args.kk_source is None and script_args.dataset_name):
+            name = script_args.dataset_name or "K-and-K/knights-and-knaves"
+            local = _local_data(name)
+            spec.update(source="local" if local else "hub", path=str(local or name),
                         subset=script_args.dataset_train_split)  # fmt: skip
         else:
             spec.update(source="generated", num_samples=script_args.kk_num_samples, seed=script_args.kk_seed)
@@ -437,8 +468,12 @@ def dataset_spec(script_args: LoptiScriptArguments, training_args=None) -> dict[
     elif task == "math":
         from .tasks.math import MATH_DATASETS
 
+        from .tasks.math import PAPER_MATH_FILES
+
         name = script_args.dataset_name
-        if name in MATH_DATASETS:
+        if name in PAPER_MATH_FILES:  # the authors' parquet (raw-text prompts), built by trl_lopti.tasks
+            spec.update(source="paper", name=name, data_file=script_args.math_data_file)
+        elif name in MATH_DATASETS:
             registry = MATH_DATASETS[name]
             spec.update(source="math_registry", name=name, hub_id=registry.path, split=registry.split)
         else:
@@ -494,7 +529,15 @@ def build_datasets(script_args: LoptiScriptArguments, training_args=None):
     spec = dataset_spec(script_args, training_args)
     wants_eval = "eval_split" in spec or "num_eval_samples" in spec
     train, evaluation = None, None
-    if spec["task"] == "knights_knaves":
+    if spec["source"] == "paper":
+        from .tasks import build_task_datasets
+
+        train, evaluation = build_task_datasets(
+            spec["task"], "paper", with_eval=wants_eval, num_people=spec.get("num_people", ()),
+            data_dir=spec.get("data_dir"), train_split=spec.get("name", "train"),
+            eval_split=spec.get("eval_split", "test"), data_file=spec.get("data_file"),
+        )  # fmt: skip
+    elif spec["task"] == "knights_knaves":
         from .tasks.knights_knaves import generate_dataset, load_knights_knaves_dataset
 
         people = spec["num_people"]
@@ -505,10 +548,10 @@ def build_datasets(script_args: LoptiScriptArguments, training_args=None):
             if wants_eval:
                 evaluation = full.select(range(spec["num_samples"], total))
         else:
-            train = load_knights_knaves_dataset(people, subset=spec["subset"], path=spec["path"],
+            train = load_knights_knaves_dataset(people, spec["subset"], "hub", path=spec["path"],
                                                 prefill_think=spec["prefill_think"])  # fmt: skip
             if wants_eval:
-                evaluation = load_knights_knaves_dataset(people, subset=spec["eval_split"], path=spec["path"],
+                evaluation = load_knights_knaves_dataset(people, spec["eval_split"], "hub", path=spec["path"],
                                                          prefill_think=spec["prefill_think"])  # fmt: skip
     elif spec["task"] == "math":
         from .tasks.math import MathDatasetSpec, load_math_dataset

@@ -1,0 +1,30 @@
+"""Completion text extraction shared by the tasks' reward functions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def completion_to_text(completion: Any) -> str:
+    """
+    The text of a completion, whether TRL passes it as a string or as a list of messages.
+
+    Args:
+        completion (`str`, `list[dict]` or `dict`):
+            A plain-text completion, or conversational messages whose `content` is a string or a list of parts.
+
+    Returns:
+        `str`: The text (messages joined with newlines); `""` for anything unreadable.
+    """
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        content = completion.get("content", "")
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return ""
+    if isinstance(completion, (list, tuple)):
+        return "\n".join(completion_to_text(message) for message in completion)
+    return ""

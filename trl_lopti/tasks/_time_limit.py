@@ -1,0 +1,231 @@
+"""Running work under a wall-clock limit: in this process (a `SIGALRM` timer or a helper thread) or in a worker
+process.
+
+A worker process serves one function of a `trl_lopti.tasks` module in its own main thread, where the `SIGALRM` limit
+can interrupt it; the parent kills the worker when it does not answer in time (stuck in C code) and starts a new one
+on the next call. The worker imports the task module without running `trl_lopti/__init__.py` (which imports TRL).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+
+_T = TypeVar("_T")
+
+ALARM_REPEAT_SECONDS = 0.05
+"""The `SIGALRM` timer repeats at this interval until disarmed, in case library code swallows the first
+interruption."""
+
+WORKER_STARTUP_SECONDS = 120.0
+"""How long a new worker process may take to import its module and answer `ready`."""
+
+WORKER_GRACE_SECONDS = 1.0
+"""How much longer than the work's own limit the parent waits for a worker's answer before killing it."""
+
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding `trl_lopti/`
+
+# Registers `trl_lopti` as a bare namespace (its `__init__` imports TRL, which a worker does not need), then serves.
+_WORKER_SCRIPT = """
+import importlib, json, os, sys, types
+package = types.ModuleType("trl_lopti")
+package.__path__ = [os.path.join(sys.argv[1], "trl_lopti")]
+sys.modules["trl_lopti"] = package
+module_name, _, function_name = sys.argv[2].partition(":")
+function = getattr(importlib.import_module(module_name), function_name)
+function(*json.loads(sys.argv[3]))
+sys.stdout.write("ready\\n")
+sys.stdout.flush()
+for line in sys.stdin:
+    sys.stdout.write(json.dumps(function(*json.loads(line))) + "\\n")
+    sys.stdout.flush()
+"""
+
+
+class DeadlineExceeded(BaseException):
+    """Raised inside work that ran past its time limit (a `BaseException`, so that libraries don't swallow it)."""
+
+
+def _run_with_alarm(func: Callable[[], _T], seconds: float) -> _T:
+    """Runs `func` in the main thread, interrupted by `SIGALRM` after `seconds`; restores any timer already set."""
+
+    def on_alarm(signum, frame):
+        raise DeadlineExceeded()
+
+    previous_handler = signal.signal(signal.SIGALRM, on_alarm)
+    previous_delay, previous_interval = signal.setitimer(signal.ITIMER_REAL, seconds, ALARM_REPEAT_SECONDS)
+    started = time.monotonic()
+    try:
+        return func()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_handler if previous_handler is not None else signal.SIG_DFL)
+        if previous_delay > 0:
+            remaining = max(previous_delay - (time.monotonic() - started), 1e-3)
+            signal.setitimer(signal.ITIMER_REAL, remaining, previous_interval)
+
+
+def _run_in_thread(func: Callable[[], _T], seconds: float) -> _T:
+    """
+    Runs `func` in a helper thread and waits at most `seconds`. On timeout the helper is stopped by an asynchronous
+    exception (raised at its next Python instruction) and `DeadlineExceeded` is raised here.
+    """
+    outcome: dict[str, Any] = {}
+
+    def target():
+        try:
+            outcome["value"] = func()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            outcome["error"] = error
+
+    helper = threading.Thread(target=target, name="trl_lopti-time-limit", daemon=True)
+    helper.start()
+    helper.join(seconds)
+    if helper.is_alive():
+        stopped = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(helper.ident), ctypes.py_object(DeadlineExceeded)
+        )
+        if stopped > 1:  # should not happen; undo rather than disturb other threads
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(helper.ident), None)
+        raise DeadlineExceeded()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def in_main_thread() -> bool:
+    """Whether this is the main thread of a platform with `SIGALRM` timers (where the alarm limit works)."""
+    return threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+
+
+def run_with_time_limit(func: Callable[[], _T], seconds: float | None) -> _T:
+    """
+    Runs `func()` in this process, interrupting it after `seconds` of wall-clock time.
+
+    In the main thread a `SIGALRM` timer interrupts it (any timer already set is restored afterwards). In other
+    threads, where signals cannot be used, it runs in a helper thread that is stopped with an asynchronous exception;
+    that cannot interrupt a long call into C code: use a [`WorkerProcess`] there.
+
+    Args:
+        func (`Callable[[], T]`):
+            The work.
+        seconds (`float` or `None`):
+            Time limit; `None` or `<= 0` for none.
+
+    Returns:
+        `T`: What `func` returned. Raises [`DeadlineExceeded`] (a `BaseException`) on timeout.
+    """
+    if seconds is None or seconds <= 0:
+        return func()
+    if in_main_thread():
+        try:
+            return _run_with_alarm(func, seconds)
+        except ValueError as error:  # signals unavailable here (e.g. a sub-interpreter)
+            if "signal" not in str(error):
+                raise
+    return _run_in_thread(func, seconds)
+
+
+class WorkerProcess:
+    """
+    A child Python process that calls one function for the parent, one JSON-encoded call at a time.
+
+    Requests from several threads are served one at a time. A call that gets no answer in time kills the child (it
+    is stuck, e.g. in C code) and returns `None`; the next call starts a new child.
+
+    Args:
+        target (`str`):
+            `"module:function"` of a module under `trl_lopti` (e.g. `"trl_lopti.tasks.math.grading:score_in_process"`).
+            Arguments and the result must be JSON-serialisable; the function should enforce its own time limit with
+            [`run_with_time_limit`] (it runs in the child's main thread).
+        warmup_args (`tuple`):
+            Arguments of a first call made before the child reports ready (imports, caches).
+    """
+
+    def __init__(self, target: str, warmup_args: tuple = ()):
+        self.target = target
+        self.warmup_args = warmup_args
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen | None = None
+
+    def _stop(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+
+    def _wait_for_line(self, seconds: float | None) -> str | None:
+        ready, _, _ = select.select([self._process.stdout], [], [], seconds)
+        return self._process.stdout.readline() if ready else None
+
+    def _start(self) -> None:
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_SCRIPT, str(_PACKAGE_ROOT), self.target, json.dumps(self.warmup_args)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        if self._wait_for_line(WORKER_STARTUP_SECONDS) != "ready\n":
+            self._stop()
+            raise RuntimeError(f"The worker process for {self.target} did not start")
+
+    def call(self, args: tuple, timeout_seconds: float | None) -> Any:
+        """
+        Calls the target with `args` in the child.
+
+        Args:
+            args (`tuple`):
+                JSON-serialisable arguments.
+            timeout_seconds (`float` or `None`):
+                The work's own limit; the parent waits [`WORKER_GRACE_SECONDS`] longer. `None` or `<= 0`: no limit.
+
+        Returns:
+            `Any`: The result, or `None` when the child did not answer in time (it is then killed).
+        """
+        with self._lock:
+            if self._process is None or self._process.poll() is not None:
+                self._start()
+            self._process.stdin.write(json.dumps(list(args)) + "\n")
+            self._process.stdin.flush()
+            wait = None if timeout_seconds is None or timeout_seconds <= 0 else timeout_seconds + WORKER_GRACE_SECONDS
+            reply = self._wait_for_line(wait)
+            if not reply:  # too slow, or the child died
+                self._stop()
+                return None
+            return json.loads(reply)
+
+    def close(self) -> None:
+        """Stops the child process, if any."""
+        with self._lock:
+            self._stop()
+
+
+_workers: dict[str, WorkerProcess] = {}
+_workers_lock = threading.Lock()
+
+
+def shared_worker(target: str, warmup_args: tuple = ()) -> WorkerProcess | None:
+    """
+    The process-wide [`WorkerProcess`] of `target` (created on first use, closed at exit); `None` off POSIX, where
+    `select` cannot wait on pipes.
+    """
+    if os.name != "posix":
+        return None
+    with _workers_lock:
+        if target not in _workers:
+            _workers[target] = WorkerProcess(target, warmup_args)
+            atexit.register(_workers[target].close)
+        return _workers[target]

@@ -1,0 +1,376 @@
+"""K&K data for TRL: the authors' paper split and prompt, the Hub's published puzzles, and generated puzzles.
+
+- [`paper_prompt`]: the exact text the paper's model saw for a quiz (Qwen2.5 chat markup written out, the Logic-RL
+  instruction, `<think>` pre-filled), byte for byte the `prompt` column of the authors' parquet files.
+- [`load_knights_knaves_dataset`]: `source="paper"` (default): the authors' puzzles and split (train 4,500 = 900 per
+  size, `index` 100-999; test 500 = 100 per size, `index` 1000-1099; disjoint) with [`paper_prompt`] prompts;
+  `source="hub"`: `K-and-K/knights-and-knaves` from the Hub, with conversational prompts.
+- [`generate_dataset`]: puzzles from the seeded generator ([`generate_puzzles`]) with conversational prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .._paper import AUTHORS_DATA_URL, load_parquet
+from .puzzles import MAX_PEOPLE, MIN_PEOPLE, _validate_num_people, generate_puzzles, parse_statements, puzzle_record
+from .rewards import THINK_PREFILL
+
+
+KNIGHTS_KNAVES_HUB_ID = "K-and-K/knights-and-knaves"
+"""Hub id of the published K&K puzzles: configs `"train"` and `"test"`, splits `"2ppl"` to `"8ppl"`. Its `train`
+holds 1,000 puzzles per size, which include the paper's test puzzles: never train on it as is and evaluate on the
+paper's test set."""
+
+SYSTEM_PROMPT = (
+    "You are a helpful assistant. You first think through the reasoning process in your mind and then give the user "
+    "the answer. The reasoning process and the answer are enclosed within <think> </think> and <answer> </answer> "
+    "tags respectively, i.e., <think> reasoning process here </think><answer> answer here </answer>. The user asks "
+    "you to solve a logic puzzle. After thinking, when you reach a conclusion, clearly state the identity of each "
+    "character within <answer> </answer> tags, one person per line, e.g., <answer> (1) Zoey is a knight\n(2) ... "
+    "</answer>."
+)
+"""System message of the conversational K&K prompt ([`make_prompt`]): a paraphrase of the Logic-RL instruction. The
+paper's exact text is [`PAPER_SYSTEM_PROMPT`]."""
+
+PAPER_SYSTEM_PROMPT = (
+    "You are a helpful assistant. The assistant first thinks about the reasoning process in the mind and then "
+    "provides the user with the answer. The reasoning process and answer are enclosed within <think> </think> "
+    "and<answer> </answer> tags, respectively, i.e., <think> reasoning process here </think><answer> answer here "
+    "</answer>.  Now the user asks you to solve a logical reasoning problem. After thinking, when you finally reach a "
+    "conclusion, clearly state the identity of each character within <answer> </answer> tags. i.e., <answer> (1) Zoey "
+    "is a knight\n(2) ... </answer>."
+)
+"""The system turn of the paper's prompt, verbatim (Logic-RL's instruction, with its missing space in "and<answer>" and
+its double space before "Now")."""
+
+PAPER_SIZES = (3, 4, 5, 6, 7)
+"""Puzzle sizes of the paper's K&K training and test sets."""
+
+PAPER_SPLITS = {"train": range(100, 1000), "test": range(1000, 1100)}
+"""`index` ranges of the paper's splits, per size: train 900 puzzles, test 100."""
+
+PAPER_KK_DIR = "data/kk/instruct"
+"""Folder of the K&K files in the authors' repository: `{n}ppl/{train,test}.parquet`."""
+
+
+def paper_prompt(quiz: str) -> str:
+    """
+    The exact prompt text of the paper's K&K runs for a quiz.
+
+    Qwen2.5's chat markup written out as text: a system turn with [`PAPER_SYSTEM_PROMPT`], a user turn with the quiz,
+    each ending in a newline before `<|im_end|>`, then an open assistant turn pre-filled with `<think>`. It equals the
+    `prompt` column of all 5,500 rows of the authors' `data/kk/instruct/{3..7}ppl/{train,test,test_new}.parquet`
+    byte for byte. Give it to TRL as a plain-text prompt: no chat template goes on top.
+
+    Args:
+        quiz (`str`):
+            The puzzle text (the `quiz` column).
+
+    Returns:
+        `str`: The prompt.
+    """
+    return (
+        f"<|im_start|>system\n{PAPER_SYSTEM_PROMPT}\n<|im_end|>\n"
+        f"<|im_start|>user\n{quiz}\n<|im_end|>\n"
+        f"<|im_start|>assistant\n{THINK_PREFILL}"
+    )
+
+
+def make_prompt(quiz: str, system_prompt: str = SYSTEM_PROMPT, prefill_think: bool = False) -> list[dict[str, str]]:
+    """
+    Builds the conversational prompt of a puzzle.
+
+    Args:
+        quiz (`str`):
+            The puzzle text.
+        system_prompt (`str`, *optional*, defaults to [`SYSTEM_PROMPT`]):
+            The system message.
+        prefill_think (`bool`, *optional*, defaults to `False`):
+            Whether to end the prompt with an assistant message holding `"<think>"` for the model to continue, as the
+            paper prompts. TRL 1.16's GRPOTrainer renders conversational prompts with `add_generation_prompt=True`
+            only (it would close that assistant turn and open a new one), so render such prompts to text first with
+            [`render_prompts_as_text`] (the CLI does this). The `<think>` is then part of the prompt, not of the
+            completion: score with `think_prefilled=True` (the `think_prefilled` column does this automatically).
+
+    Returns:
+        `list[dict[str, str]]`: The messages.
+    """
+    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": quiz}]
+    if prefill_think:
+        messages.append({"role": "assistant", "content": THINK_PREFILL})
+    return messages
+
+
+def _example(record: dict[str, Any], system_prompt: str, prefill_think: bool) -> dict[str, Any]:
+    """A puzzle record (see `puzzle_record`) with its conversational `prompt` and `think_prefilled`."""
+    prompt = make_prompt(record["quiz"], system_prompt, prefill_think)
+    return {"prompt": prompt, **record, "think_prefilled": prefill_think}
+
+
+def generate_dataset(
+    num_people: int | Sequence[int],
+    num_samples: int,
+    system_prompt: str = SYSTEM_PROMPT,
+    prefill_think: bool = False,
+    **generator_options: Any,
+):
+    """
+    Generates Knights & Knaves puzzles with exactly one solution (see [`generate_puzzles`]) as a TRL-ready dataset.
+
+    Args:
+        num_people (`int` or `Sequence[int]`):
+            People per puzzle, 2 to 8; a list gives a mixture.
+        num_samples (`int`):
+            Number of puzzles.
+        system_prompt (`str`, *optional*, defaults to [`SYSTEM_PROMPT`]):
+            System message of each prompt.
+        prefill_think (`bool`, *optional*, defaults to `False`):
+            End each prompt with an assistant message `"<think>"` that the model continues, as the paper does. The
+            `think_prefilled` column records it, and the K&K reward functions read that column to count the
+            pre-filled `<think>` as part of the response.
+        **generator_options:
+            `seed`, `max_width`, `max_attempts` of [`generate_puzzles`].
+
+    Returns:
+        `datasets.Dataset`: Columns `prompt` (system + user [+ assistant `"<think>"`] messages), the puzzle columns
+        of [`generate_puzzles`] and `think_prefilled`.
+    """
+    from datasets import Dataset
+
+    puzzles = generate_puzzles(num_people, num_samples, **generator_options)
+    return Dataset.from_list([_example(puzzle, system_prompt, prefill_think) for puzzle in puzzles])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Published data
+# ---------------------------------------------------------------------------------------------------------------------
+def _published_record(record: dict[str, Any]) -> dict[str, Any]:
+    return puzzle_record(
+        quiz=record["quiz"],
+        names=[str(name) for name in record["names"]],
+        solution=record["solution"],
+        statements=str(parse_statements(record["statements"])),
+        solution_text_format=record.get("solution_text_format"),
+        solution_text=record.get("solution_text"),
+    )
+
+
+def knights_knaves_record_to_example(
+    record: dict[str, Any], system_prompt: str = SYSTEM_PROMPT, prefill_think: bool = False
+) -> dict[str, Any]:
+    """
+    Maps one row of the published K&K data (`quiz`, `names`, `solution`, `solution_text`, `solution_text_format`,
+    `statements`, ...) to the columns of [`generate_dataset`].
+
+    Args:
+        record (`dict[str, Any]`):
+            A row of `K-and-K/knights-and-knaves`.
+        system_prompt (`str`, *optional*, defaults to [`SYSTEM_PROMPT`]):
+            System message of the prompt.
+        prefill_think (`bool`, *optional*, defaults to `False`):
+            See [`generate_dataset`].
+
+    Returns:
+        `dict[str, Any]`: The row with the columns of [`generate_dataset`].
+    """
+    return _example(_published_record(record), system_prompt, prefill_think)
+
+
+def prepare_knights_knaves_dataset(dataset, system_prompt: str = SYSTEM_PROMPT, prefill_think: bool = False):
+    """
+    Maps a dataset in the published K&K format to the columns of [`generate_dataset`], dropping the other columns.
+
+    Args:
+        dataset (`datasets.Dataset`):
+            Rows with the published columns (from the Hub or from local JSON/parquet files).
+        system_prompt (`str`, *optional*, defaults to [`SYSTEM_PROMPT`]):
+            System message of each prompt.
+        prefill_think (`bool`, *optional*, defaults to `False`):
+            See [`generate_dataset`].
+
+    Returns:
+        `datasets.Dataset`: The mapped dataset.
+    """
+    return dataset.map(
+        knights_knaves_record_to_example,
+        fn_kwargs={"system_prompt": system_prompt, "prefill_think": prefill_think},
+        remove_columns=dataset.column_names,
+    )
+
+
+def paper_record_to_example(record: dict[str, Any]) -> dict[str, Any]:
+    """
+    Maps one row of the authors' K&K parquet files to the columns of [`generate_dataset`] plus `index`, with the
+    paper's text prompt (checked to be [`paper_prompt`] of the quiz).
+
+    Args:
+        record (`dict[str, Any]`):
+            A row of `data/kk/instruct/{n}ppl/{train,test}.parquet` (columns `quiz`, `names`, `solution`,
+            `solution_text`, `solution_text_format`, `statements`, `index`, `prompt`, ...).
+
+    Returns:
+        `dict[str, Any]`: `prompt` (text), the puzzle columns, `think_prefilled` (`True`) and `index`.
+    """
+    prompt = paper_prompt(record["quiz"])
+    published = record.get("prompt")
+    if published is not None:
+        messages = list(published)
+        text = messages[0].get("content") if len(messages) == 1 and isinstance(messages[0], dict) else None
+        if text != prompt:
+            raise ValueError(
+                f"prompt: row index {record.get('index')} does not hold the paper's prompt text for its quiz"
+            )
+    return {"prompt": prompt, **_published_record(record), "think_prefilled": True, "index": int(record["index"])}
+
+
+def _paper_files(split: str, sizes: Sequence[int], data_dir: str | None) -> list[str]:
+    if data_dir is None:
+        return [f"{AUTHORS_DATA_URL}/{PAPER_KK_DIR}/{size}ppl/{split}.parquet" for size in sizes]
+    from pathlib import Path
+
+    files = [Path(data_dir).expanduser() / f"{size}ppl" / f"{split}.parquet" for size in sizes]
+    missing = [str(file) for file in files if not file.is_file()]
+    if missing:
+        layout = "{3..7}ppl/{train,test}.parquet"
+        raise FileNotFoundError(f"data_dir: missing {missing} (expected the layout {layout})")
+    return [str(file) for file in files]
+
+
+def _load_paper_split(split: str, sizes: Sequence[int], data_dir: str | None):
+    rows = load_parquet(_paper_files(split, sizes, data_dir))
+    indices = PAPER_SPLITS[split]
+    rows = rows.filter(lambda index: index in indices, input_columns="index")
+    return rows.map(paper_record_to_example, remove_columns=rows.column_names)
+
+
+def load_paper_knights_knaves(
+    split: str = "train", num_people: Sequence[int] = PAPER_SIZES, data_dir: str | None = None
+):
+    """
+    The paper's K&K split: the authors' puzzles with the text prompt their model saw.
+
+    Rows are kept by `index` ([`PAPER_SPLITS`]: train 100-999, test 1000-1099 per size), so a file that holds more
+    (the Hub's 1,000-per-size `train`) still gives the paper's split. The train and test quizzes are checked to be
+    disjoint (both splits are read).
+
+    Args:
+        split (`str`, *optional*, defaults to `"train"`):
+            `"train"` (900 per size: 4,500 for sizes 3-7) or `"test"` (100 per size: 500; the authors' `test.parquet`,
+            which holds the same puzzles as their `test_new.parquet`).
+        num_people (`Sequence[int]`, *optional*, defaults to `(3, 4, 5, 6, 7)`):
+            Sizes to load, concatenated in this order.
+        data_dir (`str`, *optional*):
+            A local folder laid out as `{n}ppl/{split}.parquet`; by default the files are read from the authors'
+            repository by URL ([`AUTHORS_DATA_URL`]).
+
+    Returns:
+        `datasets.Dataset`: Columns `prompt` (text, [`paper_prompt`]), `quiz`, `names`, `solution`,
+        `solution_text`, `solution_text_format`, `statements`, `num_people`, `think_prefilled` and `index`.
+    """
+    if split not in PAPER_SPLITS:
+        raise ValueError(f"split: must be one of {list(PAPER_SPLITS)}, got {split!r}")
+    sizes = _sizes(num_people)
+    loaded = {name: _load_paper_split(name, sizes, data_dir) for name in PAPER_SPLITS}
+    shared = set(loaded["train"]["quiz"]) & set(loaded["test"]["quiz"])
+    if shared:
+        raise ValueError(f"The paper's train and test splits share {len(shared)} puzzles; check the files in use")
+    return loaded[split]
+
+
+def _sizes(num_people: int | Sequence[int]) -> list[int]:
+    sizes = [num_people] if isinstance(num_people, int) else list(num_people)
+    if not sizes:
+        raise ValueError(f"num_people: give at least one size from {MIN_PEOPLE} to {MAX_PEOPLE}")
+    for size in sizes:
+        _validate_num_people(size)
+    return sizes
+
+
+KNIGHTS_KNAVES_SOURCES = ("paper", "hub")
+"""Values of `source` of [`load_knights_knaves_dataset`]."""
+
+
+def load_knights_knaves_dataset(
+    num_people: int | Sequence[int] = PAPER_SIZES,
+    split: str = "train",
+    source: str = "paper",
+    data_dir: str | None = None,
+    path: str = KNIGHTS_KNAVES_HUB_ID,
+    system_prompt: str = SYSTEM_PROMPT,
+    prefill_think: bool = False,
+    **load_dataset_kwargs: Any,
+):
+    """
+    Loads published K&K puzzles: the paper's split and prompt (`source="paper"`) or the Hub set (`source="hub"`).
+
+    Args:
+        num_people (`int` or `Sequence[int]`, *optional*, defaults to `(3, 4, 5, 6, 7)`):
+            Puzzle sizes, 2 to 8 (the paper's files: 3 to 7); several are concatenated in the given order.
+        split (`str`, *optional*, defaults to `"train"`):
+            `"train"` or `"test"`. Paper: see [`load_paper_knights_knaves`]. Hub: the config of
+            `K-and-K/knights-and-knaves` (`"train"`: 1,000 per size, holding the paper's test puzzles; `"test"`: 100
+            per size).
+        source (`str`, *optional*, defaults to `"paper"`):
+            `"paper"`: the authors' parquet files (by URL, or from `data_dir`), text prompts ([`paper_prompt`]), the
+            paper's index split. `"hub"`: the Hub set (or a local copy at `path`), conversational prompts.
+        data_dir (`str`, *optional*):
+            Paper source: a local folder laid out as `{n}ppl/{split}.parquet`.
+        path (`str`, *optional*, defaults to `"K-and-K/knights-and-knaves"`):
+            Hub source: Hub id (or a local copy with the same layout).
+        system_prompt (`str`, *optional*, defaults to [`SYSTEM_PROMPT`]):
+            Hub source: system message of each prompt.
+        prefill_think (`bool`, *optional*, defaults to `False`):
+            Hub source: see [`generate_dataset`] (the paper's prompts always pre-fill `<think>`).
+        **load_dataset_kwargs:
+            Hub source: passed to `datasets.load_dataset` (e.g. `revision`, `cache_dir`).
+
+    Returns:
+        `datasets.Dataset`: The puzzles, with a `prompt` column a trainer uses as is.
+    """
+    if source not in KNIGHTS_KNAVES_SOURCES:
+        raise ValueError(f"source: must be one of {list(KNIGHTS_KNAVES_SOURCES)}, got {source!r}")
+    if source == "paper":
+        return load_paper_knights_knaves(split, _sizes(num_people), data_dir)
+    import datasets
+
+    parts = []
+    for size in _sizes(num_people):
+        raw = datasets.load_dataset(path, split, split=f"{size}ppl", **load_dataset_kwargs)
+        parts.append(prepare_knights_knaves_dataset(raw, system_prompt, prefill_think))
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def render_prompts_as_text(dataset, tokenizer, prompt_column: str = "prompt"):
+    """
+    Renders conversational prompts to text with the model's chat template, continuing a final assistant message.
+
+    TRL 1.16's `GRPOTrainer` applies the chat template with `add_generation_prompt=True` and never continues a final
+    assistant message, so a prompt that pre-fills `"<think>"` (the paper's format, `prefill_think=True`) must be
+    given to it as text: this opens the assistant turn and leaves `"<think>"` open for the model to continue.
+    Prompts without a final assistant message get the usual generation prompt.
+
+    Args:
+        dataset (`datasets.Dataset`):
+            A dataset with a conversational prompt column.
+        tokenizer (`transformers.PreTrainedTokenizerBase`):
+            The tokenizer of the model to train (its chat template is used).
+        prompt_column (`str`, *optional*, defaults to `"prompt"`):
+            The column to render.
+
+    Returns:
+        `datasets.Dataset`: The dataset with plain-text prompts.
+    """
+
+    def render(example: dict[str, Any]) -> dict[str, str]:
+        messages = example[prompt_column]
+        if isinstance(messages, str):
+            return {prompt_column: messages}
+        continues = messages[-1]["role"] == "assistant"
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=not continues, continue_final_message=continues
+        )
+        return {prompt_column: text}
+
+    return dataset.map(render)

@@ -1,0 +1,270 @@
+"""The paper's K&K reward (Logic-RL's `compute_score`) as TRL reward functions.
+
+Scoring:
+
+- format: `+1` if the response holds exactly one `<think>`, `</think>`, `<answer>` and `</answer>`, in that order;
+  `-1` otherwise.
+- answer: `+2` if every person's identity in the `<answer>` block is right; `-1.5` if it parses but is wrong; `-2` if
+  it cannot be parsed (a person is missing, or the number of "knight"/"knave" words differs from the number of
+  people) or if the format failed.
+
+So a completion scores 3, -0.5, -1 or -3. With the paper's prompt the `<think>` is pre-filled in the prompt: the
+reward functions then count it as the response's first tag (the dataset's `think_prefilled` column says so).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._text import completion_to_text
+
+
+THINK_PREFILL = "<think>"
+"""Text the prompt puts at the start of the assistant turn when `<think>` is pre-filled."""
+
+FORMAT_REWARD = 1.0
+ANSWER_CORRECT_REWARD = 2.0
+ANSWER_WRONG_REWARD = -1.5
+ANSWER_UNPARSABLE_REWARD = -2.0
+
+_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+_ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_SOLUTION_LINE = re.compile(r"^\s*(?:\(\d+\)\s*)?([A-Za-z][\w'-]*)\b.*?\b(knight|knave)\b", re.IGNORECASE)
+
+
+def has_valid_format(response: str) -> bool:
+    """
+    Whether the response holds exactly one `<think>`, `</think>`, `<answer>` and `</answer>`, in that order.
+
+    Args:
+        response (`str`):
+            The model's response (with the pre-filled `<think>` when the prompt has one).
+
+    Returns:
+        `bool`: The format check of the paper's reward.
+    """
+    if any(response.count(tag) != 1 for tag in _TAGS):
+        return False
+    positions = [response.find(tag) for tag in _TAGS]
+    return positions == sorted(positions)
+
+
+def extract_answer(response: str) -> str | None:
+    """
+    The stripped content of the last `<answer> ... </answer>` block.
+
+    Args:
+        response (`str`):
+            The model's response.
+
+    Returns:
+        `str` or `None`: The answer text, `None` when there is no block.
+    """
+    blocks = _ANSWER_BLOCK.findall(response)
+    return blocks[-1].strip() if blocks else None
+
+
+def parse_solution_text_format(solution_text_format: str) -> dict[str, str]:
+    """
+    Reads a ground truth such as `"(1) Zoey is a knight\\n(2) Oliver is a knave"`.
+
+    Args:
+        solution_text_format (`str`):
+            One person per line, name first, role (`knight`/`knave`) last.
+
+    Returns:
+        `dict[str, str]`: Name -> `"knight"` or `"knave"`, in line order.
+    """
+    roles = {}
+    for line in solution_text_format.splitlines():
+        match = _SOLUTION_LINE.search(line)
+        if match:
+            roles[match.group(1)] = match.group(2).lower()
+    return roles
+
+
+def parse_answer_roles(answer: str, names: Sequence[str]) -> dict[str, str] | None:
+    """
+    Reads each person's role from an answer, as the paper's reward does.
+
+    The answer is unparsable when the words "knight" and "knave" (case-insensitive, also inside longer words) occur
+    in total a different number of times than there are people, or when some name is not followed by "is a knight" /
+    "is a knave" (whole-word, case-insensitive; the first such phrase per name counts).
+
+    Args:
+        answer (`str`):
+            Content of the `<answer>` block.
+        names (`Sequence[str]`):
+            The people to identify.
+
+    Returns:
+        `dict[str, str]` or `None`: Name -> `"knight"`/`"knave"`, or `None` when unparsable.
+    """
+    lowered = answer.lower()
+    if lowered.count("knight") + lowered.count("knave") != len(names):
+        return None
+    roles = {}
+    for name in names:
+        match = re.search(rf"\b{re.escape(name)}\b\s+is\s+a\s+\b(knight|knave)\b", answer, re.IGNORECASE)
+        if match is None:
+            return None
+        roles[name] = match.group(1).lower()
+    return roles
+
+
+def score_format(response: str) -> float:
+    """
+    Format part of the paper's reward.
+
+    Args:
+        response (`str`):
+            The model's response, including a pre-filled `<think>`.
+
+    Returns:
+        `float`: `1.0` if [`has_valid_format`], else `-1.0`.
+    """
+    return FORMAT_REWARD if has_valid_format(response) else -FORMAT_REWARD
+
+
+def score_answer(response: str, solution_text_format: str) -> float:
+    """
+    Answer part of the paper's reward.
+
+    Args:
+        response (`str`):
+            The model's response, including a pre-filled `<think>`.
+        solution_text_format (`str`):
+            Ground truth, one person per line (see [`parse_solution_text_format`]).
+
+    Returns:
+        `float`: `2.0` all identities right, `-1.5` parsed but wrong, `-2.0` unparsable, empty or format failed.
+    """
+    if not has_valid_format(response):
+        return ANSWER_UNPARSABLE_REWARD
+    answer = extract_answer(response)
+    if not answer:
+        return ANSWER_UNPARSABLE_REWARD
+    expected = parse_solution_text_format(solution_text_format)
+    predicted = parse_answer_roles(answer, list(expected))
+    if predicted is None:
+        return ANSWER_UNPARSABLE_REWARD
+    return ANSWER_CORRECT_REWARD if predicted == expected else ANSWER_WRONG_REWARD
+
+
+def _per_completion(value: bool | Sequence[bool] | None, count: int) -> list[bool]:
+    if value is None:
+        return [False] * count
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"think_prefilled has {len(value)} values for {count} completions")
+        return [bool(item) for item in value]
+    return [bool(value)] * count
+
+
+def _responses(completions: Sequence[Any], think_prefilled: bool | Sequence[bool] | None) -> list[str]:
+    prefilled = _per_completion(think_prefilled, len(completions))
+    return [
+        (THINK_PREFILL if is_prefilled else "") + completion_to_text(completion)
+        for completion, is_prefilled in zip(completions, prefilled, strict=True)
+    ]
+
+
+def knights_knaves_format_reward(
+    completions: Sequence[Any], think_prefilled: bool | Sequence[bool] | None = False, **kwargs: Any
+) -> list[float]:
+    """
+    TRL reward function: the format part of the paper's K&K reward (`+1` / `-1`).
+
+    Use it with [`knights_knaves_answer_reward`] (`reward_funcs=[knights_knaves_format_reward,
+    knights_knaves_answer_reward]`, default weights 1) to train on exactly [`knights_knaves_reward`] while TRL logs
+    both parts (`rewards/knights_knaves_format_reward/mean`, `rewards/knights_knaves_answer_reward/mean`).
+
+    Args:
+        completions (`Sequence[str]` or `Sequence[list[dict]]`):
+            Plain-text or conversational completions.
+        think_prefilled (`bool` or `Sequence[bool]`, *optional*, defaults to `False`):
+            Whether the prompt ends with a pre-filled `<think>` that the completion continues; it is then counted as
+            the response's first tag. TRL passes the dataset's `think_prefilled` column here (one value per
+            completion); set it yourself (e.g. `functools.partial`) for datasets without that column.
+        **kwargs:
+            Other dataset columns and trainer arguments, ignored.
+
+    Returns:
+        `list[float]`: One score per completion.
+    """
+    return [score_format(response) for response in _responses(completions, think_prefilled)]
+
+
+def knights_knaves_answer_reward(
+    completions: Sequence[Any],
+    solution_text_format: Sequence[str],
+    think_prefilled: bool | Sequence[bool] | None = False,
+    **kwargs: Any,
+) -> list[float]:
+    """
+    TRL reward function: the answer part of the paper's K&K reward (`+2` / `-1.5` / `-2`, and `-2` when the format
+    fails).
+
+    Args:
+        completions (`Sequence[str]` or `Sequence[list[dict]]`):
+            Plain-text or conversational completions.
+        solution_text_format (`Sequence[str]`):
+            Ground truth per completion (the dataset column), e.g. `"(1) Zoey is a knight\\n(2) Oliver is a knave"`.
+        think_prefilled (`bool` or `Sequence[bool]`, *optional*, defaults to `False`):
+            See [`knights_knaves_format_reward`].
+        **kwargs:
+            Other dataset columns and trainer arguments, ignored.
+
+    Returns:
+        `list[float]`: One score per completion.
+    """
+    responses = _responses(completions, think_prefilled)
+    return [score_answer(response, truth) for response, truth in zip(responses, solution_text_format, strict=True)]
+
+
+def knights_knaves_reward(
+    completions: Sequence[Any],
+    solution_text_format: Sequence[str],
+    think_prefilled: bool | Sequence[bool] | None = False,
+    log_metric: Callable[[str, float], None] | None = None,
+    **kwargs: Any,
+) -> list[float]:
+    """
+    TRL reward function: the paper's K&K reward, format plus answer (3, -0.5, -1 or -3 per completion).
+
+    Equals `knights_knaves_format_reward + knights_knaves_answer_reward` exactly. Inside TRL's `GRPOTrainer` it also
+    logs its parts through TRL's `log_metric` hook: `knights_knaves/format` and `knights_knaves/answer` (batch means)
+    and `knights_knaves/accuracy` (share of completions with every identity right).
+
+    Args:
+        completions (`Sequence[str]` or `Sequence[list[dict]]`):
+            Plain-text or conversational completions.
+        solution_text_format (`Sequence[str]`):
+            Ground truth per completion (the dataset column).
+        think_prefilled (`bool` or `Sequence[bool]`, *optional*, defaults to `False`):
+            Whether the prompt pre-fills `<think>` (then counted as part of the response). TRL passes the dataset's
+            `think_prefilled` column, which [`generate_dataset`] and [`load_knights_knaves_dataset`] write; for other
+            datasets set it with `functools.partial(knights_knaves_reward, think_prefilled=True)`.
+        log_metric (`Callable[[str, float], None]`, *optional*):
+            Passed by TRL; receives the sub-scores.
+        **kwargs:
+            Other dataset columns and trainer arguments, ignored.
+
+    Returns:
+        `list[float]`: One score per completion.
+    """
+    responses = _responses(completions, think_prefilled)
+    format_scores = [score_format(response) for response in responses]
+    answer_scores = [
+        score_answer(response, truth) for response, truth in zip(responses, solution_text_format, strict=True)
+    ]
+    if callable(log_metric) and responses:
+        count = len(responses)
+        log_metric("knights_knaves/format", sum(format_scores) / count)
+        log_metric("knights_knaves/answer", sum(answer_scores) / count)
+        log_metric("knights_knaves/accuracy", sum(s == ANSWER_CORRECT_REWARD for s in answer_scores) / count)
+    return [
+        format_score + answer_score for format_score, answer_score in zip(format_scores, answer_scores, strict=True)
+    ]

@@ -1,0 +1,312 @@
+"""Math data of arXiv 2505.12929 for TRL: the authors' DSR-uniform training set and evaluation sets, and Hub sets.
+
+- [`load_paper_math_dataset`]: the authors' parquet files (DSR-uniform: `deepscaler_uniform_train.parquet`, 10,000
+  DeepScaleR problems spread evenly over difficulty; their `*_dsr.parquet` evaluation sets), by URL or local path,
+  with the raw-text prompt the authors fed the model (no chat template).
+- [`load_math_dataset`]: a set by short name from the Hub (see [`MATH_DATASETS`]) or local files with the same
+  columns, mapped to `prompt` + `solution` (conversational prompts by default, raw text with `text_prompt=True`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._paper import AUTHORS_DATA_URL, load_parquet
+from .grading import normalize_reference
+
+PAPER_MATH_FILES: dict[str, str] = {
+    "dsr_uniform": "data/deepscaler_c/deepscaler_uniform_train.parquet",
+    "aime_dsr": "data/deepscaler/aime_dsr.parquet",
+    "amc_dsr": "data/deepscaler/amc_dsr.parquet",
+    "math_dsr": "data/deepscaler/math_dsr.parquet",
+    "olympiad_bench_dsr": "data/deepscaler/olympiad_bench_dsr.parquet",
+}
+"""The authors' math parquet files by short name, relative to [`AUTHORS_DATA_URL`]. `"dsr_uniform"` is the paper's
+training set (10,000 problems); the others are their evaluation sets (AIME 2024: 30, AMC: 83, MATH-500: 500,
+OlympiadBench: 675). Their Minerva file is left out: 75 of its answers are lists of alternatives, which
+[`math_reward`] does not grade."""
+
+MATH_PROMPT_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
+"""Appended to every problem, as in the paper's (DeepScaleR's) math prompts."""
+
+
+@dataclass(frozen=True)
+class MathDatasetSpec:
+    """
+    Where a math set lives on the Hugging Face Hub and which columns hold the problem and the reference answer.
+
+    Args:
+        path (`str`):
+            Hub id.
+        split (`str`):
+            Split to load.
+        problem_column (`str`):
+            Column with the problem statement.
+        answer_column (`str`):
+            Column with the final answer (a string, a number, or a list of strings that together form the answer).
+        name (`str` or `None`, *optional*):
+            Config of the Hub dataset.
+        year_column (`str` or `None`, *optional*):
+            Column holding the year, to keep only `years`.
+        years (`tuple[int, int]` or `None`, *optional*):
+            Inclusive range of years to keep.
+        data_file (`str` or `None`, *optional*):
+            For sets stored as one JSON file of `[question, answer]` message pairs (ORZ) rather than as a table: the
+            file's name in the Hub repository.
+    """
+
+    path: str
+    split: str
+    problem_column: str
+    answer_column: str
+    name: str | None = None
+    year_column: str | None = None
+    years: tuple[int, int] | None = None
+    data_file: str | None = None
+
+
+MATH_DATASETS: dict[str, MathDatasetSpec] = {
+    # Training sets
+    "deepscaler": MathDatasetSpec("agentica-org/DeepScaleR-Preview-Dataset", "train", "problem", "answer"),
+    "orz": MathDatasetSpec(
+        "Open-Reasoner-Zero/orz_math_57k_collection", "train", "value", "ground_truth",
+        data_file="orz_math_57k_collection.json",
+    ),
+    # Evaluation sets
+    "math500": MathDatasetSpec("HuggingFaceH4/MATH-500", "test", "problem", "answer"),
+    "aime": MathDatasetSpec(
+        "di-zhang-fdu/AIME_1983_2024", "train", "Question", "Answer", year_column="Year", years=(2021, 2024)
+    ),
+    "aime24": MathDatasetSpec("HuggingFaceH4/aime_2024", "train", "problem", "answer"),
+    "amc": MathDatasetSpec("AI-MO/aimo-validation-amc", "train", "problem", "answer"),
+    "minerva": MathDatasetSpec("math-ai/minervamath", "test", "question", "answer"),
+    "olympiadbench": MathDatasetSpec("math-ai/olympiadbench", "test", "question", "final_answer"),
+}  # fmt: skip
+"""The paper's math sets by short name. `"aime"` is AIME 2021-2024 (the paper's AIME set), `"aime24"` AIME 2024 only;
+`"amc"` is AMC 2022-2023 (83 problems), `"minerva"` Minerva-Math (272), `"olympiadbench"` the 675 open-ended
+English text-only math problems of OlympiadBench. Pass a [`MathDatasetSpec`] to [`load_math_dataset`] for another
+mirror."""
+
+
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Datasets
+# ---------------------------------------------------------------------------------------------------------------------
+def make_math_prompt(
+    problem: str, prompt_suffix: str = MATH_PROMPT_SUFFIX, system_prompt: str | None = None, text_prompt: bool = False
+) -> list[dict[str, str]] | str:
+    """
+    The conversational prompt of a problem, in the paper's style: the problem, then the instruction to reason step by
+    step and box the final answer.
+
+    Args:
+        problem (`str`):
+            The problem statement.
+        prompt_suffix (`str`, *optional*, defaults to [`MATH_PROMPT_SUFFIX`]):
+            Appended after a space.
+        system_prompt (`str` or `None`, *optional*):
+            An optional system message (the paper uses none; not allowed with `text_prompt`).
+        text_prompt (`bool`, *optional*, defaults to `False`):
+            Return the text itself, as the authors fed it to the model without a chat template.
+
+    Returns:
+        `list[dict[str, str]]` or `str`: The messages, or the text.
+    """
+    content = f"{problem.strip()} {prompt_suffix}".strip()
+    if text_prompt:
+        if system_prompt:
+            raise ValueError("system_prompt: a raw-text prompt (text_prompt=True) has no system message")
+        return content
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return messages + [{"role": "user", "content": content}]
+
+
+def math_record_to_example(
+    record: dict[str, Any],
+    problem_column: str,
+    answer_column: str,
+    prompt_suffix: str = MATH_PROMPT_SUFFIX,
+    system_prompt: str | None = None,
+    text_prompt: bool = False,
+) -> dict[str, Any]:
+    """
+    Maps one row of a math set to the TRL columns `prompt` (conversational) and `solution` (reference answer), keeping
+    the raw `problem`.
+
+    Args:
+        record (`dict[str, Any]`):
+            The row.
+        problem_column (`str`):
+            Column with the problem.
+        answer_column (`str`):
+            Column with the final answer.
+        prompt_suffix (`str`, *optional*, defaults to [`MATH_PROMPT_SUFFIX`]):
+            See [`make_math_prompt`].
+        system_prompt (`str` or `None`, *optional*):
+            See [`make_math_prompt`].
+        text_prompt (`bool`, *optional*, defaults to `False`):
+            See [`make_math_prompt`].
+
+    Returns:
+        `dict[str, Any]`: `{"prompt": ..., "problem": ..., "solution": ...}`.
+    """
+    problem = str(record[problem_column])
+    return {
+        "prompt": make_math_prompt(problem, prompt_suffix, system_prompt, text_prompt),
+        "problem": problem,
+        "solution": normalize_reference(record[answer_column]),
+    }
+
+
+def orz_pairs_to_records(pairs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """
+    Flattens ORZ's `[{"from": "human", "value": question}, {"from": "assistant", "ground_truth": {"value": answer}}]`
+    pairs into rows with columns `value` (the question) and `ground_truth` (the answer, as a string).
+
+    Args:
+        pairs (`Sequence[Sequence[dict]]`):
+            The JSON content of the ORZ file.
+
+    Returns:
+        `list[dict[str, Any]]`: One row per pair.
+    """
+    records = []
+    for question, answer in (pair[:2] for pair in pairs):
+        records.append(
+            {"value": question.get("value", ""), "ground_truth": normalize_reference(answer.get("ground_truth", ""))}
+        )
+    return records
+
+
+def _load_raw(spec: MathDatasetSpec, data_files: str | Sequence[str] | None, **load_dataset_kwargs: Any):
+    import datasets
+
+    if spec.data_file is not None:  # a single JSON file of message pairs (ORZ)
+        paths = [data_files] if isinstance(data_files, str) else list(data_files or [])
+        if not paths:
+            from huggingface_hub import hf_hub_download
+
+            paths = [hf_hub_download(spec.path, spec.data_file, repo_type="dataset")]
+        records = []
+        for path in paths:
+            with open(path, encoding="utf-8") as file:
+                records.extend(orz_pairs_to_records(json.load(file)))
+        return datasets.Dataset.from_list(records)
+    if data_files is not None:  # local files with the Hub set's columns
+        first = data_files if isinstance(data_files, str) else next(iter(data_files))
+        builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[first.rsplit(".", 1)[-1]]
+        return datasets.load_dataset(builder, data_files=data_files, split="train", **load_dataset_kwargs)
+    return datasets.load_dataset(spec.path, spec.name, split=spec.split, **load_dataset_kwargs)
+
+
+def load_math_dataset(
+    name: str | MathDatasetSpec,
+    data_files: str | Sequence[str] | None = None,
+    prompt_suffix: str = MATH_PROMPT_SUFFIX,
+    system_prompt: str | None = None,
+    text_prompt: bool = False,
+    **load_dataset_kwargs: Any,
+):
+    """
+    Loads one of the paper's math sets, mapped to `prompt` (conversational, the paper's prompt style), `problem` and
+    `solution` (the reference answer as a string, for [`math_reward`]). Other columns are dropped (DeepScaleR's
+    worked `solution` included: here `solution` is the final answer).
+
+    Args:
+        name (`str` or [`MathDatasetSpec`]):
+            A key of [`MATH_DATASETS`] (`"deepscaler"`, `"orz"`, `"math500"`, `"aime"`, `"aime24"`, `"amc"`,
+            `"minerva"`, `"olympiadbench"`) or a spec of your own.
+        data_files (`str` or `Sequence[str]`, *optional*):
+            Local `.json`/`.jsonl`/`.parquet`/`.csv` files with the same columns as the Hub set, read instead of the
+            Hub (for ORZ: its JSON file of message pairs).
+        prompt_suffix (`str`, *optional*, defaults to [`MATH_PROMPT_SUFFIX`]):
+            Instruction appended to each problem.
+        system_prompt (`str` or `None`, *optional*):
+            Optional system message.
+        text_prompt (`bool`, *optional*, defaults to `False`):
+            Make `prompt` the raw text (problem + instruction) without a chat template, as the authors prompt.
+        **load_dataset_kwargs:
+            Passed to `datasets.load_dataset` (e.g. `revision`, `cache_dir`).
+
+    Returns:
+        `datasets.Dataset`: Columns `prompt`, `problem`, `solution`.
+    """
+    if isinstance(name, MathDatasetSpec):
+        spec = name
+    elif name in MATH_DATASETS:
+        spec = MATH_DATASETS[name]
+    else:
+        raise ValueError(f"Unknown math dataset {name!r}; choose one of {sorted(MATH_DATASETS)} or pass a spec")
+    raw = _load_raw(spec, data_files, **load_dataset_kwargs)
+    if spec.year_column is not None and spec.years is not None:
+        first_year, last_year = spec.years
+        raw = raw.filter(lambda year: first_year <= int(year) <= last_year, input_columns=spec.year_column)
+    return raw.map(
+        math_record_to_example,
+        fn_kwargs={
+            "problem_column": spec.problem_column,
+            "answer_column": spec.answer_column,
+            "prompt_suffix": prompt_suffix,
+            "system_prompt": system_prompt,
+            "text_prompt": text_prompt,
+        },
+        remove_columns=raw.column_names,
+    ).select_columns(["prompt", "problem", "solution"])
+
+
+
+def paper_math_record_to_example(record: dict[str, Any]) -> dict[str, Any]:
+    """
+    Maps one row of the authors' verl parquet files (`prompt`: one message whose content is the full prompt text;
+    `reward_model.ground_truth`: the answer) to `prompt` (that text, as is), `solution` and `difficulty`.
+
+    Args:
+        record (`dict[str, Any]`):
+            The row.
+
+    Returns:
+        `dict[str, Any]`: `{"prompt": str, "solution": str, "difficulty": float | None}`.
+    """
+    messages = list(record["prompt"])
+    if len(messages) != 1 or "content" not in messages[0]:
+        raise ValueError(f"prompt: expected one message holding the prompt text, got {messages!r:.200}")
+    answer = record["reward_model"]["ground_truth"]
+    if isinstance(answer, (list, tuple)) or hasattr(answer, "tolist"):
+        alternatives = list(answer)
+        if len(alternatives) != 1:
+            raise ValueError(f"reward_model.ground_truth: {len(alternatives)} alternative answers are not supported")
+        answer = alternatives[0]
+    difficulty = (record.get("extra_info") or {}).get("difficulty")
+    return {
+        "prompt": messages[0]["content"],
+        "solution": normalize_reference(answer),
+        "difficulty": None if difficulty is None else float(difficulty),
+    }
+
+
+def load_paper_math_dataset(name: str = "dsr_uniform", data_file: str | None = None):
+    """
+    Loads one of the authors' math parquet files, with the prompt text exactly as their model saw it.
+
+    Their prompts are raw text (`problem + " Let's think step by step and output the final answer within
+    \\boxed{}."`) fed to the model without a chat template; `prompt` here is that string, which TRL's
+    `GRPOTrainer` tokenizes as is. Grade with [`math_reward`] (the paper's grading).
+
+    Args:
+        name (`str`, *optional*, defaults to `"dsr_uniform"`):
+            A key of [`PAPER_MATH_FILES`]: `"dsr_uniform"` (the training set) or an evaluation set.
+        data_file (`str`, *optional*):
+            A local copy of the file (or another URL); defaults to the file in the authors' repository.
+
+    Returns:
+        `datasets.Dataset`: Columns `prompt` (text), `solution`, `difficulty` (the authors' difficulty score, `None`
+        where absent).
+    """
+    if name not in PAPER_MATH_FILES:
+        raise ValueError(f"name: unknown paper math set {name!r}; choose one of {sorted(PAPER_MATH_FILES)}")
+    raw = load_parquet(data_file or f"{AUTHORS_DATA_URL}/{PAPER_MATH_FILES[name]}")
+    return raw.map(paper_math_record_to_example, remove_columns=raw.column_names)
