@@ -81,7 +81,7 @@ def make_batch(trainer, seed: int, old_logps_noise: float = 0.3) -> dict:
     return inputs
 
 
-def median_eta(inputs: dict) -> float:
+def splitting_eta(inputs: dict) -> float:
     """A threshold that puts about half the completion tokens in each group, far from every token's pi_old."""
     return threshold_between_values(inputs["old_per_token_logps"].exp()[inputs["completion_mask"].bool()])
 
@@ -182,7 +182,7 @@ def test_advantage_reweighting_changes_the_gradient(trainer):
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
 def test_lopti_pass_matches_independent_grpo(trainer, loss_type, beta, token_group, entropy_coef):
     inputs = make_batch(trainer, seed=5)
-    eta = median_eta(inputs)
+    eta = splitting_eta(inputs)
     configure(trainer, loss_type, beta, alpha=0.3, eta=eta, entropy_coef=entropy_coef)
     _, gradients = trainer_loss_and_gradients(trainer, inputs, token_group)
     _, expected_gradients = reference_loss_and_gradients(trainer, inputs, 0.3, token_group, eta=eta)
@@ -197,7 +197,7 @@ def test_low_pass_plus_high_pass_equals_plain_gradient(trainer, loss_type, beta,
     if loss_type == "vespo" and importance_sampling_level == "sequence":
         pytest.skip("VESPO is sequence-level by construction")
     inputs = make_batch(trainer, seed=7)
-    eta = median_eta(inputs)
+    eta = splitting_eta(inputs)
     configure(trainer, loss_type, beta, alpha=0.3, eta=eta, entropy_coef=entropy_coef)
     trainer.importance_sampling_level = importance_sampling_level
     try:
@@ -234,7 +234,7 @@ def test_split_uses_pi_old_not_current_probability(trainer):
 def test_vllm_fields_use_trainer_pi_old_and_keep_the_correction(trainer):
     """With vLLM, AR and the split read `old_per_token_logps`, and TRL's importance-sampling correction applies."""
     inputs = make_batch(trainer, seed=9)
-    eta = median_eta(inputs)
+    eta = splitting_eta(inputs)
     configure(trainer, "dapo", 0.1, alpha=0.3, eta=eta)
     generator = torch.Generator().manual_seed(0)
     # the sampler's log-probs differ from pi_old enough to move tokens across eta if they were (wrongly) used
@@ -339,7 +339,7 @@ def test_inactive_tokens_get_exactly_zero_gradient_and_active_ones_plain_grpos(
         pytest.skip("VESPO is sequence-level by construction")
     outputs = PolicyOutputs(monkeypatch)
     inputs = make_batch(trainer, seed=7)
-    eta = median_eta(inputs)
+    eta = splitting_eta(inputs)
     configure(trainer, loss_type, beta=0.1, alpha=0.3, eta=eta, entropy_coef=0.05)
     trainer.importance_sampling_level = importance_sampling_level
     restore = apply_options(trainer, inputs, TRL_OPTIONS[option])
@@ -369,7 +369,7 @@ def test_inactive_tokens_get_exactly_zero_gradient_and_active_ones_plain_grpos(
 def test_lopti_pass_matches_the_independent_general_form(trainer, loss_type, importance_sampling_level, token_group):
     """Parameter gradients of each pass against the reference loss with gradient only through active tokens."""
     inputs = make_batch(trainer, seed=13)
-    eta = median_eta(inputs)
+    eta = splitting_eta(inputs)
     configure(trainer, loss_type, beta=0.1, alpha=0.3, eta=eta, entropy_coef=0.05)
     trainer.importance_sampling_level = importance_sampling_level
     try:
@@ -424,7 +424,7 @@ def test_router_auxiliary_loss_is_trained_once_per_cycle(moe_model_path, tmp_pat
     moe.current_gradient_accumulation_steps = 1
     moe.model.train()
     inputs = make_batch(moe, seed=7)
-    moe.lopti_threshold = median_eta(inputs)
+    moe.lopti_threshold = splitting_eta(inputs)
     plain_loss, plain = trainer_loss_and_gradients(moe, inputs, None)
     moe._step = 0  # the first pass
     moe.lopti_token_group = lambda: "low"
