@@ -36,7 +36,7 @@ Measured per generation batch (counted by hooks, not inferred from the configura
 - throughput: completion tokens per second of step time.
 
 Sizes (`--size`): `tiny` (a random tiny Qwen2, under a minute on CPU; used by `tests/test_benchmark.py`),
-`smollm2-cpu` (SmolLM2-135M-Instruct, offline, see `trl_lopti.smollm2`; 128-token completions),
+`smollm2-cpu` (SmolLM2-135M-Instruct, offline, see `trl_lopti.models`; 128-token completions),
 `smollm2-cpu-short` (the same with 48-token completions), `gpu` (a randomly initialised Qwen2.5-1.5B-shaped model
 built from a `Qwen2Config`, bf16 autocast, plain `transformers` generation; see `benchmarks/run_gpu.sh`).
 
@@ -150,7 +150,7 @@ class BenchmarkSize:
             Name of the size (`--size`).
         model (`str`):
             `"random-qwen2"` (a random `Qwen2Config` model written to a temporary folder, with the tiny offline
-            tokenizer of `trl_lopti.models`) or `"smollm2"` (`trl_lopti.smollm2.get_smollm2()`).
+            tokenizer of `trl_lopti.models`) or `"smollm2"` (`trl_lopti.models.get_smollm2()`).
         prompts_per_batch (`int`):
             Distinct prompts per generation batch.
         num_generations (`int`):
@@ -378,7 +378,7 @@ def build_random_qwen2(output_dir: str | os.PathLike, model_config: dict[str, An
 def prepare_model(size: BenchmarkSize, work_dir: Path, seed: int) -> str:
     """Returns a local model folder for `size` (built or converted offline)."""
     if size.model == "smollm2":
-        from trl_lopti.smollm2 import get_smollm2
+        from trl_lopti.models import get_smollm2
 
         return get_smollm2()
     if size.model == "random-qwen2":

