@@ -1,4 +1,4 @@
-"""The `trl-lopti` command line (`main`) and the `train` command's parsing and dataset building, for scripts and tests."""
+"""The `trl-lopti` command line (`main`), and the `train` command's parsing and data building for scripts and tests."""
 
 from .errors import CliError
 from .main import main

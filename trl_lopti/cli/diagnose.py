@@ -112,7 +112,9 @@ class DiagnoseArguments:
         default=None,
         metadata={"help": "Reference model for the KL part of |w| (default: none, the policy is its reference)."},
     )
-    task: str = field(default="knights_knaves", metadata={"help": "Prompts and reward.", "choices": ["knights_knaves", "toy"]})
+    task: str = field(
+        default="knights_knaves", metadata={"help": "Prompts and reward.", "choices": ["knights_knaves", "toy"]}
+    )
     reward: str | None = field(
         default=None,
         metadata={
@@ -129,7 +131,9 @@ class DiagnoseArguments:
     beta: float = field(default=0.0, metadata={"help": "KL coefficient of the measured loss."})
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range."})
     epsilon_high: float | None = field(default=None, metadata={"help": "Upper clipping range (default: epsilon)."})
-    loss_type: str = field(default="dapo", metadata={"help": "Loss normalisation.", "choices": list(SUPPORTED_LOSS_TYPES)})
+    loss_type: str = field(
+        default="dapo", metadata={"help": "Loss normalisation.", "choices": list(SUPPORTED_LOSS_TYPES)}
+    )
     no_bias_correction_kl: bool = field(
         default=False,
         metadata={"help": "Plain k3 KL term (TRL's use_bias_correction_kl=False); default: times the ratio."},
@@ -211,7 +215,8 @@ def task_rows(args: DiagnoseArguments) -> tuple[list[dict[str, Any]], Callable[.
 
         dataset = knights_knaves.generate_dataset(num_people=args.num_people, num_samples=args.num_prompts,
                                                   seed=args.seed)  # fmt: skip
-        rows, reward = [dataset[index] for index in range(min(args.num_prompts, len(dataset)))], knights_knaves.knights_knaves_reward
+        rows = [dataset[index] for index in range(min(args.num_prompts, len(dataset)))]
+        reward = knights_knaves.knights_knaves_reward
     else:
         prompts = [_TOY_PROMPTS[index % len(_TOY_PROMPTS)] for index in range(args.num_prompts)]
         rows, reward = [{"prompt": [{"role": "user", "content": prompt}]} for prompt in prompts], toy_reward
@@ -310,7 +315,9 @@ def parse_args(argv: Sequence[str]) -> DiagnoseArguments:
     if unknown:
         raise CliError(f"probe_methods: unknown method(s) {unknown}; choose from {list(PROBE_METHODS)} or 'none'")
     if args.num_generations < 2:
-        raise CliError(f"num_generations: at least 2 (GRPO compares the completions of a prompt), got {args.num_generations}")
+        raise CliError(
+            f"num_generations: at least 2 (GRPO compares the completions of a prompt), got {args.num_generations}"
+        )
     return args
 
 
@@ -341,12 +348,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     rows, reward_func = task_rows(args)
     with tempfile.TemporaryDirectory(prefix="trl-lopti-diagnose-") as trainer_dir:
-        trainer = make_sampling_trainer(resolve_model_path(args.model_name_or_path), rows, reward_func, args, trainer_dir)
+        model_path = resolve_model_path(args.model_name_or_path)
+        trainer = make_sampling_trainer(model_path, rows, reward_func, args, trainer_dir)
     model = trainer.model.eval()
     ref_model = None
     if args.ref_model_name_or_path:
-        ref_model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.ref_model_name_or_path),
-                                                         dtype=getattr(torch, args.torch_dtype)).to(model.device)  # fmt: skip
+        ref_path = resolve_model_path(args.ref_model_name_or_path)
+        ref_model = AutoModelForCausalLM.from_pretrained(ref_path, dtype=getattr(torch, args.torch_dtype))
+        ref_model.to(model.device)
         ref_model.eval()
     load_time = time.perf_counter() - started
 
@@ -364,7 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     report = run_token_diagnostics(model, inputs, ref_model, settings, summed_gradients=not args.no_summed_gradients,
                                    probe_methods=args.methods, lr=args.lr, optimizer=args.optimizer)  # fmt: skip
-    report["timing_s"].update({"load": load_time, "generation": generation_time, "total": time.perf_counter() - started})
+    total_time = time.perf_counter() - started
+    report["timing_s"].update({"load": load_time, "generation": generation_time, "total": total_time})
     report.update(generation=summary, inner_steps=inner, command="trl-lopti diagnose " + " ".join(argv),
                   args=dataclasses.asdict(args))  # fmt: skip
     report = json_safe(report)

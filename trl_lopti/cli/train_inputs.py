@@ -58,7 +58,9 @@ def resolve_model(model_name_or_path: str | None) -> dict[str, str]:
         `dict[str, str]`: `{"model_name_or_path": ..., "source": "local" | "hub"}`.
     """
     if not model_name_or_path:
-        raise CliError("model_name_or_path: required (a local model folder or a hub id such as Qwen/Qwen2.5-3B-Instruct)")
+        raise CliError(
+            "model_name_or_path: required (a local model folder or a hub id such as Qwen/Qwen2.5-3B-Instruct)"
+        )
     path = Path(model_name_or_path).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -159,7 +161,8 @@ def _load_any(path_or_name: str, config: str | None, split: str):
     if path.is_file():
         builder = _LOCAL_FILE_BUILDERS.get(path.suffix.lower())
         if builder is None:
-            raise CliError(f"dataset_name: {path_or_name!r}: unsupported file type (use {sorted(_LOCAL_FILE_BUILDERS)})")
+            supported = sorted(_LOCAL_FILE_BUILDERS)
+            raise CliError(f"dataset_name: {path_or_name!r}: unsupported file type (use {supported})")
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
         loaded = datasets.load_from_disk(str(path))
@@ -183,10 +186,10 @@ def _knights_knaves_plan(script_args, wants_eval: bool) -> DatasetPlan:
         if wants_eval:
             spec["eval_split"] = script_args.dataset_test_split
         subsets = {"train": script_args.dataset_train_split, "eval": script_args.dataset_test_split}
-        return DatasetPlan(
-            spec, lambda which: load_knights_knaves_dataset(people, subset=subsets[which], path=path, prefill_think=prefill),
-            shuffle_before_truncation=False,
-        )  # fmt: skip
+        def load(which: str):
+            return load_knights_knaves_dataset(people, subset=subsets[which], path=path, prefill_think=prefill)
+
+        return DatasetPlan(spec, load, shuffle_before_truncation=False)
     num_train, num_eval = script_args.kk_num_samples, script_args.kk_num_eval_samples if wants_eval else 0
     spec.update(source="generated", num_samples=num_train, seed=script_args.kk_seed)
     if wants_eval:
@@ -275,13 +278,8 @@ def dataset_spec(script_args, training_args=None) -> dict[str, Any]:
 
 def build_datasets(script_args, training_args=None):
     """
-    Builds the training (and, when evaluation is on, evaluation) dataset of a run.
-
-    Args:
-        script_args ([`~trl_lopti.cli.train.LoptiScriptArguments`]):
-            The script arguments.
-        training_args ([`LoptiGRPOConfig`], *optional*):
-            Used to tell whether an evaluation set is needed.
+    Loads the training (and, when evaluation is on, evaluation) dataset that [`dataset_plan`] describes for the same
+    arguments, and keeps `max_train_samples` training rows.
 
     Returns:
         `tuple[datasets.Dataset, datasets.Dataset | None]`: Train and eval datasets, both with a `prompt` column.

@@ -34,11 +34,11 @@ class DiagnosticsSettings:
         temperature (`float`, *optional*, defaults to `1.0`):
             Temperature the log-probabilities are computed with (logits / temperature), as in TRL.
         beta (`float`, *optional*, defaults to `0.0`):
-            KL coefficient.
+            KL coefficient of the measured loss (TRL's `beta`).
         epsilon_low (`float`, *optional*, defaults to `0.2`):
-            Lower clipping range.
+            Lower clipping range of the importance ratio (TRL's `epsilon`).
         epsilon_high (`float` or `None`, *optional*):
-            Upper clipping range; defaults to `epsilon_low`.
+            Upper clipping range (TRL's `epsilon_high`); `None` means `epsilon_low`.
         loss_type (`str`, *optional*, defaults to `"dapo"`):
             Loss normalisation: `"dapo"`, `"bnpo"`, `"grpo"` or `"dr_grpo"`.
         use_bias_correction_kl (`bool`, *optional*, defaults to `True`):
@@ -72,7 +72,8 @@ class DiagnosticsSettings:
     def __post_init__(self):
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
             raise ValueError(
-                f"loss_type must be one of {SUPPORTED_LOSS_TYPES} (the clipped-surrogate losses), got {self.loss_type!r}"
+                f"loss_type must be one of {SUPPORTED_LOSS_TYPES} (the clipped-surrogate losses), "
+                f"got {self.loss_type!r}"
             )
         if self.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
@@ -290,7 +291,9 @@ def token_statistics(
         logits, num_tokens = result
         token_ids = batch.completion_ids[rows, :num_tokens]
         if hidden_norms:
-            mb_norms, mb_logps, mb_one_minus_p = hidden_state_gradient_norms(logits, token_ids, weight, settings.temperature)
+            mb_norms, mb_logps, mb_one_minus_p = hidden_state_gradient_norms(
+                logits, token_ids, weight, settings.temperature
+            )
             norms[rows, :num_tokens] = mb_norms
             one_minus_p[rows, :num_tokens] = mb_one_minus_p
         else:

@@ -112,7 +112,9 @@ class TokenDiagnosticsCallback(TrainerCallback):
         inputs = buffered[min(self.micro_batch_index, len(buffered) - 1)]
         model = trainer.accelerator.unwrap_model(trainer.model) if hasattr(trainer, "accelerator") else trainer.model
         settings = DiagnosticsSettings.from_trainer(trainer, micro_batch_size=self.micro_batch_size)
-        report = measure_token_gradients(model, inputs, self.ref_model, settings, summed_gradients=self.summed_gradients)
+        report = measure_token_gradients(
+            model, inputs, self.ref_model, settings, summed_gradients=self.summed_gradients
+        )
         self.last_report = report
         return flatten_report(report)
 

@@ -74,9 +74,9 @@ def measure_token_gradients(
     Returns:
         `dict[str, Any]`: A JSON-serialisable report; see [`run_token_diagnostics`].
     """
-    return run_token_diagnostics(
-        model, inputs, ref_model, settings, summed_gradients=summed_gradients, probe_methods=(), **overrides
-    )["gradients"]
+    report = run_token_diagnostics(model, inputs, ref_model, settings, summed_gradients=summed_gradients,
+                                   probe_methods=(), **overrides)  # fmt: skip
+    return report["gradients"]
 
 
 def probability_shift_probe(
@@ -126,10 +126,10 @@ def probability_shift_probe(
     Returns:
         `dict[str, Any]`: The `"probe"` part of [`run_token_diagnostics`]'s report.
     """
-    return run_token_diagnostics(
-        model, inputs, ref_model, settings, summed_gradients=False, probe_methods=methods, lr=lr, optimizer=optimizer,
-        **overrides,
-    )["probe"]
+    probe_settings = DiagnosticsSettings.resolve(settings, **overrides)
+    report = run_token_diagnostics(model, inputs, ref_model, probe_settings, summed_gradients=False,
+                                   probe_methods=methods, lr=lr, optimizer=optimizer)  # fmt: skip
+    return report["probe"]
 
 
 def run_token_diagnostics(
