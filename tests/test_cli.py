@@ -33,6 +33,8 @@ def test_usage_and_unknown_command(run_cli):
     assert code == 2 and "train" in out and "demo" in out and "diagnose" in out
     code, _, err = run_cli(["trian"])
     assert code == 2 and "unknown command 'trian'" in err and "did you mean 'train'" in err
+    code, out, _ = run_cli(["help"])
+    assert code == 0 and "diagnose" in out
     code, out, _ = run_cli(["--version"])
     from trl_lopti import __version__
 

@@ -523,15 +523,28 @@ def test_diagnose_cli_end_to_end(tiny_model_path, tmp_path):
     assert report["probe"]["methods"]["grpo"]["groups"]["all"]["positive"]["share_in_direction"] is None
 
 
-def test_diagnose_cli_knights_knaves(tiny_model_path, tmp_path):
-    pytest.importorskip("trl_lopti.tasks.knights_knaves")
-    argv = ["--model_name_or_path", tiny_model_path, "--task", "knights_knaves", "--num_prompts", "1",
+def test_diagnose_cli_knights_knaves(tiny_model_path, tmp_path, run_cli):
+    argv = ["diagnose", "--model_name_or_path", tiny_model_path, "--task", "knights_knaves", "--num_prompts", "1",
             "--num_generations", "2", "--max_completion_length", "4", "--no_summed_gradients", "--probe_methods",
             "none", "--no_plots", "--output_dir", str(tmp_path)]
-    assert diagnose_main(argv) == 0
+    code, out, err = run_cli(argv)
+    assert code == 0, err
+    assert "| Q1 (lowest) |" in out
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["generation"]["num_completions"] == 2
     assert report["probe"] is None and "summed_grad_norm" not in report["gradients"]["quartiles"][0]
+
+
+def test_diagnose_cli_errors_name_the_field(tiny_model_path, run_cli):
+    base = ["diagnose", "--model_name_or_path", tiny_model_path]
+    code, _, err = run_cli(base + ["--num_generations", "1"])
+    assert code == 2 and "num_generations: at least 2" in err
+    code, _, err = run_cli(base + ["--probe_methods", "grpo,lopti,sideways"])
+    assert code == 2 and "probe_methods" in err and "'sideways'" in err
+    code, _, err = run_cli(base + ["--loss_type", "sapo"])
+    assert code == 2 and "--loss_type" in err and "invalid choice: 'sapo'" in err
+    code, _, err = run_cli(["diagnose", "--task", "toy"])
+    assert code == 2 and "--model_name_or_path" in err
 
 
 def test_callback_logs_diagnostics_during_training(tiny_model_path, tmp_path):

@@ -64,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = make_parser()
+    if argv[:1] == ["help"]:
+        parser.print_help()
+        return 0
     if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
         close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
