@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import threshold_between_values
 
 from trl_lopti.cli.diagnose import DiagnoseArguments, make_sampling_trainer, sample_grpo_batch
 from trl_lopti.cli.diagnose import main as diagnose_main
@@ -380,12 +381,8 @@ def test_lopti_probe_second_pass_is_relative_to_pi_old(tiny_model):
     """On a model whose tokens interact, Lopti's second step starts from the first step's parameters: it differs
     from a GRPO step, and the grpo/lowest/highest probes reuse the quartile gradients consistently."""
     inputs = tiny_batch(tiny_model, seed=1)
-    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    with torch.no_grad():
-        logits = tiny_model(input_ids=input_ids, attention_mask=torch.cat([inputs["prompt_mask"],
-                                                                         inputs["completion_mask"]], 1)).logits
-    logps = torch.log_softmax(logits[:, -7:-1] / TEMPERATURE, -1).gather(-1, inputs["completion_ids"][..., None])
-    eta = float(logps[..., 0][inputs["completion_mask"].bool()].exp().median())  # half the tokens are "low"
+    probs = report_logps(tiny_model, inputs)[inputs["completion_mask"].bool()].exp()
+    eta = threshold_between_values(probs)  # about half the tokens are "low", none of them near eta
     report = run_token_diagnostics(
         tiny_model, inputs, temperature=TEMPERATURE, lr=0.5, eta=eta,
         probe_methods=("grpo", "lopti", "lowest_quartile_only", "highest_quartile_only"), micro_batch_size=2,
@@ -408,7 +405,8 @@ def test_shared_prompt_forward_gives_the_same_report(tiny_model):
     inputs = tiny_batch(tiny_model, seed=2)
     order = [0, 0, 2, 2]  # two prompts (one left-padded), two completions each
     inputs["prompt_ids"], inputs["prompt_mask"] = inputs["prompt_ids"][order], inputs["prompt_mask"][order]
-    kwargs = dict(temperature=TEMPERATURE, beta=0.0, lr=0.5, probe_methods=("grpo", "lopti"), eta=0.01,
+    eta = threshold_between_values(report_logps(tiny_model, inputs)[inputs["completion_mask"].bool()].exp())
+    kwargs = dict(temperature=TEMPERATURE, beta=0.0, lr=0.5, probe_methods=("grpo", "lopti"), eta=eta,
                   micro_batch_size=4)
     shared = run_token_diagnostics(tiny_model, inputs, share_prompt_forward=True, **kwargs)
     full = run_token_diagnostics(tiny_model, inputs, share_prompt_forward=False, **kwargs)
