@@ -481,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         `int`: The exit code.
     """
-    from .train import LoptiTrlParser, parse_with_config
+    from .parsing import LoptiTrlParser, parse_with_config
 
     parser = LoptiTrlParser(DemoArguments, prog="trl-lopti demo")
     (args,) = parse_with_config(parser, sys.argv[1:] if argv is None else argv)

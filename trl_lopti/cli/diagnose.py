@@ -308,7 +308,7 @@ def sample_grpo_batch(trainer, rows: Sequence[dict[str, Any]]) -> tuple[dict[str
 # ---------------------------------------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str]) -> DiagnoseArguments:
     """Parses `trl-lopti diagnose` arguments (flags and/or `--config FILE.yaml`) with TRL's parser."""
-    from .train import LoptiTrlParser, parse_with_config
+    from .parsing import LoptiTrlParser, parse_with_config
 
     (args,) = parse_with_config(LoptiTrlParser(DiagnoseArguments, prog="trl-lopti diagnose"), argv)
     unknown = [method for method in args.methods if method not in PROBE_METHODS]
