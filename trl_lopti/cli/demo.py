@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..tasks.knights_knaves import completion_to_text
+from ..tasks._text import completion_to_text
 
 
 ANSWER_PREFIX = "The answer is"

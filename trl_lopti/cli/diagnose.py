@@ -28,7 +28,7 @@ from typing import Any
 
 from ..diagnostics.measure import SUPPORTED_LOSS_TYPES
 from ..diagnostics.probe import DEFAULT_PROBE_METHODS, PROBE_METHODS
-from ..tasks.knights_knaves import completion_to_text
+from ..tasks._text import completion_to_text
 from .errors import CliError
 
 

@@ -62,6 +62,16 @@ class LoptiScriptArguments(ScriptArguments):
             Seed of the K&K generator.
         kk_prefill_think (`bool`, *optional*, defaults to `True`):
             End each K&K prompt with an assistant `"<think>"` that the model continues, as the paper does.
+        kk_source (`str`, *optional*):
+            `"paper"`: the authors' puzzles, split (train 4,500 / test 500) and exact prompt text
+            (`trl_lopti.tasks.knights_knaves.load_knights_knaves_dataset(source="paper")`); evaluation uses
+            `dataset_test_split` (`"test"`). Unset: the published set when `dataset_name` is given, else generated.
+        kk_data_dir (`str`, *optional*):
+            `kk_source: paper`: a local folder laid out as `{3..7}ppl/{train,test}.parquet` (default: the authors'
+            files by URL).
+        math_data_file (`str`, *optional*):
+            `math` with `dataset_name` one of `trl_lopti.tasks.math.PAPER_MATH_FILES` (e.g. `"dsr_uniform"`): a local
+            copy of that file (default: the authors' file by URL).
         math_problem_column (`str`, *optional*, defaults to `"problem"`):
             `math` from a hub id or file: column with the problem.
         math_answer_column (`str`, *optional*, defaults to `"answer"`):
@@ -97,6 +107,20 @@ class LoptiScriptArguments(ScriptArguments):
     kk_seed: int = field(default=0, metadata={"help": "Seed of the K&K generator and of data shuffling."})
     kk_prefill_think: bool = field(
         default=True, metadata={"help": "End each K&K prompt with an assistant '<think>' (as the paper does)."}
+    )
+    kk_source: str | None = field(
+        default=None,
+        metadata={
+            "help": "K&K data: 'paper' (the authors' split and prompt text), 'hub' or 'generated'; unset: 'hub' when "
+            "dataset_name is set, else 'generated'.",
+            "choices": ["paper", "hub", "generated"],
+        },
+    )
+    kk_data_dir: str | None = field(
+        default=None, metadata={"help": "kk_source 'paper': local folder with {3..7}ppl/{train,test}.parquet."}
+    )
+    math_data_file: str | None = field(
+        default=None, metadata={"help": "Math paper sets (e.g. dataset_name 'dsr_uniform'): a local copy of the file."}
     )
     math_problem_column: str = field(
         default="problem", metadata={"help": "Math from a hub id or a file: column with the problem."}
@@ -135,6 +159,8 @@ class LoptiScriptArguments(ScriptArguments):
                 raise CliError(
                     f"reward_funcs: required for task 'dataset' (names from {sorted(REWARD_FUNCS)} or dotted paths)"
                 )
+        if self.kk_source not in (None, "paper", "hub", "generated"):
+            raise CliError(f"kk_source: must be 'paper', 'hub', 'generated' or unset, got {self.kk_source!r}")
         if self.task == "math" and not self.dataset_name:
             raise CliError(
                 "dataset_name: required for task 'math' (e.g. 'deepscaler', a hub id, or a local .jsonl/.parquet file)"

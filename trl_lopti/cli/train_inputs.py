@@ -6,7 +6,6 @@ Each dataset source is described once, by a [`DatasetPlan`]: the description `--
 
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 import sys
@@ -23,6 +22,7 @@ REWARD_FUNCS = {
     "knights_knaves_format_reward": "trl_lopti.tasks.knights_knaves:knights_knaves_format_reward",
     "knights_knaves_answer_reward": "trl_lopti.tasks.knights_knaves:knights_knaves_answer_reward",
     "math_reward": "trl_lopti.tasks.math:math_reward",
+    "math_reward_lenient": "trl_lopti.tasks.math:math_reward_lenient",
     "accuracy_reward": "trl.rewards:accuracy_reward",
     "reasoning_accuracy_reward": "trl.rewards:reasoning_accuracy_reward",
     "think_format_reward": "trl.rewards:think_format_reward",
@@ -126,16 +126,16 @@ class DatasetPlan:
 
     Args:
         spec (`dict[str, Any]`):
-            What `--dry_run` prints: `task`, `source` (`"generated"`, `"hub"`, `"local"`, `"math_registry"`) and the
-            loading parameters; `eval_split` or `num_eval_samples` when an evaluation set is needed.
-        load (`Callable[[str], datasets.Dataset]`):
-            `load("train")` and `load("eval")` return the training and the evaluation set.
+            What `--dry_run` prints: `task`, `source` (`"generated"`, `"hub"`, `"local"`, `"math_registry"`,
+            `"paper"`) and the loading parameters; `eval_split` or `num_eval_samples` when an evaluation set is needed.
+        load (`Callable[[bool], tuple[datasets.Dataset, datasets.Dataset | None]]`):
+            `load(with_eval)` returns the training set and, when `with_eval`, the evaluation set.
         shuffle_before_truncation (`bool`):
             Whether `max_train_samples` keeps a shuffled (seed `kk_seed`) rather than a leading part of the data.
     """
 
     spec: dict[str, Any]
-    load: Callable[[str], Any]
+    load: Callable[[bool], tuple[Any, Any]]
     shuffle_before_truncation: bool = True
 
     @property
@@ -175,39 +175,50 @@ def _load_any(path_or_name: str, config: str | None, split: str):
 
 
 def _knights_knaves_plan(script_args, wants_eval: bool) -> DatasetPlan:
-    from ..tasks.knights_knaves import generate_dataset, load_knights_knaves_dataset
+    from ..tasks import build_task_datasets
+    from ..tasks.knights_knaves import KNIGHTS_KNAVES_HUB_ID
 
     people, prefill = list(script_args.kk_num_people), script_args.kk_prefill_think
     spec: dict[str, Any] = {"task": "knights_knaves", "num_people": people, "prefill_think": prefill}
-    if script_args.dataset_name:
-        local = _local_data(script_args.dataset_name)
-        path = str(local or script_args.dataset_name)
-        spec.update(source="local" if local else "hub", path=path, subset=script_args.dataset_train_split)
+    source = script_args.kk_source or ("hub" if script_args.dataset_name else "generated")
+    options: dict[str, Any] = {"num_people": people, "prefill_think": prefill}
+    if source == "paper":  # the authors' split and prompt text
+        spec.update(source="paper", data_dir=script_args.kk_data_dir, prefill_think=True)
+        options["data_dir"] = script_args.kk_data_dir
+    elif source == "hub":
+        name = script_args.dataset_name or KNIGHTS_KNAVES_HUB_ID
+        local = _local_data(name)
+        spec.update(source="local" if local else "hub", path=str(local or name), subset=script_args.dataset_train_split)
+        options.update(path=spec["path"], train_split=script_args.dataset_train_split)
+    else:
+        spec.update(source="generated", num_samples=script_args.kk_num_samples, seed=script_args.kk_seed)
+        options.update(num_samples=script_args.kk_num_samples, num_eval_samples=script_args.kk_num_eval_samples,
+                       seed=script_args.kk_seed)  # fmt: skip
         if wants_eval:
-            spec["eval_split"] = script_args.dataset_test_split
-        subsets = {"train": script_args.dataset_train_split, "eval": script_args.dataset_test_split}
-        def load(which: str):
-            return load_knights_knaves_dataset(people, subset=subsets[which], path=path, prefill_think=prefill)
+            spec["num_eval_samples"] = script_args.kk_num_eval_samples
+    if wants_eval and source != "generated":
+        spec["eval_split"] = options["eval_split"] = script_args.dataset_test_split
 
-        return DatasetPlan(spec, load, shuffle_before_truncation=False)
-    num_train, num_eval = script_args.kk_num_samples, script_args.kk_num_eval_samples if wants_eval else 0
-    spec.update(source="generated", num_samples=num_train, seed=script_args.kk_seed)
-    if wants_eval:
-        spec["num_eval_samples"] = num_eval
+    def load(with_eval: bool):
+        return build_task_datasets("knights_knaves", source, with_eval=with_eval, **options)
 
-    @functools.cache
-    def generated():  # the evaluation puzzles are generated with the training ones, so that they are new puzzles
-        return generate_dataset(people, num_train + num_eval, seed=script_args.kk_seed, prefill_think=prefill)
-
-    rows = {"train": range(num_train), "eval": range(num_train, num_train + num_eval)}
-    return DatasetPlan(spec, lambda which: generated().select(rows[which]), shuffle_before_truncation=False)
+    return DatasetPlan(spec, load, shuffle_before_truncation=False)
 
 
 def _math_plan(script_args, wants_eval: bool) -> DatasetPlan:
-    from ..tasks.math import MATH_DATASETS, MathDatasetSpec, load_math_dataset
+    from ..tasks import build_task_datasets
+    from ..tasks.math import MATH_DATASETS, PAPER_MATH_FILES, MathDatasetSpec, load_math_dataset
 
     name, eval_split = script_args.dataset_name, script_args.dataset_test_split
     spec: dict[str, Any] = {"task": "math"}
+    if name in PAPER_MATH_FILES:  # the authors' parquet (raw-text prompts)
+        spec.update(source="paper", name=name, data_file=script_args.math_data_file)
+        if wants_eval:
+            spec["eval_split"] = eval_split
+        return DatasetPlan(spec, lambda with_eval: build_task_datasets(
+            "math", "paper", with_eval=with_eval, train_split=name, eval_split=eval_split,
+            data_file=script_args.math_data_file,
+        ))  # fmt: skip
     if name in MATH_DATASETS:
         registry = MATH_DATASETS[name]
         spec.update(source="math_registry", name=name, hub_id=registry.path, split=registry.split)
@@ -226,12 +237,13 @@ def _math_plan(script_args, wants_eval: bool) -> DatasetPlan:
     if wants_eval:
         spec["eval_split"] = eval_split
 
-    def load(which: str):
-        if which == "train":
-            return load_math_dataset(math_spec, data_files=data_files)
+    def load_eval():
         if isinstance(math_spec, str) or eval_split in MATH_DATASETS:  # an evaluation set of the registry
             return load_math_dataset(eval_split)
         return load_math_dataset(MathDatasetSpec(**{**math_spec.__dict__, "split": eval_split}), data_files=data_files)
+
+    def load(with_eval: bool):
+        return load_math_dataset(math_spec, data_files=data_files), load_eval() if with_eval else None
 
     return DatasetPlan(spec, load)
 
@@ -239,12 +251,16 @@ def _math_plan(script_args, wants_eval: bool) -> DatasetPlan:
 def _any_dataset_plan(script_args, wants_eval: bool) -> DatasetPlan:
     local = _local_data(script_args.dataset_name)
     path, config = str(local or script_args.dataset_name), script_args.dataset_config
+    train_split, eval_split = script_args.dataset_train_split, script_args.dataset_test_split
     spec = {"task": "dataset", "source": "local" if local else "hub", "path": path, "config": config,
-            "split": script_args.dataset_train_split}  # fmt: skip
+            "split": train_split}  # fmt: skip
     if wants_eval:
-        spec["eval_split"] = script_args.dataset_test_split
-    splits = {"train": script_args.dataset_train_split, "eval": script_args.dataset_test_split}
-    return DatasetPlan(spec, lambda which: _load_any(path, config, splits[which]))
+        spec["eval_split"] = eval_split
+
+    def load(with_eval: bool):
+        return _load_any(path, config, train_split), _load_any(path, config, eval_split) if with_eval else None
+
+    return DatasetPlan(spec, load)
 
 
 _PLANS = {"knights_knaves": _knights_knaves_plan, "math": _math_plan, "dataset": _any_dataset_plan}
@@ -285,8 +301,7 @@ def build_datasets(script_args, training_args=None):
         `tuple[datasets.Dataset, datasets.Dataset | None]`: Train and eval datasets, both with a `prompt` column.
     """
     plan = dataset_plan(script_args, training_args)
-    train = plan.load("train")
-    evaluation = plan.load("eval") if plan.wants_eval else None
+    train, evaluation = plan.load(plan.wants_eval)
     if "prompt" not in train.column_names:
         raise CliError(f"dataset_name: the training data has no 'prompt' column (columns: {train.column_names})")
     if script_args.max_train_samples is not None:
