@@ -104,6 +104,27 @@ def test_dry_run_prints_the_resolved_config(tmp_path, base, run_cli):
     assert not (tmp_path / "out").exists()  # a dry run trains nothing
 
 
+def test_dry_run_of_the_paper_data_sources(tmp_path, base, run_cli):
+    """`kk_source: paper` and a paper math file are described without loading anything, with the test split."""
+    config = write_yaml(tmp_path / "kk.yaml", {**base, "kk_source": "paper", "kk_data_dir": str(tmp_path),
+                                               "kk_prefill_think": False, "eval_strategy": "steps"})  # fmt: skip
+    code, out, err = run_cli(["train", "--config", config, "--dry_run"])
+    assert code == 0, err
+    assert json.loads(out)["dataset"] == {
+        "task": "knights_knaves", "num_people": [3], "prefill_think": True, "source": "paper",
+        "data_dir": str(tmp_path), "eval_split": "test",
+    }  # fmt: skip
+    config = write_yaml(tmp_path / "math.yaml", {**base, "task": "math", "dataset_name": "dsr_uniform",
+                                                 "reward_funcs": ["math_reward_lenient"]})  # fmt: skip
+    code, out, err = run_cli(["train", "--config", config, "--dry_run"])
+    assert code == 0, err
+    resolved = json.loads(out)
+    assert resolved["dataset"] == {"task": "math", "source": "paper", "name": "dsr_uniform", "data_file": None}
+    assert resolved["reward_funcs"] == ["math_reward_lenient"]
+    code, _, err = run_cli(["train", "--config", config, "--dry_run", "--task", "knights_knaves", "--kk_source", "x"])
+    assert code == 2 and "--kk_source" in err and "invalid choice: 'x'" in err
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Errors name the file, field or path
 # ---------------------------------------------------------------------------------------------------------------------
