@@ -245,7 +245,8 @@ class LoptiGRPOTrainer(GRPOTrainer):
         if token_group is not None and self._pass_has_no_active_token(token_group):
             if first_pass:  # ruled out before it ran, so pi_old is known: the batch's metrics still count
                 mask = _loss_mask(inputs)
-                self._record_generation_batch_metrics(mode, *self._token_split(inputs["old_per_token_logps"], mask), mask)
+                low_mask, weights = self._token_split(inputs["old_per_token_logps"], mask)
+                self._record_generation_batch_metrics(mode, low_mask, weights, mask)
             self._log_pass_loss(token_group, torch.zeros((), device=self.accelerator.device))
             # A leaf with no graph: backward touches no parameter, gradients stay None and the optimizer skips
             # every parameter.
