@@ -97,7 +97,8 @@ class LoptiGRPOConfig(GRPOConfig):
                 f"advantage_estimator must be one of {list(ADVANTAGE_ESTIMATORS)}, got {self.advantage_estimator!r}"
             )
         super().__post_init__()
-        if self.advantage_estimator == "reinforce_plus_plus" and self.multi_objective_aggregation != "sum_then_normalize":
+        reinforce_plus_plus = self.advantage_estimator == "reinforce_plus_plus"
+        if reinforce_plus_plus and self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 "advantage_estimator='reinforce_plus_plus' whitens the weighted sum of the rewards, so "
                 "multi_objective_aggregation must be 'sum_then_normalize' (its normalisation is then not used), got "
