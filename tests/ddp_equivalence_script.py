@@ -25,7 +25,8 @@ def main(model_path: str, output_dir: str, result_path: str) -> None:
     config = LoptiGRPOConfig(
         output_dir=output_dir, per_device_train_batch_size=GLOBAL_ROWS_PER_MICRO_STEP // world_size,
         gradient_accumulation_steps=STEPS_PER_GENERATION, steps_per_generation=STEPS_PER_GENERATION, num_generations=2,
-        max_completion_length=COMPLETION_LENGTH, temperature=TEMPERATURE, beta=0.1, advantage_reweighting_alpha=0.3, lopti_threshold=eta,
+        max_completion_length=COMPLETION_LENGTH, temperature=TEMPERATURE, beta=0.1, advantage_reweighting_alpha=0.3,
+        lopti_threshold=eta,
         importance_sampling_level="sequence", optim="sgd", learning_rate=0.5, lr_scheduler_type="constant",
         weight_decay=0.0, max_grad_norm=0.0, bf16=False, report_to="none", use_cpu=True, save_strategy="no",
         max_steps=2, shuffle_dataset=False,
