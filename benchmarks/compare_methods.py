@@ -812,15 +812,18 @@ def fig3_from_batches(batches: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
-def aggregate(runs: Sequence[dict[str, Any]], methods: Sequence[str]) -> dict[str, Any]:
+def aggregate(runs: Sequence[dict[str, Any]], methods: Sequence[str], baseline: str = "grpo") -> dict[str, Any]:
     """
-    Per method: means and 95% t intervals over seeds, pooled Fig.-3 counts, timings.
+    Per method: means and 95% t intervals over seeds, pooled Fig.-3 counts, timings, and differences to the
+    baseline paired by seed (`paired_vs_<baseline>`: method minus baseline on the same seed, over the seeds both ran).
 
     Args:
         runs (`Sequence[dict]`):
             Finished runs.
         methods (`Sequence[str]`):
             Method order.
+        baseline (`str`, *optional*, defaults to `"grpo"`):
+            The method the paired differences are taken against.
 
     Returns:
         `dict`: method name -> summary.
@@ -861,7 +864,24 @@ def aggregate(runs: Sequence[dict[str, Any]], methods: Sequence[str]) -> dict[st
         for key in ("train_wall_s", "train_cpu_s", "probe_wall_s", "parameter_distance"):
             entry[key] = t_interval([r[key] for r in group])
         summary[name] = entry
+    if baseline in summary:
+        base_runs = {r["seed"]: r for r in runs if r["method"] == baseline}
+        for name in summary:
+            group = [r for r in runs if r["method"] == name and r["seed"] in base_runs]
+            summary[name][f"paired_vs_{baseline}"] = {
+                metric: t_interval([extract(r) - extract(base_runs[r["seed"]]) for r in group])
+                for metric, extract in PAIRED_METRICS.items()
+            }
     return summary
+
+
+PAIRED_METRICS = {
+    "heldout_accuracy_after": lambda run: run["after"]["accuracy"],
+    "heldout_reward_after": lambda run: run["after"]["reward"],
+    "training_reward_mean": lambda run: sum(run["training_reward"]) / len(run["training_reward"]),
+    "fig3_positive_share": lambda run: run["fig3"]["positive"]["all"]["share"],
+    "fig3_negative_share": lambda run: run["fig3"]["negative"]["all"]["share"],
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -905,6 +925,15 @@ def format_markdown(report: dict[str, Any]) -> str:
             f"| {_ci(s['heldout_reward_after'])} | {_ci(s['heldout_reward_change'])} "
             f"| {_ci(s['training_reward_last_quarter'])} |"
         )
+    if summary and "paired_vs_grpo" in next(iter(summary.values())):
+        lines += ["", "Difference to `grpo` on the same seed (method minus grpo; mean [95% t interval] over seeds):", "",
+                  "| method | greedy acc. after | sampled reward after | mean training reward | Fig. 3, A > 0 rose | "
+                  "Fig. 3, A < 0 fell |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for name, s in summary.items():
+            if name == "grpo":
+                continue
+            paired = s["paired_vs_grpo"]
+            lines.append(f"| {name} | " + " | ".join(_ci(paired[m]) for m in PAIRED_METRICS) + " |")
     families = list(next(iter(summary.values()))["heldout_per_family_after"]) if summary else []
     if len(families) > 1:
         lines += ["", "Held-out after training, per family (greedy accuracy / sampled reward):", "",

@@ -82,12 +82,13 @@ def test_outputs_written_and_well_formed(report, output_dir):
         elif current:
             tables.append(current)
             current = []
-    assert len(tables) == 4  # held-out, held-out per family, Fig. 3, cost
+    assert len(tables) == 5  # held-out, paired differences, held-out per family, Fig. 3, cost
     for rows in tables:
         assert len({row.count("|") for row in rows}) == 1  # every row of a table has the header's columns
     rows = [line for rows in tables for line in rows]
     for name in METHOD_NAMES:
-        assert sum(line.startswith(f"| {name} |") for line in rows) == 1 + 1 + 2 + 1  # held-out, family, fig3 x2, cost
+        paired_rows = 0 if name == "grpo" else 1
+        assert sum(line.startswith(f"| {name} |") for line in rows) == 1 + paired_rows + 1 + 2 + 1
     for png in ("curves", "fig3", "heldout"):
         path = output_dir / f"compare_methods_{png}.png"
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -160,6 +161,13 @@ def test_intervals_contain_their_means(report):
     for stat in intervals:
         if stat["low"] is not None:
             assert stat["low"] <= stat["mean"] <= stat["high"]
+    # Paired differences to grpo: zero for grpo itself, and the mean of the per-seed differences for the others.
+    grpo = {r["seed"]: r for r in runs_by(report, "grpo")}
+    assert report["methods"]["grpo"]["paired_vs_grpo"]["heldout_reward_after"]["mean"] == 0.0
+    for name in METHOD_NAMES:
+        diffs = [r["after"]["accuracy"] - grpo[r["seed"]]["after"]["accuracy"] for r in runs_by(report, name)]
+        paired = report["methods"][name]["paired_vs_grpo"]["heldout_accuracy_after"]
+        assert paired["mean"] == pytest.approx(sum(diffs) / len(diffs))
     # The held-out change is after - before, seed by seed.
     for name in METHOD_NAMES:
         runs = runs_by(report, name)
