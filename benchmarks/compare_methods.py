@@ -998,19 +998,40 @@ def plot_report(report: dict[str, Any], output_dir: Path) -> list[str]:
     colors = dict(zip(METHODS, ["tab:gray", "tab:blue", "tab:orange", "tab:green"]))
     paths = []
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, (ax, ax_diff) = plt.subplots(1, 2, figsize=(12, 4.2))
+    grpo_runs = {r["seed"]: r for r in report["runs"] if r["method"] == "grpo"}
     for name, s in summary.items():
         curve = s["training_reward_curve"]
         xs = list(range(1, len(curve) + 1))
-        means = [c["mean"] for c in curve]
-        ax.plot(xs, means, label=f"{name} (n={s['num_runs']})", color=colors.get(name))
+        ax.plot(xs, [c["mean"] for c in curve], label=f"{name} (n={s['num_runs']})", color=colors.get(name))
         if all(c["low"] is not None for c in curve):
-            ax.fill_between(xs, [c["low"] for c in curve], [c["high"] for c in curve], alpha=0.15,
-                            color=colors.get(name))  # fmt: skip
+            ax.fill_between(xs, [max(0.0, c["low"]) for c in curve], [min(1.0, c["high"]) for c in curve],
+                            alpha=0.15, color=colors.get(name))  # fmt: skip
+        if name == "grpo" or not grpo_runs:
+            continue
+        # Same seed => same prompts in the same order: the per-batch difference to grpo is paired.
+        pairs = [(r, grpo_runs[r["seed"]]) for r in report["runs"] if r["method"] == name and r["seed"] in grpo_runs]
+        if not pairs:
+            continue
+        length = min(min(len(r["training_reward"]), len(g["training_reward"])) for r, g in pairs)
+        diffs = [t_interval([r["training_reward"][i] - g["training_reward"][i] for r, g in pairs])
+                 for i in range(length)]  # fmt: skip
+        xs = list(range(1, length + 1))
+        ax_diff.plot(xs, [d["mean"] for d in diffs], label=f"{name} - grpo (n={len(pairs)})", color=colors.get(name))
+        if all(d["low"] is not None for d in diffs):
+            ax_diff.fill_between(xs, [max(-1.0, d["low"]) for d in diffs], [min(1.0, d["high"]) for d in diffs],
+                                 alpha=0.15, color=colors.get(name))  # fmt: skip
     ax.set_xlabel("generation batch (equal rollouts for every method)")
     ax.set_ylabel("training reward (batch mean)")
-    ax.set_title("Training reward per generation batch: mean over seeds, 95% t band")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("Training reward: mean over seeds, 95% t band (clipped to [0, 1])", fontsize=10)
     ax.legend(fontsize=8)
+    ax_diff.axhline(0.0, color="black", linewidth=0.5)
+    ax_diff.set_xlabel("generation batch (same prompts per seed for every method)")
+    ax_diff.set_ylabel("training reward minus grpo's, same seed")
+    ax_diff.set_ylim(-1.02, 1.02)
+    ax_diff.set_title("Paired difference to GRPO: mean, 95% t band", fontsize=10)
+    ax_diff.legend(fontsize=8)
     fig.tight_layout()
     path = output_dir / "compare_methods_curves.png"
     fig.savefig(path, dpi=120)
