@@ -1255,7 +1255,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[CompareArguments, boo
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, only_report = parse_args(argv)
-    command = "python benchmarks/compare_methods.py " + shlex.join(argv)
+    # The command that produces the runs (a `--report-only` rebuild records the run command, not itself).
+    command = "python benchmarks/compare_methods.py " + shlex.join([a for a in argv if a != "--report-only"])
     report = report_only(args, command) if only_report else run_comparison(args, command)
     print(Path(report["paths"]["markdown"]).read_text())
     return report
