@@ -869,10 +869,14 @@ def aggregate(runs: Sequence[dict[str, Any]], methods: Sequence[str], baseline: 
         for name in summary:
             group = [r for r in runs if r["method"] == name and r["seed"] in base_runs]
             summary[name][f"paired_vs_{baseline}"] = {
-                metric: t_interval([extract(r) - extract(base_runs[r["seed"]]) for r in group])
+                metric: t_interval([_difference(extract(r), extract(base_runs[r["seed"]])) for r in group])
                 for metric, extract in PAIRED_METRICS.items()
             }
     return summary
+
+
+def _difference(value: float | None, baseline: float | None) -> float | None:
+    return None if value is None or baseline is None else value - baseline
 
 
 PAIRED_METRICS = {
@@ -882,6 +886,10 @@ PAIRED_METRICS = {
     "fig3_positive_share": lambda run: run["fig3"]["positive"]["all"]["share"],
     "fig3_negative_share": lambda run: run["fig3"]["negative"]["all"]["share"],
 }
+PAIRED_METRICS.update({
+    f"fig3_{sign}_share_q{quartile + 1}": (lambda run, sign=sign, quartile=quartile: run["fig3"][sign]["share"][quartile])
+    for sign in SIGNS for quartile in range(4)
+})  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -933,7 +941,7 @@ def format_markdown(report: dict[str, Any]) -> str:
             if name == "grpo":
                 continue
             paired = s["paired_vs_grpo"]
-            lines.append(f"| {name} | " + " | ".join(_ci(paired[m]) for m in PAIRED_METRICS) + " |")
+            lines.append(f"| {name} | " + " | ".join(_ci(paired[m]) for m in list(PAIRED_METRICS)[:5]) + " |")
     families = list(next(iter(summary.values()))["heldout_per_family_after"]) if summary else []
     if len(families) > 1:
         lines += ["", "Held-out after training, per family (greedy accuracy / sampled reward):", "",
@@ -970,6 +978,15 @@ def format_markdown(report: dict[str, Any]) -> str:
                 if total["share"] is not None else "n/a"
             )  # fmt: skip
             lines.append(f"| {name} | {sign} | " + " | ".join(cells) + " |")
+    if summary and "paired_vs_grpo" in next(iter(summary.values())):
+        lines += ["", "Fig.-3 shares minus grpo's on the same seed, per quartile (mean [95% t interval] over seeds):", "",
+                  "| method | sign | Q1 | Q2 | Q3 | Q4 |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for name, s in summary.items():
+            if name == "grpo":
+                continue
+            for sign in SIGNS:
+                cells = [_ci(s["paired_vs_grpo"][f"fig3_{sign}_share_q{q + 1}"]) for q in range(4)]
+                lines.append(f"| {name} | {sign} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "## Cost and movement",
@@ -982,8 +999,9 @@ def format_markdown(report: dict[str, Any]) -> str:
             f"| {name} | {_ci(s['train_wall_s'], 0)} | {_ci(s['train_cpu_s'], 0)} | {_ci(s['probe_wall_s'], 0)} "
             f"| {_ci(s['parameter_distance'], 4)} |"
         )
-    lines += ["", f"Machine: {report['machine']}. Total wall time of the command: {report['total_wall_s'] / 60:.1f} min "
-              f"(this report covers {len(report['runs'])} finished runs).", ""]  # fmt: skip
+    lines += ["", f"Machine: {report['machine']}. Sum of the {len(report['runs'])} runs' wall times (training, "
+              f"evaluation after, loading): {report['runs_wall_s_sum'] / 60:.1f} min; wall time of the last command: "
+              f"{report['total_wall_s'] / 60:.1f} min (runs reused from an earlier invocation not counted).", ""]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -1122,6 +1140,7 @@ def build_report(args: CompareArguments, runs: list[dict[str, Any]], command: st
         "num_heldout": num_heldout,
         "machine": _machine(),
         "total_wall_s": total_wall_s,
+        "runs_wall_s_sum": sum(run.get("run_wall_s", run["train_wall_s"]) for run in runs),
         "methods": aggregate(runs, args.methods),
         "runs": runs,
     }
@@ -1217,7 +1236,8 @@ def report_only(args: CompareArguments, command: str) -> dict[str, Any]:
     _, held_out = split_problems(args.task, args.num_eval_per_family)
     model_name = args.model_path or ("SmolLM2-135M-Instruct (offline, trl_lopti.smollm2)" if args.size == "smollm2"
                                      else "tiny random Qwen2 (trl_lopti.models)")  # fmt: skip
-    total = sum(run.get("run_wall_s", run["train_wall_s"]) for run in runs)
+    previous = output_dir / "compare_methods.json"
+    total = json.loads(previous.read_text()).get("total_wall_s", 0.0) if previous.is_file() else 0.0
     report = build_report(args, runs, command, model_name, len(held_out), total)
     report["paths"] = write_outputs(report, output_dir)
     return report

@@ -82,12 +82,12 @@ def test_outputs_written_and_well_formed(report, output_dir):
         elif current:
             tables.append(current)
             current = []
-    assert len(tables) == 5  # held-out, paired differences, held-out per family, Fig. 3, cost
+    assert len(tables) == 6  # held-out, paired differences, per family, Fig. 3, Fig. 3 paired, cost
     for rows in tables:
         assert len({row.count("|") for row in rows}) == 1  # every row of a table has the header's columns
     rows = [line for rows in tables for line in rows]
     for name in METHOD_NAMES:
-        paired_rows = 0 if name == "grpo" else 1
+        paired_rows = 0 if name == "grpo" else 1 + 2  # held-out differences, Fig. 3 differences (two signs)
         assert sum(line.startswith(f"| {name} |") for line in rows) == 1 + paired_rows + 1 + 2 + 1
     for png in ("curves", "fig3", "heldout"):
         path = output_dir / f"compare_methods_{png}.png"
@@ -168,6 +168,16 @@ def test_intervals_contain_their_means(report):
         diffs = [r["after"]["accuracy"] - grpo[r["seed"]]["after"]["accuracy"] for r in runs_by(report, name)]
         paired = report["methods"][name]["paired_vs_grpo"]["heldout_accuracy_after"]
         assert paired["mean"] == pytest.approx(sum(diffs) / len(diffs))
+    for name in METHOD_NAMES:
+        for q in range(4):
+            diffs = [r["fig3"]["negative"]["share"][q] - grpo[r["seed"]]["fig3"]["negative"]["share"][q]
+                     for r in runs_by(report, name)
+                     if r["fig3"]["negative"]["share"][q] is not None
+                     and grpo[r["seed"]]["fig3"]["negative"]["share"][q] is not None]  # fmt: skip
+            paired = report["methods"][name]["paired_vs_grpo"][f"fig3_negative_share_q{q + 1}"]
+            assert paired["n"] == len(diffs)
+            if diffs:
+                assert paired["mean"] == pytest.approx(sum(diffs) / len(diffs))
     # The held-out change is after - before, seed by seed.
     for name in METHOD_NAMES:
         runs = runs_by(report, name)
