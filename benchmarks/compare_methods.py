@@ -50,7 +50,7 @@ non-zero advantages) and `smollm2` (SmolLM2-135M-Instruct, offline, see `trl_lop
 
 Usage:
 
-    python benchmarks/compare_methods.py --size smollm2 --seeds 0 1 2 --rollout-batches 24
+    python benchmarks/compare_methods.py --size smollm2 --task mixed --seeds 0 1 2 3 4 --rollout-batches 10 --threads 1
     python benchmarks/compare_methods.py --size tiny --output-dir /tmp/compare
     python benchmarks/compare_methods.py --report-only --output-dir benchmarks/results   # rebuild outputs from runs
 """
