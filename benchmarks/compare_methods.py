@@ -46,7 +46,7 @@ run ends, so that a stopped benchmark keeps its data; a rerun with the same sett
 
 Sizes: `tiny` (a random tiny Qwen2 from `trl_lopti.models.build_tiny_model`, seconds; used by
 `tests/test_compare_methods.py`; a random model never answers, so this size uses the shaped `digits` reward to have
-non-zero advantages) and `smollm2` (SmolLM2-135M-Instruct, offline, see `trl_lopti.smollm2`).
+non-zero advantages) and `smollm2` (SmolLM2-135M-Instruct, offline, see `trl_lopti.models.get_smollm2`).
 
 Usage:
 
@@ -1117,9 +1117,9 @@ def _resolve_model(args: CompareArguments, scratch: str) -> tuple[str, str]:
         from trl_lopti.models import build_tiny_model
 
         return build_tiny_model(Path(scratch) / "tiny-model", seed=0), "tiny random Qwen2 (trl_lopti.models)"
-    from trl_lopti.smollm2 import get_smollm2
+    from trl_lopti.models import get_smollm2
 
-    return get_smollm2(), "SmolLM2-135M-Instruct (offline, trl_lopti.smollm2)"
+    return get_smollm2(), "SmolLM2-135M-Instruct (offline, trl_lopti.models)"
 
 
 def build_report(args: CompareArguments, runs: list[dict[str, Any]], command: str, model_name: str,
@@ -1234,7 +1234,7 @@ def report_only(args: CompareArguments, command: str) -> dict[str, Any]:
                 if run.get("settings") == args.run_settings():
                     runs.append(run)
     _, held_out = split_problems(args.task, args.num_eval_per_family)
-    model_name = args.model_path or ("SmolLM2-135M-Instruct (offline, trl_lopti.smollm2)" if args.size == "smollm2"
+    model_name = args.model_path or ("SmolLM2-135M-Instruct (offline, trl_lopti.models)" if args.size == "smollm2"
                                      else "tiny random Qwen2 (trl_lopti.models)")  # fmt: skip
     previous = output_dir / "compare_methods.json"
     total = json.loads(previous.read_text()).get("total_wall_s", 0.0) if previous.is_file() else 0.0
