@@ -104,10 +104,8 @@ class LoptiGRPOConfig(GRPOConfig):
                 "multi_objective_aggregation must be 'sum_then_normalize' (its normalisation is then not used), got "
                 f"{self.multi_objective_aggregation!r}"
             )
-        if self.lopti_threshold is not None:
-            pass_micro_steps = self.steps_per_generation * self.num_iterations
-            if pass_micro_steps % self.gradient_accumulation_steps != 0:
-                raise ValueError(lopti_schedule_error(self))
+        if self.lopti_threshold is not None and not lopti_pass_ends_on_optimizer_step(self):
+            raise ValueError(lopti_schedule_error(self))
 
     @property
     def lopti_enabled(self) -> bool:
@@ -118,6 +116,11 @@ class LoptiGRPOConfig(GRPOConfig):
     def advantage_reweighting_enabled(self) -> bool:
         """Whether Advantage Reweighting is on."""
         return self.advantage_reweighting_alpha != 0.0
+
+
+def lopti_pass_ends_on_optimizer_step(config: GRPOConfig) -> bool:
+    """Whether a Lopti pass (`steps_per_generation * num_iterations` micro-steps) ends on an optimizer step."""
+    return (config.steps_per_generation * config.num_iterations) % config.gradient_accumulation_steps == 0
 
 
 def lopti_schedule_error(config: GRPOConfig, upgraded_from_grpo_config: bool = False) -> str:

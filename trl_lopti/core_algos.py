@@ -145,10 +145,28 @@ def lopti_active_token_mask(
         mask.
     """
     low = low_probability_token_mask(old_per_token_logps, completion_mask, threshold)
+    return token_group_mask(low, completion_mask, token_group)
+
+
+def token_group_mask(low_mask: torch.Tensor, completion_mask: torch.Tensor, token_group: str) -> torch.Tensor:
+    """
+    The tokens of one Lopti group, from a split already computed by [`low_probability_token_mask`].
+
+    Args:
+        low_mask (`torch.Tensor`):
+            Boolean mask of the low-probability completion tokens, shape (B, T).
+        completion_mask (`torch.Tensor`):
+            Completion-token mask, shape (B, T).
+        token_group (`str`):
+            `"low"` or `"high"` (the other completion tokens).
+
+    Returns:
+        `torch.Tensor`: Boolean mask (B, T).
+    """
     if token_group == "low":
-        return low
+        return low_mask
     if token_group == "high":
-        return completion_mask.bool() & ~low
+        return completion_mask.bool() & ~low_mask
     raise ValueError(f"token_group must be 'low' or 'high', got {token_group!r}")
 
 

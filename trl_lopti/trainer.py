@@ -36,13 +36,15 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from .config import LoptiGRPOConfig, lopti_schedule_error
+from .config import LoptiGRPOConfig, lopti_pass_ends_on_optimizer_step, lopti_schedule_error
 from .core_algos import (
     LOPTI_PASS_ORDERS,
     advantage_reweighting_weights,
     isolate_token_gradients,
+    lopti_active_token_mask,
     low_probability_token_mask,
     reinforce_plus_plus_advantages,
+    token_group_mask,
     token_level_advantages,
 )
 
@@ -98,7 +100,7 @@ def as_lopti_config(args: GRPOConfig | None, model: Any) -> LoptiGRPOConfig:
         return LoptiGRPOConfig(output_dir=f"{str(model_name).split('/')[-1]}-Lopti-GRPO")
     if not isinstance(args, GRPOConfig):
         raise TypeError(f"args must be a LoptiGRPOConfig or a GRPOConfig, got {type(args).__name__}")
-    if (args.steps_per_generation * args.num_iterations) % args.gradient_accumulation_steps != 0:
+    if not lopti_pass_ends_on_optimizer_step(args):
         raise ValueError(lopti_schedule_error(args, upgraded_from_grpo_config=True))
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig) if f.init}
     # GRPOConfig.__post_init__ filled in generation_batch_size from steps_per_generation; both set is an error.
@@ -303,7 +305,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
             advantages = loss_inputs["advantages"]
             loss_inputs["advantages"] = token_level_advantages(advantages, weights.size(1)) * weights
         if weighting.token_group is not None:
-            active_mask = low_mask if weighting.token_group == "low" else mask.bool() & ~low_mask
+            active_mask = token_group_mask(low_mask, mask, weighting.token_group)
             per_token_logps = isolate_token_gradients(per_token_logps, active_mask)
             if entropies is not None:
                 entropies = isolate_token_gradients(entropies, active_mask)
@@ -371,8 +373,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
             if old_per_token_logps is None:
                 return False  # on-policy first pass: pi_old comes from this pass's own forward
             mask = _loss_mask(micro_batch)
-            low = low_probability_token_mask(old_per_token_logps, mask, self.lopti_threshold)
-            active = low if token_group == "low" else mask.bool() & ~low
+            active = lopti_active_token_mask(old_per_token_logps, mask, self.lopti_threshold, token_group)
             active_tokens += int(active.sum())
         total = self.accelerator.reduce(torch.tensor(active_tokens, device=self.accelerator.device), reduction="sum")
         return int(total) == 0
