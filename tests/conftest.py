@@ -85,3 +85,17 @@ def threshold_between_values(values, min_relative_gap: float = 1e-3) -> float:
     midpoint = (low_value + high_value) / 2
     assert high_value - low_value >= min_relative_gap * abs(midpoint), "no robust threshold between these values"
     return midpoint
+
+
+def load_benchmark_script(name: str):
+    """Imports `benchmarks/<name>.py` (not a package) as the module `name`."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module by name
+    spec.loader.exec_module(module)
+    return module

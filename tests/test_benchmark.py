@@ -5,32 +5,23 @@ checked, never a speed.
 """
 
 import dataclasses
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import load_benchmark_script
+
 
 pytestmark = pytest.mark.slow  # trains five tiny trainers (about 15 s alone on 2 CPUs, under a minute when shared)
 
-BENCH_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_lopti.py"
 VARIANTS = ["grpo", "ar", "lopti", "ar+lopti", "lopti-refstyle"]
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_lopti", BENCH_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve the module by name
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_bench()
+    return load_benchmark_script("bench_lopti")
 
 
 @pytest.fixture(scope="module")

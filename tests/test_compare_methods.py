@@ -6,34 +6,24 @@ optimizer steps, identical starting points per seed, Fig.-3 shares that follow f
 their means, and weights that moved.
 """
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import load_benchmark_script
+
 
 pytestmark = pytest.mark.slow  # eight tiny training runs: about 30 s alone on 2 CPUs
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_methods.py"
 METHOD_NAMES = ["grpo", "ar", "lopti", "ar+lopti"]
 ROLLOUT_BATCHES = 3
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("compare_methods", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve the module by name
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def compare():
-    return load_script()
+    return load_benchmark_script("compare_methods")
 
 
 @pytest.fixture(scope="module")
