@@ -113,6 +113,16 @@ class LoptiGRPOConfig(GRPOConfig):
         return self.lopti_threshold is not None
 
     @property
+    def lopti_pass_order(self) -> tuple[str | None, ...]:
+        """The token group active in each pass over a generation batch: `("low", "high")`, or `(None,)` without Lopti."""
+        return LOPTI_PASS_ORDERS[self.lopti_order] if self.lopti_enabled else (None,)
+
+    @property
+    def lopti_num_passes(self) -> int:
+        """How many times each generation batch is trained (optimizer schedules per batch): 2 with Lopti, else 1."""
+        return len(self.lopti_pass_order)
+
+    @property
     def advantage_reweighting_enabled(self) -> bool:
         """Whether Advantage Reweighting is on."""
         return self.advantage_reweighting_alpha != 0.0

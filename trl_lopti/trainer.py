@@ -38,7 +38,6 @@ from trl import GRPOConfig, GRPOTrainer
 
 from .config import LoptiGRPOConfig, lopti_pass_ends_on_optimizer_step, lopti_schedule_error
 from .core_algos import (
-    LOPTI_PASS_ORDERS,
     advantage_reweighting_weights,
     isolate_token_gradients,
     lopti_active_token_mask,
@@ -159,7 +158,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, *extra_args, **kwargs)
         self.advantage_reweighting_alpha = args.advantage_reweighting_alpha
         self.lopti_threshold = args.lopti_threshold
-        self.lopti_pass_order = LOPTI_PASS_ORDERS[args.lopti_order] if args.lopti_threshold is not None else (None,)
+        self.lopti_pass_order = args.lopti_pass_order
         self.advantage_estimator = args.advantage_estimator
         self._name = describe_method(args)
         self._token_weighting: _TokenWeighting | None = None  # set for the duration of one compute_loss call
