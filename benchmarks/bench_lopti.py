@@ -116,11 +116,6 @@ class Variant:
     def is_grpo(self) -> bool:
         return self.advantage_reweighting_alpha is None
 
-    @property
-    def passes_per_batch(self) -> int:
-        """Optimizer updates (whole GRPO schedules) per generation batch."""
-        return 2 if self.lopti else 1
-
 
 VARIANTS: dict[str, Variant] = {
     variant.name: variant
@@ -213,6 +208,23 @@ class BenchmarkSize:
         return self.prompts_per_batch * self.num_generations
 
 
+_SMOLLM2_CPU = BenchmarkSize(
+    name="smollm2-cpu",
+    model="smollm2",
+    prompts_per_batch=2,
+    num_generations=4,
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=2,
+    max_completion_length=128,
+    warmup_batches=1,  # the first optimizer step of each trainer also allocates Adam's state
+    measured_batches=2,
+    gradient_checkpointing=False,  # a 135M model has no memory pressure on CPU
+    lopti_threshold=0.5,
+    # One thread: on a CPU shared with other processes, several threads stall at every barrier; process CPU time of
+    # one thread measures the work itself. On a dedicated machine pass --threads with its core count.
+    threads=1,
+)
+
 SIZES: dict[str, BenchmarkSize] = {
     "tiny": BenchmarkSize(
         name="tiny",
@@ -239,39 +251,9 @@ SIZES: dict[str, BenchmarkSize] = {
         ),
     ),
     # Completions longer than prompts, as in RL, so that generation is the larger part of a GRPO step.
-    "smollm2-cpu": BenchmarkSize(
-        name="smollm2-cpu",
-        model="smollm2",
-        prompts_per_batch=2,
-        num_generations=4,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        max_completion_length=128,
-        warmup_batches=1,  # the first optimizer step of each trainer also allocates Adam's state
-        measured_batches=2,
-        gradient_checkpointing=False,  # a 135M model has no memory pressure on CPU
-        lopti_threshold=0.5,
-        # One thread: on a CPU shared with other processes, several threads stall at every barrier; process CPU time
-        # of one thread measures the work itself. On a dedicated machine pass --threads with its core count.
-        threads=1,
-    ),
+    "smollm2-cpu": _SMOLLM2_CPU,
     # The same with completions about as long as the prompts: loss+backward is the larger part of a GRPO step on CPU.
-    "smollm2-cpu-short": BenchmarkSize(
-        name="smollm2-cpu-short",
-        model="smollm2",
-        prompts_per_batch=2,
-        num_generations=4,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        max_completion_length=48,
-        warmup_batches=1,  # the first optimizer step of each trainer also allocates Adam's state
-        measured_batches=2,
-        gradient_checkpointing=False,  # a 135M model has no memory pressure on CPU
-        lopti_threshold=0.5,
-        # One thread: on a CPU shared with other processes, several threads stall at every barrier; process CPU time
-        # of one thread measures the work itself. On a dedicated machine pass --threads with its core count.
-        threads=1,
-    ),
+    "smollm2-cpu-short": dataclasses.replace(_SMOLLM2_CPU, name="smollm2-cpu-short", max_completion_length=48),
     "gpu": BenchmarkSize(
         name="gpu",
         model="random-qwen2",
@@ -331,50 +313,6 @@ def token_parity_reward(completion_ids: list[list[int]], **kwargs) -> list[float
 
 
 # ---------------------------------------------------------------------------------------------------- models
-def build_random_qwen2(output_dir: str | os.PathLike, model_config: dict[str, Any], seed: int, device: str) -> str:
-    """
-    Writes a randomly initialised Qwen2 model (with the tiny offline tokenizer of `trl_lopti.models`) to a folder.
-
-    The model's vocabulary may be larger than the tokenizer's: ids the tokenizer does not know decode to nothing.
-
-    Args:
-        output_dir (`str` or `os.PathLike`):
-            Folder to write to.
-        model_config (`dict`):
-            `Qwen2Config` fields.
-        seed (`int`):
-            Seed of the initialisation.
-        device (`str`):
-            Where to run the initialisation (`"cuda"` initialises a large model in a second).
-
-    Returns:
-        `str`: The folder.
-    """
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from trl_lopti.models import build_tiny_tokenizer
-
-    tokenizer = build_tiny_tokenizer()
-    fields = dict(model_config)
-    fields["vocab_size"] = max(fields.get("vocab_size", len(tokenizer)), len(tokenizer))
-    config = Qwen2Config(
-        **fields,
-        max_position_embeddings=4096,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
-    del model
-    return str(output_dir)
-
-
 def prepare_model(size: BenchmarkSize, work_dir: Path, seed: int) -> str:
     """Returns a local model folder for `size` (built or converted offline)."""
     if size.model == "smollm2":
@@ -382,7 +320,10 @@ def prepare_model(size: BenchmarkSize, work_dir: Path, seed: int) -> str:
 
         return get_smollm2()
     if size.model == "random-qwen2":
-        return build_random_qwen2(work_dir / "model", size.model_config, seed, size.device)
+        from trl_lopti.models import build_tiny_model
+
+        return build_tiny_model(work_dir / "model", seed=seed, device=size.device, max_position_embeddings=4096,
+                                **size.model_config)  # fmt: skip
     raise ValueError(f"unknown model kind {size.model!r}")
 
 
@@ -703,7 +644,6 @@ def _reference_style_trainer_class():
 def _training_arguments(
     size: BenchmarkSize, variant: Variant, output_dir: str, seed: int, lopti_threshold: float
 ) -> dict[str, Any]:
-    optimizer_steps_per_batch = variant.passes_per_batch  # steps_per_generation == gradient_accumulation_steps
     return dict(
         output_dir=output_dir,
         per_device_train_batch_size=size.per_device_train_batch_size,
@@ -711,7 +651,6 @@ def _training_arguments(
         num_generations=size.num_generations,
         max_completion_length=size.max_completion_length,
         generation_kwargs={"min_new_tokens": size.max_completion_length},
-        max_steps=size.num_batches * optimizer_steps_per_batch,
         learning_rate=1e-6,
         temperature=1.0,
         beta=0.0,
@@ -785,6 +724,9 @@ def run_variant(
         args = config_class(
             **_training_arguments(size, variant, str(work_dir / f"out-{variant.name}"), seed, lopti_threshold)
         )
+        # One optimizer step per pass over a generation batch (steps_per_generation == gradient_accumulation_steps).
+        passes_per_batch = getattr(args, "lopti_num_passes", 1)
+        args.max_steps = size.num_batches * passes_per_batch
         trainer = trainer_class(
             model=model_path,
             reward_funcs=[answer_reward, token_parity_reward],
@@ -821,7 +763,8 @@ def run_variant(
         "reference_style": variant.reference_style,
         "global_step": global_step,
         "train_wall_s": train_wall_s,
-        **summarize(batches, variant.passes_per_batch),
+        "passes_per_batch": passes_per_batch,
+        **summarize(batches, passes_per_batch),
         "memory": {
             "peak_rss_mb": sampler.peak / 2**20,
             "peak_rss_above_baseline_mb": (sampler.peak - baseline_rss) / 2**20,
@@ -898,7 +841,9 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     for result in merged["results"]:
         runs = [next(r for r in report["results"] if r["name"] == result["name"]) for report in reports]
         result["batches"] = [batch for run in runs for batch in run["batches"]]
-        result.update(summarize(result["batches"], VARIANTS[result["name"]].passes_per_batch))
+        # reports written before `passes_per_batch` was recorded: one optimizer step per pass and batch
+        passes_per_batch = result.get("passes_per_batch") or int(result["batches"][0]["optimizer_steps"])
+        result.update(summarize(result["batches"], passes_per_batch))
         for key in ("peak_rss_mb", "peak_rss_above_baseline_mb", "cuda_max_memory_allocated_mb"):
             values = [run["memory"][key] for run in runs if run["memory"][key] is not None]
             result["memory"][key] = max(values) if values else None

@@ -64,8 +64,6 @@ import json
 import math
 import os
 import platform
-import random
-import re
 import shlex
 import sys
 import tempfile
@@ -74,6 +72,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from trl_lopti.diagnostics import completion_log_probs, probability_quartiles
+from trl_lopti.tasks.arithmetic import (
+    ANSWER_PREFIX,
+    REWARDS,
+    TASKS,
+    build_train_dataset,
+    evaluate_held_out,
+    family_problems,
+    split_problems,
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -100,10 +109,6 @@ class Method:
     lopti_threshold: float | None = None
     plain_trl: bool = False
 
-    @property
-    def passes_per_batch(self) -> int:
-        """Optimizer updates per generation batch (Lopti trains each batch twice)."""
-        return 1 if self.lopti_threshold is None else 2
 
 
 METHODS: dict[str, Method] = {
@@ -224,184 +229,9 @@ TINY_DEFAULTS = dict(rollout_batches=2, prompts_per_batch=2, num_generations=4, 
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Task
-# ---------------------------------------------------------------------------------------------------------------------
-ANSWER_PREFIX = "The answer is"
-TASKS: dict[str, tuple[str, ...]] = {
-    "add": ("add",),
-    "sub": ("sub",),
-    "mul": ("mul",),
-    "add3": ("add3",),
-    "mixed": ("add", "sub", "mul", "add3"),
-}
-_FIRST_INTEGER = re.compile(r"-?\d+")
-
-
-def family_problems(family: str) -> list[tuple[str, int]]:
-    """
-    Every problem of one family, as `(prompt, answer)` in a fixed order.
-
-    Args:
-        family (`str`):
-            `add` (a + b), `sub` (a - b with a >= b), `mul` (a * b), `add3` (a + b + c); operands 0-9.
-
-    Returns:
-        `list[tuple[str, int]]`: The problems.
-    """
-    digits = range(10)
-    if family == "add":
-        items = [(f"{a} + {b}", a + b) for a in digits for b in digits]
-    elif family == "sub":
-        items = [(f"{a} - {b}", a - b) for a in digits for b in digits if a >= b]
-    elif family == "mul":
-        items = [(f"{a} * {b}", a * b) for a in digits for b in digits]
-    elif family == "add3":
-        items = [(f"{a} + {b} + {c}", a + b + c) for a in digits for b in digits for c in digits]
-    else:
-        raise ValueError(f"family must be one of add, sub, mul, add3, got {family!r}")
-    return [(f"What is {expression}? {ANSWER_PREFIX}", answer) for expression, answer in items]
-
-
-def split_problems(task: str, num_eval_per_family: int, split_seed: int = 0):
-    """
-    Splits the task's problems into training and held-out problems, per family (a fixed split for every seed).
-
-    Args:
-        task (`str`):
-            A key of `TASKS`.
-        num_eval_per_family (`int`):
-            Held-out problems per family.
-        split_seed (`int`, *optional*, defaults to `0`):
-            Seed of the split.
-
-    Returns:
-        `tuple[dict, list]`: `(train, held_out)`: training problems per family, and the held-out problems as
-        `(family, prompt, answer)`.
-    """
-    train, held_out = {}, []
-    for family in TASKS[task]:
-        problems = family_problems(family)
-        random.Random(f"{split_seed}-{family}").shuffle(problems)
-        held_out += [(family, prompt, answer) for prompt, answer in problems[:num_eval_per_family]]
-        train[family] = problems[num_eval_per_family:]
-    return train, held_out
-
-
-def build_train_dataset(train: dict[str, list[tuple[str, int]]], num_rows: int, seed: int):
-    """
-    `num_rows` training prompts for one seed: families in turn (shuffled per round), a random problem of each.
-
-    Args:
-        train (`dict`):
-            Training problems per family (from [`split_problems`]).
-        num_rows (`int`):
-            Rows (generation batches x prompts per batch).
-        seed (`int`):
-            Seed of the draw and the order.
-
-    Returns:
-        `datasets.Dataset`: Columns `prompt`, `answer`, `family`.
-    """
-    from datasets import Dataset
-
-    rng = random.Random(seed)
-    families = sorted(train)
-    rows = []
-    while len(rows) < num_rows:
-        for family in rng.sample(families, len(families)):
-            prompt, answer = rng.choice(train[family])
-            rows.append({"prompt": prompt, "answer": answer, "family": family})
-    return Dataset.from_list(rows[:num_rows])
-
-
-def _completion_text(completion: Any) -> str:
-    if isinstance(completion, list):
-        return "".join(message.get("content", "") for message in completion if isinstance(message, dict))
-    return str(completion)
-
-
-def parse_answer(completion: Any) -> int | None:
-    """The first integer of a completion (text or conversational), or `None`."""
-    match = _FIRST_INTEGER.search(_completion_text(completion))
-    return int(match.group()) if match else None
-
-
-def exact_reward(completions: Sequence[Any], answer: Sequence[int], **kwargs: Any) -> list[float]:
-    """1.0 when the first integer of the completion is the answer, else 0.0."""
-    return [1.0 if parse_answer(c) == int(y) else 0.0 for c, y in zip(completions, answer, strict=True)]
-
-
-def digits_reward(completions: Sequence[Any], answer: Sequence[int], **kwargs: Any) -> list[float]:
-    """Share of digit characters in the completion (a shaped reward for models that never answer)."""
-    texts = [_completion_text(c) for c in completions]
-    return [sum(ch.isdigit() for ch in text) / len(text) if text else 0.0 for text in texts]
-
-
-REWARDS = {"exact": exact_reward, "digits": digits_reward}
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # The Fig.-3 probe: a trainer hook, not a second GRPO implementation
 # ---------------------------------------------------------------------------------------------------------------------
 SIGNS = ("positive", "negative")
-
-
-def completion_logps(model, batch: dict[str, Any], temperature: float, chunk: int = 64):
-    """
-    Log-probabilities of the completion tokens of a generation batch under `model`, with no gradient.
-
-    Args:
-        model (`torch.nn.Module`):
-            The policy.
-        batch (`dict`):
-            `prompt_ids`, `prompt_mask`, `completion_ids`, `completion_mask` (TRL's generation batch).
-        temperature (`float`):
-            Logits are divided by it, as in TRL's loss.
-        chunk (`int`, *optional*, defaults to `64`):
-            Sequences per forward.
-
-    Returns:
-        `torch.Tensor`: float32, shape of `completion_ids`, on the CPU.
-    """
-    import torch
-
-    prompt_ids, completion_ids = batch["prompt_ids"], batch["completion_ids"]
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    num_completion = completion_ids.shape[1]
-    outputs = []
-    with torch.no_grad():
-        for start in range(0, input_ids.shape[0], chunk):
-            rows = slice(start, start + chunk)
-            logits = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows]).logits
-            logits = logits[:, -num_completion - 1 : -1, :].float() / temperature
-            logps = torch.log_softmax(logits, dim=-1).gather(-1, completion_ids[rows].unsqueeze(-1)).squeeze(-1)
-            outputs.append(logps.cpu())
-    return torch.cat(outputs, dim=0)
-
-
-def quartile_groups(probs, mask):
-    """
-    Groups the masked tokens by the quartiles of `probs` over them: Q1 = `[min, e1)`, ..., Q4 = `[e3, max]`.
-
-    Args:
-        probs (`torch.Tensor`):
-            Probabilities, shape (B, T).
-        mask (`torch.Tensor`):
-            Tokens to group, shape (B, T).
-
-    Returns:
-        `tuple[list[float], torch.Tensor]`: the edges `[e1, e2, e3]` and the group index (0-3, -1 outside the mask).
-    """
-    import torch
-
-    mask = mask.bool()
-    values = probs.double()[mask]
-    if values.numel() == 0:
-        return [float("nan")] * 3, torch.full(mask.shape, -1, dtype=torch.long)
-    edges = torch.quantile(values, torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
-    group = torch.bucketize(probs.double(), edges, right=True)
-    return edges.tolist(), torch.where(mask, group, torch.full_like(group, -1))
 
 
 def shift_counts(logps_before, logps_after, advantages, mask) -> dict[str, Any]:
@@ -425,7 +255,8 @@ def shift_counts(logps_before, logps_after, advantages, mask) -> dict[str, Any]:
     """
     import torch
 
-    edges, group = quartile_groups(logps_before.exp(), mask)
+    edges, group = probability_quartiles(logps_before.exp(), mask)
+    edges = edges.tolist()
     delta = (logps_after - logps_before).double()
     delta_prob = logps_after.double().exp() - logps_before.double().exp()
     sign = torch.sign(advantages.double()).view(-1, 1).expand_as(delta)
@@ -475,7 +306,8 @@ class Fig3ProbeMixin:
                 "completion_mask": batch["completion_mask"].detach(),
                 "advantages": batch["advantages"].detach().cpu(),
             }
-            self._probe_pending["logps_before"] = completion_logps(self.model, self._probe_pending, self.temperature)
+            logps_before = completion_log_probs(self.model, self._probe_pending, self.temperature)
+            self._probe_pending["logps_before"] = logps_before.cpu()
             self.probe_seconds += time.perf_counter() - start
         return batch
 
@@ -484,7 +316,7 @@ class Fig3ProbeMixin:
             return
         start = time.perf_counter()
         pending, self._probe_pending = self._probe_pending, None
-        logps_after = completion_logps(self.model, pending, self.temperature)
+        logps_after = completion_log_probs(self.model, pending, self.temperature).cpu()
         self.probe_last_scores = (pending, logps_after)  # kept for inspection (tests), not reported
         mask = pending["completion_mask"].cpu()
         counts = shift_counts(pending["logps_before"], logps_after, pending["advantages"], mask)
@@ -530,79 +362,6 @@ def _optimizer_step_counter():
             self.steps += 1
 
     return OptimizerStepCounter()
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Evaluation
-# ---------------------------------------------------------------------------------------------------------------------
-def evaluate(model, tokenizer, held_out, reward_name: str, max_new_tokens: int, temperature: float, samples: int,
-             seed: int) -> dict[str, Any]:  # fmt: skip
-    """
-    Held-out greedy accuracy and mean sampled reward, overall and per family.
-
-    Args:
-        model (`PreTrainedModel`):
-            The model.
-        tokenizer (`PreTrainedTokenizerBase`):
-            Its tokenizer.
-        held_out (`list[tuple[str, str, int]]`):
-            `(family, prompt, answer)`.
-        reward_name (`str`):
-            A key of `REWARDS`.
-        max_new_tokens (`int`):
-            Tokens per answer.
-        temperature (`float`):
-            Sampling temperature.
-        samples (`int`):
-            Sampled answers per problem.
-        seed (`int`):
-            Seed of the sampling.
-
-    Returns:
-        `dict`: `accuracy` (greedy reward), `reward` (sampled), `per_family` (the same per family), `num_prompts`,
-        `num_samples`.
-    """
-    import torch
-
-    reward_fn = REWARDS[reward_name]
-    families = [family for family, _, _ in held_out]
-    prompts = [prompt for _, prompt, _ in held_out]
-    answers = [answer for _, _, answer in held_out]
-    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    was_training = model.training
-    model.eval()
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    try:
-        encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        prompt_len = encoded["input_ids"].shape[1]
-        with torch.no_grad():
-            greedy = model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id,
-                                    temperature=None, top_p=None, top_k=None)  # fmt: skip
-            greedy_rewards = reward_fn(tokenizer.batch_decode(greedy[:, prompt_len:], skip_special_tokens=True), answers)
-            torch.manual_seed(seed)
-            sampled = model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
-                                     top_p=1.0, top_k=0, num_return_sequences=samples, pad_token_id=pad_id)  # fmt: skip
-            sampled_rewards = reward_fn(
-                tokenizer.batch_decode(sampled[:, prompt_len:], skip_special_tokens=True),
-                [answer for answer in answers for _ in range(samples)],
-            )
-    finally:
-        tokenizer.padding_side = padding_side
-        model.train(was_training)
-    per_family = {}
-    for family in dict.fromkeys(families):
-        rows = [i for i, f in enumerate(families) if f == family]
-        per_family[family] = {
-            "accuracy": sum(greedy_rewards[i] for i in rows) / len(rows),
-            "reward": sum(sampled_rewards[i * samples + k] for i in rows for k in range(samples)) / (len(rows) * samples),
-        }
-    return {
-        "accuracy": sum(greedy_rewards) / len(greedy_rewards),
-        "reward": sum(sampled_rewards) / len(sampled_rewards),
-        "per_family": per_family,
-        "num_prompts": len(prompts),
-        "num_samples": len(sampled_rewards),
-    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -672,7 +431,7 @@ def train_one(args: CompareArguments, method: Method, seed: int, model_path: str
     reward_fn = REWARDS[args.reward]
 
     def arithmetic_reward(completions, answer, **kwargs):
-        rewards = reward_fn(completions, answer)
+        rewards = reward_fn(completions, answer=answer)
         training_rewards.append(sum(rewards) / len(rewards))
         return rewards
 
@@ -683,7 +442,6 @@ def train_one(args: CompareArguments, method: Method, seed: int, model_path: str
         report_to="none",
         seed=seed,
         data_seed=seed,
-        max_steps=args.rollout_batches * method.passes_per_batch,
         learning_rate=args.learning_rate,
         lr_scheduler_type="constant",
         warmup_steps=0,
@@ -710,6 +468,8 @@ def train_one(args: CompareArguments, method: Method, seed: int, model_path: str
             lopti_threshold=method.lopti_threshold,
         )
         trainer_class = ProbedLoptiGRPOTrainer
+    # Equal generation batches: Lopti trains each batch once per pass (TRL's GRPOConfig has one pass).
+    config.max_steps = args.rollout_batches * getattr(config, "lopti_num_passes", 1)
     step_counter = _optimizer_step_counter()
     trainer = trainer_class(
         model=model_path,
@@ -723,8 +483,8 @@ def train_one(args: CompareArguments, method: Method, seed: int, model_path: str
     trainer.train()
     trainer.finish_probe()
     train_wall, train_cpu = time.perf_counter() - wall, time.process_time() - cpu
-    after = evaluate(trainer.model, tokenizer, held_out, args.reward, args.max_completion_length, args.temperature,
-                     args.eval_samples, seed=10_000 + seed)  # fmt: skip
+    after = evaluate_held_out(trainer.model, tokenizer, held_out, reward_fn, args.max_completion_length,
+                              args.temperature, args.eval_samples, seed=10_000 + seed)  # fmt: skip
     result = {
         "method": method.name,
         "trainer": type(trainer).__mro__[2].__name__,
@@ -1198,8 +958,9 @@ def run_comparison(args: CompareArguments, command: str) -> dict[str, Any]:
                     if tokenizer.pad_token is None:
                         tokenizer.pad_token = tokenizer.eos_token
                     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-                    before = evaluate(model, tokenizer, held_out, args.reward, args.max_completion_length,
-                                      args.temperature, args.eval_samples, seed=10_000 + seed)  # fmt: skip
+                    before = evaluate_held_out(model, tokenizer, held_out, REWARDS[args.reward],
+                                               args.max_completion_length, args.temperature, args.eval_samples,
+                                               seed=10_000 + seed)  # fmt: skip
                     del model
                     print(f"[compare] seed {seed} before: greedy {before['accuracy']:.3f}, "
                           f"sampled {before['reward']:.3f}", flush=True)  # fmt: skip

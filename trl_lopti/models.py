@@ -32,6 +32,7 @@ import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ def build_tiny_model(
     hidden_size: int = 32,
     num_hidden_layers: int = 2,
     seed: int = 0,
+    device: str = "cpu",
+    **config_overrides: Any,
 ) -> str:
     """
     Writes a tiny randomly initialised causal LM and its tokenizer to `output_dir` and returns the path.
@@ -109,6 +112,12 @@ def build_tiny_model(
             Depth of the model.
         seed (`int`, *optional*, defaults to `0`):
             Seed of the random initialisation.
+        device (`str`, *optional*, defaults to `"cpu"`):
+            Where to initialise the weights (`"cuda"` initialises a large model in seconds); saved either way.
+        **config_overrides:
+            Other fields of the model config (`intermediate_size`, `num_attention_heads`, `vocab_size`,
+            `tie_word_embeddings`, ...), e.g. to build a random model of a real model's shape. A `vocab_size` below the
+            tokenizer's is raised to it; ids above the tokenizer's decode to nothing.
 
     Returns:
         `str`: The folder, loadable with `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
@@ -130,6 +139,8 @@ def build_tiny_model(
         bos_token_id=None,
         tie_word_embeddings=False,
     )
+    common.update(config_overrides)
+    common["vocab_size"] = max(common["vocab_size"], len(tokenizer))
     if architecture == "qwen2":
         config = Qwen2Config(**common)
     elif architecture == "llama":
@@ -137,7 +148,8 @@ def build_tiny_model(
     else:
         raise ValueError(f"architecture must be 'qwen2' or 'llama', got {architecture!r}")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     output_dir = Path(output_dir)
@@ -283,7 +295,7 @@ def convert_gguf_to_plain(gguf_path: str | os.PathLike, output_dir: str | os.Pat
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     with torch.device("cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config)
     state_dict = quantized.state_dict()
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     # Tied output embeddings are absent from the GGUF state dict under their own name; anything else is an error.

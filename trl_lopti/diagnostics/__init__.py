@@ -37,7 +37,7 @@ active)), `callback` (`TokenDiagnosticsCallback`, during training) and `report` 
 `trl-lopti diagnose` command is `trl_lopti.cli.diagnose`.
 """
 
-from .batch import DiagnosticsSettings
+from .batch import DiagnosticsSettings, completion_log_probs
 from .callback import TokenDiagnosticsCallback, flatten_report
 from .measure import (
     QUARTILE_LABELS,
@@ -67,6 +67,7 @@ __all__ = [
     "DiagnosticsSettings",
     "TokenDiagnosticsCallback",
     "advance_policy_on_batch",
+    "completion_log_probs",
     "flatten_report",
     "format_tables",
     "grpo_token_weights",

@@ -309,6 +309,31 @@ def token_statistics(
 
 
 
+def completion_log_probs(
+    model: torch.nn.Module, inputs: dict[str, Any], temperature: float, micro_batch_size: int = 64
+) -> torch.Tensor:
+    """
+    Log-probabilities of the completion tokens of a TRL generation batch under `model`, with no gradient.
+
+    Args:
+        model (`torch.nn.Module`):
+            The policy.
+        inputs (`dict[str, Any]`):
+            `prompt_ids`, `prompt_mask`, `completion_ids`, `completion_mask`, `advantages` (the dict of TRL's
+            `_generate_and_score_completions`).
+        temperature (`float`):
+            Logits are divided by it, as in TRL's loss.
+        micro_batch_size (`int`, *optional*, defaults to `64`):
+            Completions per forward.
+
+    Returns:
+        `torch.Tensor`: float64, shape of `completion_ids`, 0 on padding, on the model's device.
+    """
+    batch = batch_from_inputs(inputs, model_device(model))
+    settings = DiagnosticsSettings(temperature=temperature, micro_batch_size=micro_batch_size)
+    return token_statistics(model, batch, settings)["logps"]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Gradients of weighted token losses
 # ---------------------------------------------------------------------------------------------------------------------

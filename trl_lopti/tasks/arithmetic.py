@@ -1,0 +1,229 @@
+"""Single-digit arithmetic with the answer pre-filled: the task of `trl-lopti demo` and `benchmarks/compare_methods.py`.
+
+A prompt is `"What is 7 - 3? The answer is"`, so that a completion is a few tokens, and the reward is 1 when the first
+integer of the completion is the result, else 0. A small pretrained model (SmolLM2-135M-Instruct) partly solves it, so
+the rewards of a GRPO group differ and training has a signal. Families: `add` (a + b), `sub` (a - b, a >= b), `mul`
+(a * b), `add3` (a + b + c), operands 0-9. Held-out problems come from a fixed split per family and are never trained
+on. [`evaluate_held_out`] measures greedy accuracy and the mean reward of sampled answers.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._text import completion_to_text
+
+
+ANSWER_PREFIX = "The answer is"
+"""Pre-filled start of the answer: the completion's first integer is the model's answer."""
+
+TASKS: dict[str, tuple[str, ...]] = {
+    "add": ("add",),
+    "sub": ("sub",),
+    "mul": ("mul",),
+    "add3": ("add3",),
+    "mixed": ("add", "sub", "mul", "add3"),
+}
+"""Task name -> its problem families."""
+
+_FIRST_INTEGER = re.compile(r"-?\d+")
+
+
+def family_problems(family: str) -> list[tuple[str, int]]:
+    """
+    Every problem of one family, as `(prompt, answer)` in a fixed order.
+
+    Args:
+        family (`str`):
+            `add` (a + b), `sub` (a - b with a >= b), `mul` (a * b), `add3` (a + b + c); operands 0-9.
+
+    Returns:
+        `list[tuple[str, int]]`: The problems.
+    """
+    digits = range(10)
+    if family == "add":
+        items = [(f"{a} + {b}", a + b) for a in digits for b in digits]
+    elif family == "sub":
+        items = [(f"{a} - {b}", a - b) for a in digits for b in digits if a >= b]
+    elif family == "mul":
+        items = [(f"{a} * {b}", a * b) for a in digits for b in digits]
+    elif family == "add3":
+        items = [(f"{a} + {b} + {c}", a + b + c) for a in digits for b in digits for c in digits]
+    else:
+        raise ValueError(f"family must be one of add, sub, mul, add3, got {family!r}")
+    return [(f"What is {expression}? {ANSWER_PREFIX}", answer) for expression, answer in items]
+
+
+def split_problems(
+    task: str, num_eval_per_family: int, split_seed: int = 0
+) -> tuple[dict[str, list[tuple[str, int]]], list[tuple[str, str, int]]]:
+    """
+    Splits the task's problems into training and held-out problems, per family.
+
+    Args:
+        task (`str`):
+            A key of `TASKS`.
+        num_eval_per_family (`int`):
+            Held-out problems per family; must leave at least one training problem in every family.
+        split_seed (`int`, *optional*, defaults to `0`):
+            Seed of the split.
+
+    Returns:
+        `tuple[dict, list]`: `(train, held_out)`: training problems per family, and the held-out problems as
+        `(family, prompt, answer)`.
+    """
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {sorted(TASKS)}, got {task!r}")
+    train, held_out = {}, []
+    for family in TASKS[task]:
+        problems = family_problems(family)
+        if not 1 <= num_eval_per_family < len(problems):
+            raise ValueError(
+                f"num_eval_per_family must leave training problems in family {family!r}: allowed range "
+                f"[1, {len(problems) - 1}], got {num_eval_per_family}"
+            )
+        random.Random(f"{split_seed}-{family}").shuffle(problems)
+        held_out += [(family, prompt, answer) for prompt, answer in problems[:num_eval_per_family]]
+        train[family] = problems[num_eval_per_family:]
+    return train, held_out
+
+
+def build_train_dataset(train: dict[str, list[tuple[str, int]]], num_rows: int, seed: int):
+    """
+    `num_rows` training prompts: the families in turn (shuffled every round), a random problem of each.
+
+    Args:
+        train (`dict`):
+            Training problems per family (from [`split_problems`]).
+        num_rows (`int`):
+            Rows (generation batches x prompts per batch).
+        seed (`int`):
+            Seed of the draw and the order.
+
+    Returns:
+        `datasets.Dataset`: Columns `prompt`, `answer`, `family`.
+    """
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    families = sorted(train)
+    rows = []
+    while len(rows) < num_rows:
+        for family in rng.sample(families, len(families)):
+            prompt, answer = rng.choice(train[family])
+            rows.append({"prompt": prompt, "answer": answer, "family": family})
+    return Dataset.from_list(rows[:num_rows])
+
+
+def parse_answer(completion: Any) -> int | None:
+    """The first integer of a completion (text or conversational), or `None`."""
+    match = _FIRST_INTEGER.search(completion_to_text(completion))
+    return int(match.group()) if match else None
+
+
+def exact_answer_reward(completions: Sequence[Any], answer: Sequence[int], **kwargs: Any) -> list[float]:
+    """
+    TRL reward function: 1.0 when the first integer of the completion is the answer, else 0.0.
+
+    Args:
+        completions (`Sequence[str]`):
+            Completions (continuations of "The answer is").
+        answer (`Sequence[int]`):
+            The results (dataset column).
+        **kwargs:
+            Other columns and trainer arguments, ignored.
+
+    Returns:
+        `list[float]`: One reward per completion.
+    """
+    return [1.0 if parse_answer(c) == int(y) else 0.0 for c, y in zip(completions, answer, strict=True)]
+
+
+def digit_share_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
+    """Share of digit characters in the completion: a shaped reward for random models, which never answer."""
+    texts = [completion_to_text(c) for c in completions]
+    return [sum(ch.isdigit() for ch in text) / len(text) if text else 0.0 for text in texts]
+
+
+REWARDS: dict[str, Callable[..., list[float]]] = {"exact": exact_answer_reward, "digits": digit_share_reward}
+"""Reward name -> TRL reward function."""
+
+
+def evaluate_held_out(
+    model,
+    tokenizer,
+    held_out: Sequence[tuple[str, str, int]],
+    reward_func: Callable[..., list[float]],
+    max_new_tokens: int,
+    temperature: float,
+    samples: int,
+    seed: int,
+) -> dict[str, Any]:
+    """
+    Greedy accuracy and mean reward of sampled answers on held-out problems, overall and per family.
+
+    Args:
+        model (`PreTrainedModel`):
+            The model (put in eval mode for the call, then restored).
+        tokenizer (`PreTrainedTokenizerBase`):
+            Its tokenizer (left padding for the call).
+        held_out (`Sequence[tuple[str, str, int]]`):
+            `(family, prompt, answer)`, from [`split_problems`].
+        reward_func (`Callable`):
+            A reward of `REWARDS`.
+        max_new_tokens (`int`):
+            Tokens per answer.
+        temperature (`float`):
+            Sampling temperature of the sampled answers.
+        samples (`int`):
+            Sampled answers per problem (one batched `generate` call).
+        seed (`int`):
+            Seed of the sampling.
+
+    Returns:
+        `dict`: `accuracy` (greedy reward), `reward` (mean sampled reward), `per_family` (both per family),
+        `num_prompts`, `num_samples`.
+    """
+    import torch
+
+    families = [family for family, _, _ in held_out]
+    prompts = [prompt for _, prompt, _ in held_out]
+    answers = [answer for _, _, answer in held_out]
+    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    was_training = model.training
+    model.eval()
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    try:
+        encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        prompt_len = encoded["input_ids"].shape[1]
+        with torch.no_grad():
+            greedy = model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id,
+                                    temperature=None, top_p=None, top_k=None)  # fmt: skip
+            greedy_texts = tokenizer.batch_decode(greedy[:, prompt_len:], skip_special_tokens=True)
+            greedy_rewards = reward_func(greedy_texts, answer=answers)
+            torch.manual_seed(seed)
+            sampled = model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+                                     top_p=1.0, top_k=0, num_return_sequences=samples, pad_token_id=pad_id)  # fmt: skip
+            sampled_texts = tokenizer.batch_decode(sampled[:, prompt_len:], skip_special_tokens=True)
+            sampled_rewards = reward_func(sampled_texts, answer=[answer for answer in answers for _ in range(samples)])
+    finally:
+        tokenizer.padding_side = padding_side
+        model.train(was_training)
+    per_family = {}
+    for family in dict.fromkeys(families):
+        rows = [i for i, f in enumerate(families) if f == family]
+        sampled_rows = [sampled_rewards[i * samples + k] for i in rows for k in range(samples)]
+        per_family[family] = {
+            "accuracy": sum(greedy_rewards[i] for i in rows) / len(rows),
+            "reward": sum(sampled_rows) / len(sampled_rows),
+        }
+    return {
+        "accuracy": sum(greedy_rewards) / len(greedy_rewards),
+        "reward": sum(sampled_rewards) / len(sampled_rewards),
+        "per_family": per_family,
+        "num_prompts": len(prompts),
+        "num_samples": len(sampled_rewards),
+    }
