@@ -13,38 +13,47 @@ import torch
 
 from trl_lopti import models
 from trl_lopti.cli import demo
+from trl_lopti.tasks import arithmetic
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Task and reward
 # ---------------------------------------------------------------------------------------------------------------------
 def test_split_is_disjoint_complete_and_seeded():
-    train, held_out = demo.split_pairs(30, seed=0)
-    assert len(held_out) == 30 and len(train) == 70
-    assert not set(train) & set(held_out)
-    assert set(train) | set(held_out) == {(a, b) for a in range(10) for b in range(10)}
-    assert demo.split_pairs(30, seed=0) == (train, held_out)
-    assert demo.split_pairs(30, seed=1)[1] != held_out
+    train, held_out = arithmetic.split_problems("add", 30, split_seed=0)
+    train_prompts, held_out_prompts = [p for p, _ in train["add"]], [p for _, p, _ in held_out]
+    assert len(held_out_prompts) == 30 and len(train_prompts) == 70
+    assert not set(train_prompts) & set(held_out_prompts)
+    assert set(train_prompts) | set(held_out_prompts) == {f"What is {a} + {b}? The answer is" for a in range(10)
+                                                          for b in range(10)}  # fmt: skip
+    assert arithmetic.split_problems("add", 30, split_seed=0) == (train, held_out)
+    assert arithmetic.split_problems("add", 30, split_seed=1)[1] != held_out
+    for family, prompt, answer in held_out:
+        a, b = (int(x) for x in prompt.split("?")[0].removeprefix("What is ").split(" + "))
+        assert family == "add" and answer == a + b
+    with pytest.raises(ValueError, match=r"num_eval_per_family .* allowed range \[1, 99\], got 100"):
+        arithmetic.split_problems("add", 100)
 
 
 def test_reward_reads_the_first_integer():
     completions = [" 12.", " 12 apples", " 1.", "12", " twelve", " -3, not 12", ""]
-    assert demo.addition_reward(completions, [12] * 7) == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
-    assert demo.addition_reward([[{"role": "assistant", "content": "7."}]], [7]) == [1.0]
+    assert arithmetic.exact_answer_reward(completions, [12] * 7) == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert arithmetic.exact_answer_reward([[{"role": "assistant", "content": "7."}]], [7]) == [1.0]
     with pytest.raises(ValueError):
-        demo.addition_reward([" 1", " 2"], [1])
+        arithmetic.exact_answer_reward([" 1", " 2"], [1])
+    assert arithmetic.digit_share_reward(["a1", "", "99"]) == [0.5, 0.0, 1.0]
 
 
-def test_dataset_draws_only_training_pairs():
-    train_pairs, held_out = demo.split_pairs(30)
-    dataset = demo.build_dataset(train_pairs, 100, seed=0)
+def test_dataset_draws_only_training_problems():
+    train, held_out = arithmetic.split_problems("mixed", 4)
+    dataset = arithmetic.build_train_dataset(train, 100, seed=0)
     assert len(dataset) == 100
-    prompts = set(dataset["prompt"])
-    assert prompts <= {demo.make_prompt(a, b) for a, b in train_pairs}
-    assert not prompts & {demo.make_prompt(a, b) for a, b in held_out}
-    for prompt, answer in zip(dataset["prompt"], dataset["answer"]):
-        a, b = (int(x) for x in prompt.split("?")[0].removeprefix("What is ").split(" + "))
-        assert answer == a + b and prompt.endswith("The answer is")
+    assert set(dataset["family"]) == {"add", "sub", "mul", "add3"}
+    rows = set(zip(dataset["prompt"], dataset["answer"]))
+    assert rows <= {problem for problems in train.values() for problem in problems}
+    assert not {prompt for prompt, _ in rows} & {prompt for _, prompt, _ in held_out}
+    for prompt, answer in rows:
+        assert eval(prompt.split("?")[0].removeprefix("What is ")) == answer and prompt.endswith("The answer is")
 
 
 class ScriptedModel(torch.nn.Module):
@@ -73,11 +82,14 @@ class ScriptedModel(torch.nn.Module):
 
 def test_evaluate_counts_greedy_and_sampled_answers(tiny_tokenizer):
     tokenizer = tiny_tokenizer
-    pairs = [(1, 2), (3, 4), (9, 9)]
+    held_out = [("add", f"What is {a} + {b}? The answer is", a + b) for a, b in [(1, 2), (3, 4), (9, 9)]]
     # Greedy always right; of 4 samples per prompt, those with offset 0 are right: 2 of 4.
-    result = demo.evaluate(ScriptedModel(tokenizer, [0, 1, 0, 5]), tokenizer, pairs, 6, 1.0, samples=4)
-    assert result == {"accuracy": 1.0, "reward": 0.5, "num_prompts": 3, "num_samples": 12}
-    result = demo.evaluate(ScriptedModel(tokenizer, [2]), tokenizer, pairs, 6, 1.0, samples=1)
+    result = arithmetic.evaluate_held_out(ScriptedModel(tokenizer, [0, 1, 0, 5]), tokenizer, held_out,
+                                          arithmetic.exact_answer_reward, 6, 1.0, samples=4, seed=0)  # fmt: skip
+    assert result == {"accuracy": 1.0, "reward": 0.5, "per_family": {"add": {"accuracy": 1.0, "reward": 0.5}},
+                      "num_prompts": 3, "num_samples": 12}  # fmt: skip
+    result = arithmetic.evaluate_held_out(ScriptedModel(tokenizer, [2]), tokenizer, held_out,
+                                          arithmetic.exact_answer_reward, 6, 1.0, samples=1, seed=0)  # fmt: skip
     assert result["accuracy"] == 1.0 and result["reward"] == 0.0
 
 
@@ -95,11 +107,11 @@ def test_table_and_curve():
 # The demo end to end on a tiny model
 # ---------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lopti_threshold, steps_per_batch", [("0.5", 2), ("None", 1)])
-def test_demo_runs_on_a_tiny_model(tmp_path, tiny_model_path, run_cli, lopti_threshold, steps_per_batch):
+def test_demo_runs_on_a_local_model_folder(tmp_path, tiny_model_path, run_cli, lopti_threshold, steps_per_batch):
     out = tmp_path / "demo"
     argv = [
-        "demo", "--model_path", tiny_model_path, "--output_dir", str(out), "--rollout_batches", "2",
-        "--prompts_per_batch", "2", "--num_generations", "2", "--num_eval_pairs", "5", "--eval_samples", "2",
+        "demo", "--model_name_or_path", tiny_model_path, "--output_dir", str(out), "--rollout_batches", "2",
+        "--per_device_train_batch_size", "4", "--num_generations", "2", "--num_eval_pairs", "5", "--eval_samples", "2",
         "--lopti_threshold", lopti_threshold,
     ]  # fmt: skip
     code, printed, err = run_cli(argv)
@@ -108,7 +120,8 @@ def test_demo_runs_on_a_tiny_model(tmp_path, tiny_model_path, run_cli, lopti_thr
     assert results["model"] == tiny_model_path
     assert results["optimizer_steps"] == 2 * steps_per_batch
     assert results["rollouts"] == 2 * 2 * 2
-    assert results["method"]["lopti_threshold"] == (None if lopti_threshold == "None" else 0.5)
+    assert results["method"] == {"advantage_reweighting_alpha": 0.3,
+                                 "lopti_threshold": None if lopti_threshold == "None" else 0.5}  # fmt: skip
     for phase in ("before", "after"):
         assert results[phase]["num_prompts"] == 5 and results[phase]["num_samples"] == 10
         assert 0.0 <= results[phase]["reward"] <= 1.0 and 0.0 <= results[phase]["accuracy"] <= 1.0
@@ -119,10 +132,36 @@ def test_demo_runs_on_a_tiny_model(tmp_path, tiny_model_path, run_cli, lopti_thr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
-def test_demo_rejects_a_missing_model_path(tmp_path, run_cli):
+def test_demo_parses_the_trainer_config_with_its_own_defaults():
+    demo_args, training_args, model_args = demo.make_parser().parse_args_and_config(
+        ["--rollout_batches", "3", "--learning_rate", "1e-5", "--lopti_threshold", "0.4"]
+    )
+    assert type(training_args).__name__ == "LoptiGRPOConfig" and type(model_args).__name__ == "ModelConfig"
+    assert demo_args.rollout_batches == 3 and model_args.model_name_or_path is None  # None: the offline SmolLM2
+    assert training_args.learning_rate == 1e-5 and training_args.lopti_threshold == 0.4
+    for key, value in demo.DEMO_TRAINING_DEFAULTS.items():
+        if key not in ("learning_rate", "report_to"):  # report_to "none" is stored as []
+            assert getattr(training_args, key) == value, key
+    assert training_args.report_to in ([], "none", ["none"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lopti_threshold", "1.5"], "lopti_threshold"),
+        (["--num_eval_pairs", "100"], "num_eval_pairs must lie in [1, 99]"),
+        (["--eta", "0.5"], "unknown field(s) 'eta'"),
+    ],
+)
+def test_demo_rejects_bad_fields_before_loading_a_model(run_cli, argv, message):
+    code, _, err = run_cli(["demo", *argv])
+    assert code == 2 and message in err
+
+
+def test_demo_rejects_a_missing_model_folder(tmp_path, run_cli):
     missing = str(tmp_path / "missing")
-    code, _, err = run_cli(["demo", "--model_path", missing])
-    assert code == 2 and f"model_path: {missing!r} is not an existing model folder" in err
+    code, _, err = run_cli(["demo", "--model_name_or_path", missing])
+    assert code == 2 and f"model_name_or_path: local path {missing!r} does not exist" in err
 
 
 # ---------------------------------------------------------------------------------------------------------------------

