@@ -10,9 +10,10 @@ import pytest
 import torch
 from conftest import threshold_between_values
 
-from trl_lopti.cli.diagnose import DiagnoseArguments, make_sampling_trainer, sample_grpo_batch
+from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 from trl_lopti.cli.diagnose import main as diagnose_main
 from trl_lopti.diagnostics import (
+    SUPPORTED_LOSS_TYPES,
     DiagnosticsSettings,
     TokenDiagnosticsCallback,
     advance_policy_on_batch,
@@ -22,6 +23,8 @@ from trl_lopti.diagnostics import (
     probability_quartiles,
     probability_shift_probe,
     run_token_diagnostics,
+    sample_generation_batch,
+    unmodelled_loss_settings,
 )
 
 
@@ -458,12 +461,16 @@ def by_kind_reward(completions, kind, **kwargs):
 
 
 def test_batch_from_trl_has_group_normalised_advantages(tiny_model_path, tmp_path):
-    """The diagnose command's batch is TRL's: advantages `(r - group mean) / (group std + 1e-4)`, zero (never NaN)
-    for a group whose rewards are all equal, the completion mask up to the first EOS, rows grouped by prompt."""
+    """The diagnose command's batch is the trainer's: advantages `(r - group mean) / (group std + 1e-4)`, zero (never
+    NaN) for a group whose rewards are all equal, the completion mask up to the first EOS, rows grouped by prompt."""
+    from datasets import Dataset
+
     rows = [{"prompt": "ab cd", "kind": "length"}, {"prompt": "xy", "kind": "constant"}]
-    args = DiagnoseArguments(model_name_or_path=tiny_model_path, num_generations=4, max_completion_length=8, seed=3)
-    trainer = make_sampling_trainer(tiny_model_path, rows, by_kind_reward, args, str(tmp_path))
-    inputs, summary = sample_grpo_batch(trainer, rows)
+    config = LoptiGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                             max_completion_length=8, seed=3, use_cpu=True, report_to="none")  # fmt: skip
+    trainer = LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=by_kind_reward, args=config,
+                               train_dataset=Dataset.from_list(rows))  # fmt: skip
+    inputs, summary = sample_generation_batch(trainer, rows)
     rewards = torch.tensor(summary["rewards"]).view(2, 4)
     assert summary["num_completions"] == 8 and inputs["completion_ids"].size(0) == 8
     assert rewards[0].std() > 0 and torch.equal(rewards[1], torch.ones(4))  # the completions' lengths differ
@@ -488,14 +495,17 @@ def test_settings_validate_and_override():
     assert settings.beta == 0.1  # resolve copies
     with pytest.raises(ValueError, match="loss_type"):
         DiagnosticsSettings(loss_type="sapo")
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        DiagnosticsSettings(micro_batch_size=0)
     with pytest.raises(ValueError, match="temperature"):
         DiagnosticsSettings.resolve(None, temperature=0.0)
 
 
 def test_diagnose_cli_end_to_end(tiny_model_path, tmp_path):
     output_dir = tmp_path / "toy"
-    argv = ["--model_name_or_path", tiny_model_path, "--task", "toy", "--num_prompts", "2", "--num_generations", "3",
-            "--max_completion_length", "6", "--lr", "0.1", "--output_dir", str(output_dir), "--seed", "1"]
+    argv = ["--model_name_or_path", tiny_model_path, "--task", "toy", "--per_device_train_batch_size", "6",
+            "--num_generations", "3", "--max_completion_length", "6", "--probe_lr", "0.1", "--output_dir",
+            str(output_dir), "--seed", "1"]  # fmt: skip
     assert diagnose_main(argv + ["--inner_steps", "1", "--inner_lr", "1e-3", "--beta", "0.1"]) == 0
     report = json.loads((output_dir / "report.json").read_text())
     assert report["inner_steps"]["steps"] == 1 and report["inner_steps"]["update_norm"] > 0
@@ -516,14 +526,17 @@ def test_diagnose_cli_end_to_end(tiny_model_path, tmp_path):
                                  "--no_plots"]) == 0
     report = json.loads((output_dir / "report.json").read_text())
     assert report["generation"]["num_zero_advantage_completions"] == 6
-    assert all(row["abs_w_mean"] == 0 for row in report["gradients"]["quartiles"])
-    assert report["gradients"]["full_grad_norm"] == 0
+    assert all(row["abs_w_no_kl_mean"] == 0 for row in report["gradients"]["quartiles"])
+    # the KL part against TRL's reference (the starting policy, float32 log-probabilities) is rounding noise
+    assert report["gradients"]["kl_reference"] == "inputs"
+    assert all(row["abs_w_mean"] < 1e-6 for row in report["gradients"]["quartiles"])
+    assert report["gradients"]["full_grad_norm"] < 1e-6
     assert report["probe"]["methods"]["grpo"]["groups"]["all"]["positive"]["share_in_direction"] is None
 
 
 def test_diagnose_cli_knights_knaves(tiny_model_path, tmp_path, run_cli):
-    argv = ["diagnose", "--model_name_or_path", tiny_model_path, "--task", "knights_knaves", "--num_prompts", "1",
-            "--num_generations", "2", "--max_completion_length", "4", "--no_summed_gradients", "--probe_methods",
+    argv = ["diagnose", "--model_name_or_path", tiny_model_path, "--task", "knights_knaves",
+            "--per_device_train_batch_size", "2", "--num_generations", "2", "--max_completion_length", "4", "--no_summed_gradients", "--probe_methods",
             "none", "--no_plots", "--output_dir", str(tmp_path)]
     code, out, err = run_cli(argv)
     assert code == 0, err
@@ -536,13 +549,62 @@ def test_diagnose_cli_knights_knaves(tiny_model_path, tmp_path, run_cli):
 def test_diagnose_cli_errors_name_the_field(tiny_model_path, run_cli):
     base = ["diagnose", "--model_name_or_path", tiny_model_path]
     code, _, err = run_cli(base + ["--num_generations", "1"])
-    assert code == 2 and "num_generations: at least 2" in err
+    assert code == 2 and "at least 2 generations per prompt" in err  # TRL's GRPOConfig check, at parsing
     code, _, err = run_cli(base + ["--probe_methods", "grpo,lopti,sideways"])
     assert code == 2 and "probe_methods" in err and "'sideways'" in err
     code, _, err = run_cli(base + ["--loss_type", "sapo"])
-    assert code == 2 and "--loss_type" in err and "invalid choice: 'sapo'" in err
+    assert code == 2 and "refusing to measure a run that trains with loss_type='sapo'" in err
+    code, _, err = run_cli(base + ["--lopti_threshold", "None"])
+    assert code == 2 and "the Lopti probes need a lopti_threshold" in err
+    code, _, err = run_cli(base + ["--eta", "0.4"])
+    assert code == 2 and "unknown field(s) 'eta'" in err
     code, _, err = run_cli(["diagnose", "--task", "toy"])
     assert code == 2 and "--model_name_or_path" in err
+
+
+TRL_LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
+
+
+@pytest.mark.parametrize("loss_type", TRL_LOSS_TYPES)
+def test_settings_follow_the_trained_loss_or_refuse_it(tiny_model_path, tmp_path, loss_type):
+    """Every TRL 1.16 loss type: measured with its own normaliser, or refused by name (never measured as another)."""
+    from datasets import Dataset
+
+    config = LoptiGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                             max_completion_length=4, loss_type=loss_type, epsilon_high=0.28, beta=0.04,
+                             use_bias_correction_kl=False, temperature=0.7, advantage_reweighting_alpha=0.2,
+                             lopti_threshold=0.4, use_cpu=True, report_to="none")  # fmt: skip
+    trainer = LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                               args=config, train_dataset=Dataset.from_dict({"prompt": ["ab"] * 4}))  # fmt: skip
+    if loss_type in SUPPORTED_LOSS_TYPES:
+        settings = DiagnosticsSettings.from_trainer(trainer, micro_batch_size=2)
+        assert (settings.loss_type, settings.temperature, settings.beta, settings.epsilon_low, settings.epsilon_high,
+                settings.use_bias_correction_kl, settings.alpha, settings.eta, settings.micro_batch_size) == (
+            loss_type, 0.7, 0.04, 0.2, 0.28, False, 0.2, 0.4, 2)  # fmt: skip
+        assert unmodelled_loss_settings(config) == []
+        TokenDiagnosticsCallback(trainer)  # accepted
+    else:
+        message = f"refusing to measure a run that trains with loss_type={loss_type!r}"
+        with pytest.raises(ValueError, match=message):
+            DiagnosticsSettings.from_trainer(trainer)
+        with pytest.raises(ValueError, match=message):
+            TokenDiagnosticsCallback(trainer)
+
+
+@pytest.mark.parametrize(
+    "option, named",
+    [
+        (dict(importance_sampling_level="sequence"), "importance_sampling_level='sequence'"),
+        (dict(delta=2.0), "delta=2.0"),
+        (dict(top_entropy_quantile=0.5), "top_entropy_quantile=0.5"),
+        (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold=0.5"),
+        (dict(entropy_coef=0.01), "entropy_coef=0.01"),
+    ],
+)
+def test_settings_refuse_loss_options_they_do_not_model(tmp_path, option, named):
+    config = LoptiGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                             use_cpu=True, report_to="none", **option)  # fmt: skip
+    assert unmodelled_loss_settings(config) == [named] or named in unmodelled_loss_settings(config)[0]
 
 
 def test_callback_logs_diagnostics_during_training(tiny_model_path, tmp_path):

@@ -37,7 +37,7 @@ active)), `callback` (`TokenDiagnosticsCallback`, during training) and `report` 
 `trl-lopti diagnose` command is `trl_lopti.cli.diagnose`.
 """
 
-from .batch import DiagnosticsSettings, completion_log_probs
+from .batch import DiagnosticsSettings, check_loss_is_modelled, completion_log_probs, unmodelled_loss_settings
 from .callback import TokenDiagnosticsCallback, flatten_report
 from .measure import (
     QUARTILE_LABELS,
@@ -57,6 +57,7 @@ from .probe import (
     run_token_diagnostics,
 )
 from .report import format_tables, plot_report
+from .sampling import sample_generation_batch
 
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "DiagnosticsSettings",
     "TokenDiagnosticsCallback",
     "advance_policy_on_batch",
+    "check_loss_is_modelled",
     "completion_log_probs",
     "flatten_report",
     "format_tables",
@@ -79,4 +81,6 @@ __all__ = [
     "probability_quartiles",
     "probability_shift_probe",
     "run_token_diagnostics",
+    "sample_generation_batch",
+    "unmodelled_loss_settings",
 ]

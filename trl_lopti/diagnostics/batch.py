@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..core_algos import low_probability_token_mask, reweight_advantages, token_level_advantages
+from ..core_algos import low_probability_token_mask, reweight_advantages, token_group_mask, token_level_advantages
 from .measure import (
     SUPPORTED_LOSS_TYPES,
     grpo_token_weights,
@@ -103,8 +103,14 @@ class DiagnosticsSettings:
     @classmethod
     def from_trainer(cls, trainer: Any, **overrides: Any) -> DiagnosticsSettings:
         """
-        The settings of the loss a TRL `GRPOTrainer` (or `LoptiGRPOTrainer`) optimises. Loss types other than `dapo`,
-        `bnpo`, `grpo` and `dr_grpo` are measured with the clipped-surrogate weights and `dapo` normalisation.
+        The settings of the loss a TRL `GRPOTrainer` (or `LoptiGRPOTrainer`) optimises, with the trainer's AR alpha and
+        Lopti eta for the probe when it is a `LoptiGRPOTrainer` (with Lopti on).
+
+        The token weights model TRL's token-level clipped surrogate with its KL term and the normalisers of `dapo`,
+        `bnpo`, `grpo` and `dr_grpo`. A trainer whose loss is another one (`cispo`, `sapo`, `luspo`, `vespo`, a
+        sequence-level importance ratio, `delta` clipping, entropy masking or bonus, off-policy masking, vLLM
+        importance-sampling correction) is refused with a `ValueError` that names the setting: the figures would be
+        those of another loss.
 
         Args:
             trainer (`trl.GRPOTrainer`):
@@ -116,17 +122,68 @@ class DiagnosticsSettings:
             [`DiagnosticsSettings`]: The settings.
         """
         args = trainer.args
-        loss_type = getattr(trainer, "loss_type", getattr(args, "loss_type", "dapo"))
+        check_loss_is_modelled(args)
         values = {
-            "temperature": getattr(trainer, "temperature", getattr(args, "temperature", 1.0)),
-            "beta": getattr(trainer, "beta", getattr(args, "beta", 0.0)),
-            "epsilon_low": getattr(trainer, "epsilon_low", getattr(args, "epsilon", 0.2)),
-            "epsilon_high": getattr(trainer, "epsilon_high", None),
-            "loss_type": loss_type if loss_type in SUPPORTED_LOSS_TYPES else "dapo",
-            "use_bias_correction_kl": bool(getattr(args, "use_bias_correction_kl", True)),
-            "max_completion_length": getattr(args, "max_completion_length", None),
+            "temperature": trainer.temperature,
+            "beta": trainer.beta,
+            "epsilon_low": trainer.epsilon_low,
+            "epsilon_high": trainer.epsilon_high,
+            "loss_type": trainer.loss_type,
+            "use_bias_correction_kl": bool(args.use_bias_correction_kl),
+            "max_completion_length": args.max_completion_length,
         }
+        if getattr(args, "advantage_reweighting_alpha", None) is not None:
+            values["alpha"] = args.advantage_reweighting_alpha
+        if getattr(args, "lopti_enabled", False):
+            values["eta"] = args.lopti_threshold
         return cls(**{**values, **overrides})
+
+
+def unmodelled_loss_settings(args: Any) -> list[str]:
+    """
+    The settings of a TRL `GRPOConfig` (or `LoptiGRPOConfig`) under which `GRPOTrainer` trains a loss other than the
+    one the diagnostics' token weights model.
+
+    Args:
+        args (`trl.GRPOConfig`):
+            The training configuration.
+
+    Returns:
+        `list[str]`: `"name=value"` per such setting; empty when the diagnostics measure exactly the trained loss.
+    """
+    found = []
+    if args.loss_type not in SUPPORTED_LOSS_TYPES:
+        found.append(f"loss_type={args.loss_type!r}")
+    if args.importance_sampling_level != "token":
+        found.append(f"importance_sampling_level={args.importance_sampling_level!r}")
+    if args.delta is not None:
+        found.append(f"delta={args.delta!r}")
+    if args.top_entropy_quantile < 1.0:
+        found.append(f"top_entropy_quantile={args.top_entropy_quantile!r}")
+    if args.off_policy_mask_threshold is not None:
+        found.append(f"off_policy_mask_threshold={args.off_policy_mask_threshold!r}")
+    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+        found.append(f"entropy_coef={args.entropy_coef!r}, use_adaptive_entropy={args.use_adaptive_entropy!r}")
+    if args.use_vllm and args.vllm_importance_sampling_correction:
+        found.append("use_vllm=True with vllm_importance_sampling_correction=True")
+    return found
+
+
+def check_loss_is_modelled(args: Any) -> None:
+    """
+    Raises a `ValueError` naming the settings when the diagnostics do not model the loss that `args` train.
+
+    Args:
+        args (`trl.GRPOConfig`):
+            The training configuration.
+    """
+    unmodelled = unmodelled_loss_settings(args)
+    if unmodelled:
+        raise ValueError(
+            f"the token diagnostics model TRL's token-level clipped surrogate (with its KL term) for loss_type in "
+            f"{list(SUPPORTED_LOSS_TYPES)} and no other loss option; refusing to measure a run that trains with "
+            f"{'; '.join(unmodelled)} (the figures would be those of another loss)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -365,10 +422,8 @@ class TokenContext:
     def active(self, tokens: str) -> torch.Tensor:
         if tokens == "all":
             return self.mask
-        if tokens == "low":
-            return self.low
-        if tokens == "high":
-            return self.mask & ~self.low
+        if tokens in ("low", "high"):
+            return token_group_mask(self.low, self.mask, tokens)
         if tokens.startswith("q"):
             return self.quartile == int(tokens[1:])
         raise ValueError(f"unknown token group {tokens!r}")

@@ -61,8 +61,8 @@ class TokenDiagnosticsCallback(TrainerCallback):
     LM head's forward); plus one no-grad forward of `ref_model` if one is passed and the batch lacks reference
     log-probabilities. With `summed_gradients=True` add one forward with grad and four backward passes (about two
     training micro-steps) and `4 x num_trainable_params` float32 of memory. The measurement runs in eval mode under
-    the current parameters (after the step's update), so the ratio `pi / pi_old` can differ from one. Loss types other
-    than `dapo`, `bnpo`, `grpo` and `dr_grpo` are measured with the clipped-surrogate weights and `dapo` normalisation.
+    the current parameters (after the step's update), so the ratio `pi / pi_old` can differ from one. A trainer whose
+    loss the diagnostics do not model (see [`DiagnosticsSettings.from_trainer`]) is refused when the callback is made.
 
     Args:
         trainer (`trl.GRPOTrainer`):
@@ -90,6 +90,7 @@ class TokenDiagnosticsCallback(TrainerCallback):
     ):
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be at least 1, got {every_n_steps}")
+        DiagnosticsSettings.from_trainer(trainer)  # refuses, now, a loss the measurements do not model
         self.trainer = trainer
         self.every_n_steps = every_n_steps
         self.summed_gradients = summed_gradients
