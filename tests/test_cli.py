@@ -241,7 +241,7 @@ def test_build_local_datasets(tmp_path, base):
     folder = tmp_path / "saved"
     DatasetDict({"train": Dataset.from_list([{"prompt": "a"}, {"prompt": "b"}]), "test": Dataset.from_list([{"prompt": "c"}])}).save_to_disk(folder)
     config = write_yaml(tmp_path / "d.yaml", {**base, "task": "dataset", "dataset_name": str(folder),
-                                              "reward_funcs": ["trl_lopti.cli.demo.addition_reward"], "eval_strategy": "steps"})  # fmt: skip
+                                              "reward_funcs": ["trl_lopti.tasks.arithmetic.exact_answer_reward"], "eval_strategy": "steps"})  # fmt: skip
     script_args, training_args, _ = parse_train_args(["--config", config])
     train, evaluation = build_datasets(script_args, training_args)
     assert train["prompt"] == ["a", "b"] and evaluation["prompt"] == ["c"]
@@ -264,7 +264,7 @@ def test_train_from_yaml_with_lora(tmp_path, base, run_cli):
         **base,
         "task": "dataset",
         "dataset_name": str(data),
-        "reward_funcs": ["trl_lopti.cli.demo.addition_reward"],
+        "reward_funcs": ["trl_lopti.tasks.arithmetic.exact_answer_reward"],
         "use_peft": True,
         "lora_r": 4,
         "lora_target_modules": ["q_proj", "v_proj"],

@@ -14,6 +14,9 @@ import torch
 
 from conftest import load_benchmark_script
 
+from trl_lopti.diagnostics import completion_log_probs
+from trl_lopti.tasks import arithmetic
+
 
 pytestmark = pytest.mark.slow  # eight tiny training runs: about 30 s alone on 2 CPUs
 
@@ -231,22 +234,22 @@ def test_probe_rescores_after_the_last_optimizer_step(compare, tmp_path):
 
     model_path = build_tiny_model(tmp_path / "model", seed=0)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train, _ = compare.split_problems("add", 2)
-    dataset = compare.build_train_dataset(train, 2, seed=0)
+    train, _ = arithmetic.split_problems("add", 2)
+    dataset = arithmetic.build_train_dataset(train, 2, seed=0)
     _, ProbedLoptiGRPOTrainer = compare.make_probed_trainer_classes()
     config = LoptiGRPOConfig(
         output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", max_steps=2, learning_rate=1e-2,
         per_device_train_batch_size=8, num_generations=4, max_completion_length=4, save_strategy="no",
         lopti_threshold=0.5, advantage_reweighting_alpha=0.3, seed=0,
     )  # fmt: skip
-    trainer = ProbedLoptiGRPOTrainer(model=model_path, reward_funcs=compare.digits_reward, args=config,
+    trainer = ProbedLoptiGRPOTrainer(model=model_path, reward_funcs=arithmetic.digit_share_reward, args=config,
                                      train_dataset=dataset, processing_class=tokenizer)  # fmt: skip
     trainer.train()
     assert trainer.state.global_step == 2 and trainer.generation_batches == 1
     assert trainer.probe_last_scores is None and trainer.probe_batches == []  # re-scored only when asked
     trainer.finish_probe()
     batch, logps_after = trainer.probe_last_scores
-    final = compare.completion_logps(trainer.model, batch, temperature=1.0)
+    final = completion_log_probs(trainer.model, batch, temperature=1.0).cpu()
     torch.testing.assert_close(logps_after, final)
     mask = batch["completion_mask"].bool()
     assert (batch["logps_before"] - logps_after)[mask].abs().max() > 1e-4  # the weights moved in between
