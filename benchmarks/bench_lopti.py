@@ -459,11 +459,11 @@ class TrainerProbe:
         trainer.add_callback(self.callback)
         self._wrap("_generate_and_score_completions", self._around_generate_and_score)
         self._wrap("_generate", self._around_generate)
-        self._wrap("_calculate_rewards", self._around_rewards)
+        self._wrap("_calculate_rewards", self._timed("reward_s"))
         self._wrap("training_step", self._around_training_step)
         for name in OWN_CODE:
             if hasattr(trainer, name):
-                self._wrap(name, self._around_own_code)
+                self._wrap(name, self._timed("own_code_s"))
         original_backward = trainer.accelerator.backward
 
         def backward(loss, **kwargs):
@@ -524,23 +524,19 @@ class TrainerProbe:
                 record.add_time("generation_s", _minus(self._now(), start))
                 record.counts["generate_calls"] += 1
 
-    def _around_rewards(self, original, *args, **kwargs):
-        start = self._now()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            record = self._current()
-            if record is not None and self.trainer.model.training:
-                record.add_time("reward_s", _minus(self._now(), start))
+    def _timed(self, phase: str):
+        """A wrapper that adds the time of every call (in training) to `phase` of the current generation batch."""
 
-    def _around_own_code(self, original, *args, **kwargs):
-        start = self._now()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            record = self._current()
-            if record is not None and self.trainer.model.training:
-                record.add_time("own_code_s", _minus(self._now(), start))
+        def around(original, *args, **kwargs):
+            start = self._now()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                record = self._current()
+                if record is not None and self.trainer.model.training:
+                    record.add_time(phase, _minus(self._now(), start))
+
+        return around
 
     def _around_training_step(self, original, *args, **kwargs):
         self._gen_score_in_step = (0.0, 0.0)

@@ -647,7 +647,9 @@ PAIRED_METRICS = {
     "fig3_negative_share": lambda run: run["fig3"]["negative"]["all"]["share"],
 }
 PAIRED_METRICS.update({
-    f"fig3_{sign}_share_q{quartile + 1}": (lambda run, sign=sign, quartile=quartile: run["fig3"][sign]["share"][quartile])
+    f"fig3_{sign}_share_q{quartile + 1}": (
+        lambda run, sign=sign, quartile=quartile: run["fig3"][sign]["share"][quartile]
+    )
     for sign in SIGNS for quartile in range(4)
 })  # fmt: skip
 
@@ -694,7 +696,8 @@ def format_markdown(report: dict[str, Any]) -> str:
             f"| {_ci(s['training_reward_last_quarter'])} |"
         )
     if summary and "paired_vs_grpo" in next(iter(summary.values())):
-        lines += ["", "Difference to `grpo` on the same seed (method minus grpo; mean [95% t interval] over seeds):", "",
+        lines += ["", "Difference to `grpo` on the same seed (method minus grpo; mean [95% t interval] over seeds):",
+                  "",
                   "| method | greedy acc. after | sampled reward after | mean training reward | Fig. 3, A > 0 rose | "
                   "Fig. 3, A < 0 fell |", "|---|---|---|---|---|---|"]  # fmt: skip
         for name, s in summary.items():
@@ -739,7 +742,8 @@ def format_markdown(report: dict[str, Any]) -> str:
             )  # fmt: skip
             lines.append(f"| {name} | {sign} | " + " | ".join(cells) + " |")
     if summary and "paired_vs_grpo" in next(iter(summary.values())):
-        lines += ["", "Fig.-3 shares minus grpo's on the same seed, per quartile (mean [95% t interval] over seeds):", "",
+        lines += ["", "Fig.-3 shares minus grpo's on the same seed, per quartile (mean [95% t interval] over seeds):",
+                  "",
                   "| method | sign | Q1 | Q2 | Q3 | Q4 |", "|---|---|---|---|---|---|"]  # fmt: skip
         for name, s in summary.items():
             if name == "grpo":
@@ -761,7 +765,8 @@ def format_markdown(report: dict[str, Any]) -> str:
         )
     lines += ["", f"Machine: {report['machine']}. Sum of the {len(report['runs'])} runs' wall times (training, "
               f"evaluation after, loading): {report['runs_wall_s_sum'] / 60:.1f} min; wall time of the last command: "
-              f"{report['total_wall_s'] / 60:.1f} min (runs reused from an earlier invocation not counted).", ""]  # fmt: skip
+              f"{report['total_wall_s'] / 60:.1f} min (runs reused from an earlier invocation not counted).",
+              ""]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -818,7 +823,8 @@ def plot_report(report: dict[str, Any], output_dir: Path) -> list[str]:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     width = 0.8 / max(1, len(summary))
-    for ax, sign, title in zip(axes, SIGNS, ("A > 0: share whose probability rose", "A < 0: share whose probability fell")):
+    titles = ("A > 0: share whose probability rose", "A < 0: share whose probability fell")
+    for ax, sign, title in zip(axes, SIGNS, titles):
         for k, (name, s) in enumerate(summary.items()):
             stats = s["fig3_per_seed"][sign]["share"]
             xs = [q + (k - (len(summary) - 1) / 2) * width for q in range(4)]
@@ -971,7 +977,8 @@ def run_comparison(args: CompareArguments, command: str) -> dict[str, Any]:
                 run_path.write_text(json.dumps(result, indent=1) + "\n")
                 runs.append(result)
                 print(
-                    f"[compare] {name} seed {seed}: greedy {before['accuracy']:.3f} -> {result['after']['accuracy']:.3f}, "
+                    f"[compare] {name} seed {seed}: greedy {before['accuracy']:.3f} -> "
+                    f"{result['after']['accuracy']:.3f}, "
                     f"sampled {before['reward']:.3f} -> {result['after']['reward']:.3f}, "
                     f"{result['optimizer_steps']} opt steps / {result['generation_batches']} batches, "
                     f"train {result['train_wall_s']:.0f} s wall / {result['train_cpu_s']:.0f} s CPU "

@@ -175,7 +175,11 @@ def training_curve(log_history: Sequence[dict[str, Any]]) -> tuple[list[int], li
 
 
 def plot_curve(
-    batches: Sequence[int], rewards: Sequence[float], before: dict[str, float], after: dict[str, float], path: str | os.PathLike
+    batches: Sequence[int],
+    rewards: Sequence[float],
+    before: dict[str, float],
+    after: dict[str, float],
+    path: str | os.PathLike,
 ) -> str:
     """
     Writes the training-curve PNG: the training reward per generation batch, with the held-out sampled reward before
@@ -193,7 +197,8 @@ def plot_curve(
     ax.plot(batches, rewards, marker="o", label="training reward (mean of each generation batch)")
     if len(rewards) >= 4:
         window = max(2, len(rewards) // 4)
-        smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1]) for i in range(len(rewards))]
+        windows = [rewards[max(0, i - window + 1) : i + 1] for i in range(len(rewards))]
+        smooth = [sum(values) / len(values) for values in windows]
         ax.plot(batches, smooth, label=f"running mean ({window} batches)")
     ax.axhline(before["reward"], color="gray", linestyle="--", label=f"held-out reward before: {before['reward']:.2f}")
     ax.axhline(after["reward"], color="green", linestyle="--", label=f"held-out reward after: {after['reward']:.2f}")
