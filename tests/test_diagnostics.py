@@ -536,7 +536,9 @@ def test_diagnose_cli_end_to_end(tiny_model_path, tmp_path):
 
 def test_diagnose_cli_knights_knaves(tiny_model_path, tmp_path, run_cli):
     argv = ["diagnose", "--model_name_or_path", tiny_model_path, "--task", "knights_knaves",
-            "--per_device_train_batch_size", "2", "--num_generations", "2", "--max_completion_length", "4", "--no_summed_gradients", "--probe_methods",
+            "--per_device_train_batch_size", "2", "--num_generations", "2", "--temperature", "0.7", "--epsilon_high",
+            "0.28", "--loss_type", "grpo", "--use_bias_correction_kl", "false", "--advantage_reweighting_alpha", "0.2",
+            "--lopti_threshold", "0.4", "--max_completion_length", "4", "--no_summed_gradients", "--probe_methods",
             "none", "--no_plots", "--output_dir", str(tmp_path)]
     code, out, err = run_cli(argv)
     assert code == 0, err
@@ -544,6 +546,12 @@ def test_diagnose_cli_knights_knaves(tiny_model_path, tmp_path, run_cli):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["generation"]["num_completions"] == 2
     assert report["probe"] is None and "summed_grad_norm" not in report["gradients"]["quartiles"][0]
+    # the measured loss is the one the parsed LoptiGRPOConfig trains (one name per setting)
+    settings = report["gradients"]["settings"]
+    assert {key: settings[key] for key in ("temperature", "epsilon_low", "epsilon_high", "loss_type",
+                                           "use_bias_correction_kl", "alpha", "eta")} == {
+        "temperature": 0.7, "epsilon_low": 0.2, "epsilon_high": 0.28, "loss_type": "grpo",
+        "use_bias_correction_kl": False, "alpha": 0.2, "eta": 0.4}  # fmt: skip
 
 
 def test_diagnose_cli_errors_name_the_field(tiny_model_path, run_cli):
