@@ -637,3 +637,47 @@ def test_callback_logs_diagnostics_during_training(tiny_model_path, tmp_path):
     report = callback.last_report
     assert report["kl_reference"] == "inputs"  # TRL's reference log-probabilities were used
     assert sum(row["count"] for row in report["quartiles"]) == report["num_tokens"] > 0
+
+
+@pytest.mark.parametrize("loss_type", SUPPORTED_LOSS_TYPES)
+@pytest.mark.parametrize("use_bias_correction_kl", [True, False])
+def test_modelled_token_weights_are_the_gradient_of_trl_loss(tiny_model_path, tmp_path, loss_type,
+                                                             use_bias_correction_kl):  # fmt: skip
+    """For every loss type the diagnostics accept, `-(w_pg + w_kl) * c_t` is exactly `d loss / d log pi_t` of TRL's own
+    `GRPOTrainer._compute_loss` (clipping on both sides, KL term, the loss type's normaliser, a padded completion)."""
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    from trl_lopti.diagnostics import loss_normalizer
+
+    generator = torch.Generator().manual_seed(0)
+    batch_size, num_tokens = 4, 5
+    mask = torch.ones(batch_size, num_tokens, dtype=torch.long)
+    mask[1, 3:] = 0
+    old = torch.log(torch.rand(batch_size, num_tokens, generator=generator) * 0.9 + 0.05)
+    logps = old + torch.randn(batch_size, num_tokens, generator=generator) * 0.4  # ratios on both sides of the clip
+    ref = old + torch.randn(batch_size, num_tokens, generator=generator) * 0.3
+    advantages = torch.tensor([1.0, -0.5, 0.7, -1.2])
+    inputs = {
+        "prompt_ids": torch.ones(batch_size, 2, dtype=torch.long), "prompt_mask": torch.ones(batch_size, 2),
+        "completion_ids": torch.ones(batch_size, num_tokens, dtype=torch.long), "completion_mask": mask,
+        "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
+        "num_items_in_batch": mask.sum(),
+    }  # fmt: skip
+    config = LoptiGRPOConfig(output_dir=str(tmp_path), loss_type=loss_type, beta=0.3, epsilon=0.2, epsilon_high=0.28,
+                             use_bias_correction_kl=use_bias_correction_kl, max_completion_length=8, use_cpu=True,
+                             per_device_train_batch_size=4, num_generations=4, report_to="none")  # fmt: skip
+    trainer = LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                               args=config, train_dataset=Dataset.from_dict({"prompt": ["ab"] * 4}))  # fmt: skip
+    leaf = logps.clone().requires_grad_(True)
+    trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (leaf, torch.zeros_like(leaf), None)
+    trainer.model.eval()  # no gradient-accumulation factor in TRL's normalisers
+    loss = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+    (trl_gradient,) = torch.autograd.grad(loss, leaf)
+
+    settings = DiagnosticsSettings.from_trainer(trainer)
+    w_pg, w_kl = grpo_token_weights(logps, old, advantages, ref, settings.beta, settings.epsilon_low,
+                                    settings.epsilon_high, settings.use_bias_correction_kl)  # fmt: skip
+    modelled = -(w_pg + w_kl) * loss_normalizer(mask, loss_type, settings.max_completion_length)
+    assert bool((w_pg == 0).any()) and bool((w_pg != 0).any())  # some tokens clipped, some not
+    torch.testing.assert_close(modelled, trl_gradient, rtol=1e-5, atol=1e-7)
