@@ -143,3 +143,19 @@ def test_markdown_table_from_report(bench, report):
     headers = [line for line in table.splitlines() if line.startswith("| configuration | step (s) |")]
     assert len(headers) == 2  # wall-clock and, on CPU, process CPU time
     assert "low-token share" in table
+
+
+def test_random_model_of_a_given_shape(tmp_path):
+    """`build_tiny_model`'s config overrides (what the benchmark's random Qwen2 sizes use): the shape is the one asked
+    for, and a vocabulary smaller than the tokenizer's is raised to it."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from trl_lopti.models import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "wide", hidden_size=48, num_hidden_layers=3, intermediate_size=100,
+                            vocab_size=1024, tie_word_embeddings=True, max_position_embeddings=4096)  # fmt: skip
+    config = AutoConfig.from_pretrained(path)
+    assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size,
+            config.tie_word_embeddings, config.max_position_embeddings) == (48, 3, 100, 1024, True, 4096)  # fmt: skip
+    small = AutoConfig.from_pretrained(build_tiny_model(tmp_path / "small", vocab_size=10))
+    assert small.vocab_size == len(AutoTokenizer.from_pretrained(path)) > 10

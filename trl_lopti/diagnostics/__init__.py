@@ -33,8 +33,15 @@ Modules: `measure` (pure per-token and per-quartile figures), `batch` (the batch
 gradients, with the one settings dataclass `DiagnosticsSettings`), `probe` (the entry points: `measure_token_gradients`
 (quartile table), `probability_shift_probe` (one-update probe), `run_token_diagnostics` (both, sharing the gradient
 computation), `advance_policy_on_batch` (measure at a later inner iteration, where ratios, clipping and the KL part are
-active)), `callback` (`TokenDiagnosticsCallback`, during training) and `report` (Markdown tables and plots). The
-`trl-lopti diagnose` command is `trl_lopti.cli.diagnose`.
+active)), `sampling` (`sample_generation_batch`: a batch generated and scored by the trainer itself), `callback`
+(`TokenDiagnosticsCallback`, during training) and `report` (Markdown tables and plots). The `trl-lopti diagnose`
+command is `trl_lopti.cli.diagnose`.
+
+Loss coverage: the token weights model TRL's token-level clipped surrogate with its KL term for `loss_type` `dapo`,
+`bnpo`, `grpo` and `dr_grpo` (equal to the gradient of TRL's own loss w.r.t. the per-token log-probabilities, tested);
+`DiagnosticsSettings.from_trainer` (hence the callback and the command) refuses, by name, a trainer whose loss is
+another one (`cispo`, `sapo`, `luspo`, `vespo`, `importance_sampling_level="sequence"`, `delta`,
+`top_entropy_quantile < 1`, an entropy bonus, `off_policy_mask_threshold`, vLLM importance-sampling correction).
 """
 
 from .batch import DiagnosticsSettings, check_loss_is_modelled, completion_log_probs, unmodelled_loss_settings
