@@ -6,6 +6,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from . import _compat  # noqa: F401, I001  (checks the TRL version before TRL is imported)
 from trl import GRPOConfig
 
 from .core_algos import ADVANTAGE_ESTIMATORS, LOPTI_PASS_ORDERS

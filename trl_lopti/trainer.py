@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from . import _compat  # noqa: F401, I001  (checks the TRL version before TRL is imported)
 from trl import GRPOConfig, GRPOTrainer
 
 from .config import LoptiGRPOConfig, lopti_pass_ends_on_optimizer_step, lopti_schedule_error
