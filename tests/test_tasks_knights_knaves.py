@@ -369,9 +369,9 @@ def test_reward_table(completion, think_prefilled, expected_format, expected_ans
     assert expected_format + expected_answer in (3.0, -0.5, -1.0, -3.0)
 
 
-# The authors' scorer splits the decoded prompt + response at the first literal "Assistant:". Expected totals obtained by
-# running their `verl/utils/reward_score/kk.py` (zhyang2226/AR-Lopti @ cbeb333) in a scratch environment outside this
-# project on `paper_prompt(quiz) + completion + "<|im_end|>"` with this TRUTH.
+# The authors' scorer splits the decoded prompt + response at the first literal "Assistant:". Expected totals obtained
+# by running their `verl/utils/reward_score/kk.py` (zhyang2226/AR-Lopti @ cbeb333) in a scratch environment outside
+# this project on `paper_prompt(quiz) + completion + "<|im_end|>"` with this TRUTH.
 ASSISTANT_SPLIT_CASES = [
     (f"The puzzle says so.</think>\n<answer>{RIGHT}</answer>", 3.0),
     (f"Assistant: <think>x</think><answer>{RIGHT}</answer>", 3.0),  # scored from the split: no pre-filled <think>

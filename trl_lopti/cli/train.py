@@ -41,7 +41,7 @@ class LoptiScriptArguments(ScriptArguments):
     Args:
         task (`str`, *optional*, defaults to `"knights_knaves"`):
             `"knights_knaves"` (the paper's logic puzzles: generated offline, or the published set when
-            `dataset_name` is given), `"math"` (a math set with a `\\boxed{}` answer checked by `math-verify`) or
+            `dataset_name` is given), `"math"` (a math set graded by the authors' rules, `math_reward`) or
             `"dataset"` (any dataset with a `prompt` column, by hub name or local path, with `reward_funcs`).
         dataset_name (`str`, *optional*):
             `knights_knaves`: hub id or local copy of the published K&K data (`K-and-K/knights-and-knaves`); unset:
