@@ -22,7 +22,7 @@ Requires `sympy` and `pylatexenc` (the `math` extra).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 
 THINK_END = "</think>"
@@ -415,7 +415,7 @@ def paper_is_correct(
     )
 
 
-__all__: Sequence[str] = (
+__all__ = [
     "graded_text",
     "last_box_content",
     "mathd_normalize",
@@ -423,4 +423,4 @@ __all__: Sequence[str] = (
     "reference_answers",
     "sympy_equal",
     "sympy_normalize",
-)
+]
