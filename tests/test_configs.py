@@ -221,6 +221,8 @@ def test_accelerate_config_loads_with_accelerate(path):
     if str(config.distributed_type).endswith("FSDP"):
         assert config.fsdp_config["fsdp_version"] == 2
         assert config.fsdp_config["fsdp_offload_params"] is (path.name == "fsdp2_offload.yaml")
+        # TRL shards the reference model without accelerate's rank-0 broadcast: every rank must load real weights
+        assert config.fsdp_config["fsdp_cpu_ram_efficient_loading"] is False
     if path.name == "vllm_server.yaml":
         gpu_ids = str(config.gpu_ids).split(",")
         assert len(gpu_ids) == config.num_processes and "0" not in gpu_ids  # GPU 0 is left to `vllm serve`
