@@ -57,7 +57,7 @@ def advantage_reweighting_weights(old_per_token_logps: torch.Tensor, alpha: floa
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
-    old_probs = torch.exp(old_per_token_logps.detach().float())
+    old_probs = torch.exp(_at_least_float32(old_per_token_logps.detach()))
     return (alpha * old_probs + (1.0 - alpha)).to(old_per_token_logps.dtype)
 
 
@@ -125,7 +125,7 @@ def low_probability_token_mask(
         raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
     # Compare in log space: exp() of a float16/bfloat16 log-prob can round across the threshold.
     log_threshold = math.log(threshold) if threshold > 0.0 else -math.inf
-    return (old_per_token_logps.detach().float() < log_threshold) & completion_mask.bool()
+    return (_at_least_float32(old_per_token_logps.detach()) < log_threshold) & completion_mask.bool()
 
 
 def lopti_batch_threshold(old_per_token_logps: torch.Tensor, completion_mask: torch.Tensor, quantile: float) -> float:
@@ -152,8 +152,7 @@ def lopti_batch_threshold(old_per_token_logps: torch.Tensor, completion_mask: to
     """
     if not 0.0 < quantile < 1.0:
         raise ValueError(f"quantile must lie in (0, 1), got {quantile}")
-    logps = old_per_token_logps.detach()
-    probabilities = torch.exp(logps.to(torch.promote_types(logps.dtype, torch.float32)))[completion_mask.bool()]
+    probabilities = torch.exp(_at_least_float32(old_per_token_logps.detach()))[completion_mask.bool()]
     if probabilities.numel() == 0:
         return 0.0
     ordered = torch.sort(probabilities).values
@@ -260,3 +259,8 @@ def reinforce_plus_plus_advantages(rewards: torch.Tensor, completion_lengths: to
     variance = (weights * (rewards - mean) ** 2).sum() / (num_tokens - 1.0).clamp(min=1.0)
     advantages = (rewards - mean) * torch.rsqrt(variance + 1e-8)
     return torch.where(weights > 0, advantages, torch.zeros_like(advantages))
+
+
+def _at_least_float32(values: torch.Tensor) -> torch.Tensor:
+    """float16/bfloat16 values in float32 (exp() in half precision rounds too coarsely); float32/float64 unchanged."""
+    return values.to(torch.promote_types(values.dtype, torch.float32))
