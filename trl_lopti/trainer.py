@@ -308,12 +308,19 @@ class LoptiGRPOTrainer(GRPOTrainer):
             if AR_ADVANTAGES_KEY in batch:
                 loss_inputs["advantages"] = batch[AR_ADVANTAGES_KEY]
         if call["token_group"] is not None:
-            active_mask = token_group_mask(batch[LOW_MASK_KEY], _loss_mask(batch), call["token_group"])
-            per_token_logps = isolate_token_gradients(per_token_logps, active_mask)
-            if entropies is not None:
-                entropies = isolate_token_gradients(entropies, active_mask)
-            if aux_loss is not None and not call["first_pass"]:
-                aux_loss = aux_loss.detach()
+            isolated = self._isolate_active_tokens(call, per_token_logps, entropies, aux_loss)
+            per_token_logps, entropies, aux_loss = isolated
+        return per_token_logps, entropies, aux_loss
+
+    def _isolate_active_tokens(self, call: dict[str, Any], per_token_logps, entropies, aux_loss):
+        """Lopti: gradient only through the log-probabilities and entropies of the pass's active tokens."""
+        batch = call["inputs"]
+        active_mask = token_group_mask(batch[LOW_MASK_KEY], _loss_mask(batch), call["token_group"])
+        per_token_logps = isolate_token_gradients(per_token_logps, active_mask)
+        if entropies is not None:
+            entropies = isolate_token_gradients(entropies, active_mask)
+        if aux_loss is not None and not call["first_pass"]:  # not a per-token term: trained in the first pass only
+            aux_loss = aux_loss.detach()
         return per_token_logps, entropies, aux_loss
 
     def _split_at_first_forward(self, batch: dict[str, Any], forward_logps: torch.Tensor) -> None:
