@@ -22,6 +22,9 @@ PROMPT_LENGTH = 4
 COMPLETION_LENGTH = 6
 LEARNING_RATE = 0.5
 ALPHA = 0.3
+# plain SGD (no momentum, decay or clipping, constant rate): the update a hand run makes with torch.optim.SGD
+PLAIN_SGD = dict(optim="sgd", learning_rate=LEARNING_RATE, lr_scheduler_type="constant", weight_decay=0.0,
+                 max_grad_norm=0.0)
 
 
 def completion_logps(model, batch: dict) -> torch.Tensor:
@@ -82,17 +85,8 @@ def quantile_config(output_dir: str, rows_per_process: int, gradient_accumulatio
         advantage_reweighting_alpha=ALPHA,
         lopti_threshold=None,
         lopti_quantile=quantile,
-        optim="sgd",
-        learning_rate=LEARNING_RATE,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=0.0,  # no clipping: plain SGD
-        bf16=False,
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        logging_steps=1,
-        shuffle_dataset=False,
+        **PLAIN_SGD,
+        bf16=False, report_to="none", use_cpu=True, save_strategy="no", logging_steps=1, shuffle_dataset=False,
         max_steps=2 * steps_per_generation // gradient_accumulation_steps,  # exactly one Lopti cycle
     )
     values.update(overrides)

@@ -54,6 +54,7 @@ def hand_run_cycle(initial_model, micro_batches, config, threshold_of_micro_batc
     """Low pass then high pass by hand (SGD), every pass the whole schedule, ratio against the same pi_old."""
     model = copy.deepcopy(initial_model)
     model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     with torch.no_grad():
         old_logps = [completion_logps(model, micro_batch) for micro_batch in micro_batches]
     num_items = sum(int(micro_batch["completion_mask"].sum()) for micro_batch in micro_batches)
@@ -72,11 +73,8 @@ def hand_run_cycle(initial_model, micro_batches, config, threshold_of_micro_batc
             )
             loss.backward()
             if (index + 1) % config.gradient_accumulation_steps == 0:
-                with torch.no_grad():
-                    for parameter in model.parameters():
-                        if parameter.grad is not None:
-                            parameter.sub_(LEARNING_RATE * parameter.grad)
-                model.zero_grad(set_to_none=True)
+                optimizer.step()
+                optimizer.zero_grad()
     return model
 
 
@@ -129,6 +127,26 @@ def test_one_quantile_cycle_equals_hand_run_with_eta_of_the_whole_batch(
     assert difference < 1e-7  # TRL's fused LM head returns float32 log-probabilities even for a float64 model
     assert power > 1e-4
     assert moved > 1e-3
+
+
+def test_low_plus_high_is_plain_grpo_on_a_batch_split_at_its_quantile(tiny_model_path, tmp_path, monkeypatch):
+    initial_model, batch, quantile = whole_batch_quantile(tiny_model_path)
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", fixed_generation(batch))
+    trainer = run_one_cycle(tiny_model_path, quantile_config(str(tmp_path), ROWS, 2, 2, quantile), batch)
+    trainer.model.train()
+    micro_batch = trainer._buffered_inputs[0]  # split at generation, with the batch's eta
+    low, mask = micro_batch["lopti_low_mask"], micro_batch["completion_mask"].bool()
+    assert low.any() and (mask & ~low).any(), "neither pass is empty"
+    gradients = {}
+    for token_group in ("low", "high", None):
+        monkeypatch.setattr(trainer, "lopti_token_group", lambda group=token_group: group)
+        trainer.model.zero_grad(set_to_none=True)
+        trainer.compute_loss(trainer.model, micro_batch).backward()
+        gradients[token_group] = [p.grad.detach().clone() for p in trainer.model.parameters()]
+    for low_pass, high_pass, plain in zip(gradients["low"], gradients["high"], gradients[None]):
+        torch.testing.assert_close(low_pass + high_pass, plain, rtol=1e-6, atol=1e-10)
+    assert max(float(g.abs().max()) for g in gradients["low"]) > 1e-4
+    assert max(float(g.abs().max()) for g in gradients["high"]) > 1e-4
 
 
 def test_quantile_makes_trl_compute_pi_old_once_per_generation_batch(tiny_model_path, tmp_path):
