@@ -126,9 +126,11 @@ class LoptiGRPOTrainer(GRPOTrainer):
 
     - AR replaces each completion's advantage `A(i)` by the token-level `(alpha * pi_old(i, t) + 1 - alpha) * A(i)`.
       The KL penalty is not reweighted.
-    - Lopti splits the completion tokens of each generation batch once by `pi_old < lopti_threshold` and trains the
-      batch once per token group: first only the low tokens carry gradient, then only the high ones, from the
-      parameters the first pass produced and with importance ratios against the same `pi_old`. In a pass every value
+    - Lopti splits the completion tokens of each generation batch once by `pi_old < eta` (eta: `lopti_threshold`, or
+      the `lopti_quantile` quantile of the whole batch's `pi_old`) and trains the batch once per token group: first
+      only the low tokens carry gradient, then only the high ones, from the parameters the first pass produced and
+      with importance ratios against the same `pi_old`. A pass without an active token is an ordinary optimizer step
+      with a zero gradient, as in the authors' runs. In a pass every value
       of the loss is what plain GRPO computes; only the gradient through the inactive tokens' log-probabilities and
       entropies is cut, which isolates the groups for every loss type and importance-sampling level. The router's
       auxiliary loss (MoE models), not a per-token term, gets its gradient in the first pass only.
@@ -138,9 +140,9 @@ class LoptiGRPOTrainer(GRPOTrainer):
 
     Logged metrics (prefix `lopti/`), once per generation batch: `lopti/low_token_share` (share of the batch's
     completion tokens with `pi_old < eta`; eta = 0.5 when Lopti is off), `lopti/ar_weight_mean` (mean AR weight over
-    them, with AR on); once per pass: `lopti/loss_low_pass`, `lopti/loss_high_pass` (TRL's loss, whose value is the
-    plain GRPO loss at the parameters of that pass). Completions (`log_completions`) are logged once per generation
-    batch.
+    them, with AR on), `lopti/threshold` (the batch's eta, with Lopti on); once per pass: `lopti/loss_low_pass`,
+    `lopti/loss_high_pass` (TRL's loss, whose value is the plain GRPO loss at the parameters of that pass).
+    Completions (`log_completions`) are logged once per generation batch.
     """
 
     _tag_names = ["trl", "grpo", "lopti"]
@@ -207,8 +209,11 @@ class LoptiGRPOTrainer(GRPOTrainer):
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
-        # TRL computes pi_old at generation when gradient_accumulation_steps is not a multiple of this count.
-        num_iterations = self.args.gradient_accumulation_steps + 1 if self.args.lopti_quantile else self.num_iterations
+        # TRL computes pi_old at generation when gradient_accumulation_steps is not a multiple of
+        # steps_per_generation * num_iterations: the quantile split needs it for the whole batch before the first pass.
+        num_iterations = self.num_iterations
+        if self.args.lopti_quantile is not None:
+            num_iterations = self.args.gradient_accumulation_steps + 1
         scope: dict[str, Any] = {}
         with _temporarily_set(self, "_call_scope", scope), _temporarily_set(self, "num_iterations", num_iterations):
             output = super()._generate_and_score_completions(inputs)
