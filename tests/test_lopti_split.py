@@ -254,3 +254,13 @@ def test_adaptive_entropy_controller_updates_once_per_optimizer_step_empty_passe
     trainer.train()
     assert trainer.entropy_coef == pytest.approx(0.01 + 0.005 * 6)  # entropy below the target: +delta per step
     assert logged(trainer, "lopti/low_token_share") == [1.0, 1.0, 1.0]  # three empty high passes
+
+
+def test_the_method_description_names_the_split_rule(tmp_path):
+    from trl_lopti.trainer import describe_method
+
+    config = quantile_config(str(tmp_path), ROWS, 2, 2, 0.3)
+    assert describe_method(config) == (
+        "GRPO with Advantage Reweighting (alpha=0.3) and Low-Probability Token Isolation "
+        "(Lopti, eta at the 0.3 quantile of each batch, low tokens first)"
+    )
