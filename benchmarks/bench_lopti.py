@@ -9,6 +9,9 @@ One command trains, on the same model, prompts and seed, one after the other:
 - `lopti-refstyle`: Lopti plus the separate no-grad forward for old log-probabilities that the reference
   implementation always runs (emulated by computing `old_per_token_logps` after generation, which makes the same
   updates up to float rounding). It shows what `LoptiGRPOTrainer` saves by capturing `pi_old` from its first pass.
+- `lopti-quantile`: Lopti with the quantile split (`lopti_quantile=0.5`, `lopti_threshold=None`): TRL computes
+  `pi_old` of the whole generation batch at generation, one no-grad forward (`policy_forwards_no_grad`, its time
+  within `scoring_s`) beside the fixed-eta `lopti`.
 
 and writes `bench_<size>.json` (every measurement, per generation batch) and `bench_<size>.md` (a table with ratios
 to `grpo`).
@@ -104,6 +107,10 @@ class Variant:
         reference_style (`bool`, *optional*, defaults to `False`):
             Whether to add a no-grad forward for old log-probabilities after generation, as the reference
             implementation does.
+        lopti_quantile (`float` or `None`, *optional*, defaults to `None`):
+            Lopti's quantile split rule (eta at this quantile of each generation batch's pi_old) in place of the
+            size's fixed eta; TRL then computes pi_old at generation (a no-grad forward, counted in
+            `policy_forwards_no_grad` and timed within `scoring_s`).
     """
 
     name: str
@@ -111,6 +118,7 @@ class Variant:
     advantage_reweighting_alpha: float | None
     lopti: bool
     reference_style: bool = False
+    lopti_quantile: float | None = None
 
     @property
     def is_grpo(self) -> bool:
@@ -131,6 +139,7 @@ VARIANTS: dict[str, Variant] = {
             True,
             reference_style=True,
         ),
+        Variant("lopti-quantile", "Lopti, eta at the 0.5 quantile of each batch", 0.0, True, lopti_quantile=0.5),
     )
 }
 
@@ -332,7 +341,7 @@ PHASES = ("generation_s", "scoring_s", "reward_s", "train_s", "backward_s", "own
 """Timed phases of a generation batch (`train_s`: forward, loss and backward; `optimizer_s`: clipping, optimizer,
 scheduler, zero_grad; `reward_s` is part of `scoring_s`; `backward_s` and `own_code_s` are part of `train_s`)."""
 
-OWN_CODE = ("_apply_token_weighting", "_pass_has_no_active_token", "_log_pass_loss")
+OWN_CODE = ("_split", "_generation_batch_threshold", "_log_split_metrics", "_isolate_active_tokens", "_log_pass_loss")
 """`LoptiGRPOTrainer` methods that hold all of AR's and Lopti's own per-step work (timed as `own_code_s`)."""
 
 COUNTS = (
@@ -664,7 +673,8 @@ def _training_arguments(
             if variant.is_grpo
             else dict(
                 advantage_reweighting_alpha=variant.advantage_reweighting_alpha,
-                lopti_threshold=lopti_threshold if variant.lopti else None,
+                lopti_threshold=lopti_threshold if variant.lopti and variant.lopti_quantile is None else None,
+                lopti_quantile=variant.lopti_quantile,
             )
         ),
     )
@@ -755,7 +765,8 @@ def run_variant(
         "description": variant.description,
         "trainer": trainer_class.__name__,
         "advantage_reweighting_alpha": variant.advantage_reweighting_alpha,
-        "lopti_threshold": lopti_threshold if variant.lopti else None,
+        "lopti_threshold": lopti_threshold if variant.lopti and variant.lopti_quantile is None else None,
+        "lopti_quantile": variant.lopti_quantile,
         "reference_style": variant.reference_style,
         "global_step": global_step,
         "train_wall_s": train_wall_s,

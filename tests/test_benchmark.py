@@ -16,7 +16,7 @@ from conftest import load_benchmark_script
 
 pytestmark = pytest.mark.slow  # trains five tiny trainers (about 15 s alone on 2 CPUs, under a minute when shared)
 
-VARIANTS = ["grpo", "ar", "lopti", "ar+lopti", "lopti-refstyle"]
+VARIANTS = ["grpo", "ar", "lopti", "ar+lopti", "lopti-refstyle", "lopti-quantile"]
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +115,10 @@ def test_counted_passes(report):
     refstyle = results["lopti-refstyle"]["counts_per_batch"]
     assert refstyle["policy_forwards_no_grad"] == micro_steps
     assert refstyle["policy_forwards_grad"] == 2 * grpo["policy_forwards_grad"]
+    # The quantile split needs pi_old of the whole batch first: one no-grad forward over it (micro-batch chunks).
+    quantile = results["lopti-quantile"]["counts_per_batch"]
+    assert quantile["policy_forwards_no_grad"] == micro_steps
+    assert quantile["policy_forwards_grad"] == 2 * grpo["policy_forwards_grad"]
     # Generation forwards are counted apart from training forwards, and equal for all variants.
     assert len({r["counts_per_batch"]["generation_forwards"] for r in report["results"]}) == 1
     assert grpo["generation_forwards"] >= 1
@@ -123,7 +127,7 @@ def test_counted_passes(report):
 def test_own_code_timed_only_for_lopti_trainer(report):
     results = by_name(report)
     assert results["grpo"]["median"]["own_code_s"] == 0.0
-    for name in ("ar", "lopti", "ar+lopti", "lopti-refstyle"):
+    for name in ("ar", "lopti", "ar+lopti", "lopti-refstyle", "lopti-quantile"):
         assert results[name]["median"]["own_code_s"] > 0.0, name
         assert results[name]["median"]["own_code_s"] <= results[name]["median"]["train_s"]
 

@@ -21,6 +21,45 @@ def test_defaults_are_the_papers_and_extend_grpo_config():
     assert (config.advantage_reweighting_alpha, config.lopti_threshold, config.lopti_order) == (0.3, 0.5, "low_first")
     assert config.advantage_estimator == "grpo"
     assert config.lopti_enabled and config.advantage_reweighting_enabled
+    assert config.lopti_quantile is None
+
+
+@pytest.mark.parametrize("quantile", [0.0, 1.0, -0.2, 1.5, "most", float("nan"), True, [0.3]])
+def test_quantile_out_of_range_names_the_field_and_range(quantile):
+    with pytest.raises(ValueError, match=r"lopti_quantile must be a number in \(0, 1\)"):
+        make(lopti_threshold=None, lopti_quantile=quantile)
+
+
+@pytest.mark.parametrize("quantile, expected", [(0.2, 0.2), ("0.35", 0.35), (np.float32(0.5), 0.5)])
+def test_quantile_turns_lopti_on_with_two_passes(quantile, expected):
+    config = make(lopti_threshold=None, lopti_quantile=quantile, advantage_reweighting_alpha=0.0)
+    assert config.lopti_quantile == pytest.approx(expected) and type(config.lopti_quantile) is float
+    assert config.lopti_enabled and config.lopti_num_passes == 2 and config.lopti_pass_order == ("low", "high")
+    assert not make(lopti_threshold=None, lopti_quantile="none", advantage_reweighting_alpha=0.0).lopti_enabled
+
+
+@pytest.mark.parametrize("eta", [0.5, 0.4])  # the default eta counts: it is a fixed split rule too
+def test_a_fixed_eta_and_a_quantile_together_are_rejected(eta):
+    with pytest.raises(ValueError, match=r"lopti_threshold=.* and lopti_quantile=0.3 .* set lopti_threshold=None"):
+        make(lopti_threshold=eta, lopti_quantile=0.3)
+    with pytest.raises(ValueError, match="lopti_quantile=0.3"):
+        make(lopti_quantile=0.3)  # lopti_threshold defaults to 0.5
+
+
+def test_the_batch_threshold_follows_the_split_rule():
+    import torch
+
+    logps = torch.log(torch.tensor([[0.1, 0.2, 0.4, 0.9]]))
+    mask = torch.tensor([[1, 1, 1, 0]])
+    assert make(lopti_threshold=0.3).lopti_batch_threshold(logps, mask) == 0.3
+    quantile = make(lopti_threshold=None, lopti_quantile=0.75).lopti_batch_threshold(logps, mask)
+    assert quantile == pytest.approx(0.3)  # 0.2 + 0.5 * (0.4 - 0.2): linear, the padded 0.9 left out
+    assert make(lopti_threshold=None).lopti_batch_threshold(logps, mask) is None
+
+
+def test_the_lopti_schedule_check_applies_to_the_quantile_rule():
+    with pytest.raises(ValueError, match="lopti_quantile=None"):
+        make(lopti_threshold=None, lopti_quantile=0.3, gradient_accumulation_steps=4, steps_per_generation=2)
 
 
 @pytest.mark.parametrize("alpha", [-0.1, 1.01, float("nan"), "high", True, None, "none", [0.3]])
@@ -117,5 +156,6 @@ def test_a_plain_grpo_config_with_an_unfit_schedule_gets_an_error_in_its_own_ter
 
 def test_fields_have_help_for_the_cli():
     helps = {f.name: f.metadata.get("help", "") for f in fields(LoptiGRPOConfig)}
-    for name in ("advantage_reweighting_alpha", "lopti_threshold", "lopti_order", "advantage_estimator"):
+    for name in ("advantage_reweighting_alpha", "lopti_threshold", "lopti_quantile", "lopti_order",
+                 "advantage_estimator"):
         assert helps[name]

@@ -49,7 +49,7 @@ def test_the_presets_of_the_issue_exist():
         assert f"kk/qwen2.5-3b-instruct_{method}.yaml" in names
     assert {f"math/qwen2.5-7b_dsr_uniform_{method}.yaml" for method in MATH_METHODS} <= names
     assert any(p.parent.name == "vllm" for p in TRAINING_PRESETS)
-    launchers = {"multi_gpu.yaml", "zero2.yaml", "zero3.yaml", "fsdp2.yaml", "vllm_server.yaml"}
+    launchers = {"multi_gpu.yaml", "zero2.yaml", "zero3.yaml", "fsdp2.yaml", "fsdp2_offload.yaml", "vllm_server.yaml"}
     assert {p.name for p in ACCELERATE_CONFIGS} >= launchers
 
 
@@ -132,7 +132,25 @@ def test_preset_reproduces_the_authors_script(path, capsys):
         model_slug = path.stem.split("_")[0]
         assert model_args.model_name_or_path.lower() == "qwen/" + model_slug
     assert resolved["model"]["source"] == "hub"
-    assert model_args.dtype == "bfloat16"
+
+    # Precision and launcher: fp32 master weights with bf16 compute (tests/test_precision.py runs the step), loaded
+    # on the CPU for the launcher to shard; the header's launcher is sharded FSDP2 with bf16 mixed precision, with CPU
+    # offload for the 7B models, and the header gives the memory arithmetic.
+    assert model_args.dtype == "float32" and training_args.bf16 is True
+    assert training_args.model_init_kwargs == {"device_map": None}
+    launcher_name = re.search(r"accelerate launch --config_file configs/accelerate/(\S+)", text).group(1)
+    launcher = yaml.safe_load((CONFIGS / "accelerate" / launcher_name).read_text())
+    assert launcher["mixed_precision"] == "bf16" and launcher["distributed_type"] == "FSDP"
+    assert launcher["fsdp_config"]["fsdp_version"] == 2
+    is_7b = "7B" in model_args.model_name_or_path
+    assert launcher["fsdp_config"]["fsdp_offload_params"] is is_7b
+    memory_line = next(line for line in text.splitlines() if line.startswith("# Memory per GPU"))
+    for part in ("fp32 weights + gradients + AdamW 16 B", "reference model", "activations", "4,096", "of 80"):
+        assert part in memory_line
+    assert ("7.62B" if is_7b else "3.09B") in memory_line
+    assert "empty pass" not in text  # the trainer steps the optimizer on an empty Lopti pass, as the authors
+    if group == "vllm":
+        assert training_args.vllm_importance_sampling_correction is False
 
 
 def verl_dual_clip_loss(ratio, advantages, clip_low, clip_high, clip_ratio_c):
@@ -193,15 +211,18 @@ def test_accelerate_config_loads_with_accelerate(path):
 
     config = ClusterConfig.from_yaml_file(str(path))
     expected = {
-        "multi_gpu.yaml": "MULTI_GPU", "vllm_server.yaml": "MULTI_GPU", "zero2.yaml": "DEEPSPEED",
-        "zero3.yaml": "DEEPSPEED", "fsdp2.yaml": "FSDP",
+        "multi_gpu.yaml": "MULTI_GPU", "vllm_server.yaml": "FSDP", "zero2.yaml": "DEEPSPEED",
+        "zero3.yaml": "DEEPSPEED", "fsdp2.yaml": "FSDP", "fsdp2_offload.yaml": "FSDP",
     }  # fmt: skip
     assert str(config.distributed_type).split(".")[-1] == expected[path.name]
     assert config.mixed_precision == "bf16" and config.use_cpu is False
     if path.name.startswith("zero"):
         assert config.deepspeed_config["zero_stage"] == int(path.stem[-1])
-    if path.name == "fsdp2.yaml":
+    if str(config.distributed_type).endswith("FSDP"):
         assert config.fsdp_config["fsdp_version"] == 2
+        assert config.fsdp_config["fsdp_offload_params"] is (path.name == "fsdp2_offload.yaml")
+        # TRL shards the reference model without accelerate's rank-0 broadcast: every rank must load real weights
+        assert config.fsdp_config["fsdp_cpu_ram_efficient_loading"] is False
     if path.name == "vllm_server.yaml":
         gpu_ids = str(config.gpu_ids).split(",")
         assert len(gpu_ids) == config.num_processes and "0" not in gpu_ids  # GPU 0 is left to `vllm serve`

@@ -67,10 +67,10 @@ def test_threshold_is_strict_and_in_log_space():
     assert low.tolist() == [[True, False, False]]
 
 
-@pytest.mark.parametrize("bad", [0.0, 1.0, -0.1, 1.5])
+@pytest.mark.parametrize("bad", [-0.1, 1.5])
 def test_threshold_out_of_range_is_rejected(batch, bad):
     logps, mask, _ = batch
-    with pytest.raises(ValueError, match=r"\(0, 1\)"):
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
         low_probability_token_mask(logps, mask, bad)
 
 

@@ -91,8 +91,8 @@ def configure(trainer, loss_type: str, beta: float, alpha: float, eta: float | N
     trainer.beta = beta
     trainer.entropy_coef = entropy_coef
     trainer._entropy_bonus_enabled = entropy_coef != 0.0
-    trainer.advantage_reweighting_alpha = alpha
-    trainer.lopti_threshold = eta
+    trainer.args.advantage_reweighting_alpha = alpha
+    trainer.args.lopti_threshold = eta
 
 
 def set_pass(trainer, token_group: str | None):
@@ -424,7 +424,7 @@ def test_router_auxiliary_loss_is_trained_once_per_cycle(moe_model_path, tmp_pat
     moe.current_gradient_accumulation_steps = 1
     moe.model.train()
     inputs = make_batch(moe, seed=7)
-    moe.lopti_threshold = splitting_eta(inputs)
+    moe.args.lopti_threshold = splitting_eta(inputs)
     plain_loss, plain = trainer_loss_and_gradients(moe, inputs, None)
     moe._step = 0  # the first pass
     moe.lopti_token_group = lambda: "low"

@@ -369,6 +369,32 @@ def test_reward_table(completion, think_prefilled, expected_format, expected_ans
     assert expected_format + expected_answer in (3.0, -0.5, -1.0, -3.0)
 
 
+# The authors' scorer splits the decoded prompt + response at the first literal "Assistant:". Expected totals obtained
+# by running their `verl/utils/reward_score/kk.py` (zhyang2226/AR-Lopti @ cbeb333) in a scratch environment outside
+# this project on `paper_prompt(quiz) + completion + "<|im_end|>"` with this TRUTH.
+ASSISTANT_SPLIT_CASES = [
+    (f"The puzzle says so.</think>\n<answer>{RIGHT}</answer>", 3.0),
+    (f"Assistant: <think>x</think><answer>{RIGHT}</answer>", 3.0),  # scored from the split: no pre-filled <think>
+    (f"x</think><answer>{RIGHT}</answer> Assistant: done", -3.0),  # only " done" is scored
+    (f"Assistant: a Assistant: <think>x</think><answer>{RIGHT}</answer>", 3.0),  # the first "Assistant:" splits
+    (f"x</think>Assistant: <answer>{RIGHT}</answer>", -3.0),
+    (f"Assistant:<think>x</think><answer>{WRONG}</answer>", -0.5),
+]
+
+
+def test_reward_splits_at_the_first_assistant_marker_as_the_authors_scorer():
+    completions = [completion for completion, _ in ASSISTANT_SPLIT_CASES]
+    expected = [total for _, total in ASSISTANT_SPLIT_CASES]
+    truths = [TRUTH] * len(completions)
+    assert kk.knights_knaves_reward(completions, truths, think_prefilled=True) == expected
+    parts = zip(
+        kk.knights_knaves_format_reward(completions, think_prefilled=True),
+        kk.knights_knaves_answer_reward(completions, truths, think_prefilled=True),
+        strict=True,
+    )
+    assert [format_score + answer_score for format_score, answer_score in parts] == expected
+
+
 def test_reward_per_completion_prefill_flags_and_trl_kwargs():
     completions = [f"x</think><answer>{RIGHT}</answer>", wrap(RIGHT)]
     logged = []

@@ -20,14 +20,16 @@ from trl_lopti.tasks import _time_limit  # noqa: E402
 from trl_lopti.tasks.math import math_reward, math_reward_lenient  # noqa: E402
 
 
-# A sum of 59 rational terms: sympy needs about a minute to compare it with SLOW_REFERENCE (pure Python, so it can be
-# interrupted). The timeout tests check that the limit was reached, so they fail if this stops being slow.
-SLOW_ANSWER = "\\boxed{" + "+".join(f"\\frac{{{i}}}{{x+{i}}}" for i in range(1, 60)) + "}"
+# A sum of 59 rational terms: sympy needs more than 10 s to compare it with SLOW_REFERENCE in both grading modes (pure
+# Python, so it can be interrupted). The timeout tests check that the limit was reached, so they fail if this stops
+# being slow.
+SLOW_ANSWER = "\\boxed{" + "+".join(f"{i}/(x+{i})" for i in range(1, 60)) + "}"
 SLOW_REFERENCE = "x^2+1"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Equivalent forms and wrong answers
+# Equivalent forms and wrong answers (math-verify's equivalence: the lenient grader; the paper's grader is checked
+# against the authors' own output in tests/test_tasks_math_paper.py)
 # ---------------------------------------------------------------------------------------------------------------------
 EQUIVALENT = [
     ("\\frac{1}{2}", "So the answer is $\\boxed{0.5}$."),
@@ -70,11 +72,12 @@ WRONG = [
 
 @pytest.mark.parametrize("solution, completion", EQUIVALENT)
 def test_equivalent_forms_are_accepted(solution, completion):
-    assert math_reward([completion], [solution]) == [1.0]
+    assert math_reward_lenient([completion], [solution]) == [1.0]
 
 
 @pytest.mark.parametrize("solution, completion", WRONG)
 def test_wrong_answers_are_rejected(solution, completion):
+    assert math_reward_lenient([completion], [solution]) == [0.0]
     assert math_reward([completion], [solution]) == [0.0]
 
 
@@ -87,7 +90,7 @@ def test_last_box_after_thinking_is_the_answer():
         "<think>maybe \\boxed{8}</think> The answer is \\boxed{7}.",
         "The answer is \\boxed{7}, and a broken box \\boxed{3",
     ]
-    assert math_reward(completions, solution) == [1.0, 0.0, 0.0, 1.0, 1.0]
+    assert math_reward(completions, solution) == [1.0, 0.0, 0.0, 1.0, 0.0]  # the authors': an unclosed last box is 0
     assert math_reward_lenient(completions, solution) == [1.0, 0.0, 0.0, 1.0, 1.0]
 
 

@@ -1,13 +1,40 @@
-"""trl_lopti: Advantage Reweighting and Low-Probability Token Isolation (arXiv 2505.12929) for TRL."""
+"""trl_lopti: Advantage Reweighting and Low-Probability Token Isolation (arXiv 2505.12929) for TRL.
 
-from ._compat import check_trl_version
+`import trl_lopti` and its tasks (`trl_lopti.tasks`: puzzles, rewards, graders, data loaders) need no TRL. The
+trainer and its config are imported on first use (`from trl_lopti import LoptiGRPOTrainer`); that import checks the
+installed TRL version (see `trl_lopti._compat`) and fails with a clear message outside the tested range.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 
 __version__ = "0.1.0"
-TRL_VERSION = check_trl_version()
 
-from .config import LoptiGRPOConfig  # noqa: E402
-from .trainer import LoptiGRPOTrainer  # noqa: E402
+_LAZY_ATTRIBUTES = {
+    "LoptiGRPOConfig": "trl_lopti.config",
+    "LoptiGRPOTrainer": "trl_lopti.trainer",
+    "TRL_VERSION": "trl_lopti._compat",
+}
+
+if TYPE_CHECKING:
+    from ._compat import TRL_VERSION
+    from .config import LoptiGRPOConfig
+    from .trainer import LoptiGRPOTrainer
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_ATTRIBUTES:
+        value = getattr(importlib.import_module(_LAZY_ATTRIBUTES[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'trl_lopti' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY_ATTRIBUTES])
 
 
 __all__ = ["LoptiGRPOConfig", "LoptiGRPOTrainer", "__version__"]

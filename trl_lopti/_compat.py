@@ -1,4 +1,8 @@
-"""The TRL versions this package is tested against, checked at import time."""
+"""The TRL versions this package is tested against, checked when the trainer or its config is first imported.
+
+`trl_lopti.config` and `trl_lopti.trainer` import this module before they import TRL, so that an untested TRL fails
+with the message below rather than somewhere inside TRL; `trl_lopti.tasks` does not import TRL at all.
+"""
 
 from __future__ import annotations
 
@@ -26,8 +30,12 @@ def check_trl_version() -> str:
     low, high = TESTED_TRL_RANGE
     if not low <= Version(installed) < high:
         raise ImportError(
-            f"trl_lopti {__package__} is tested with TRL >={low},<{high} but TRL {installed} is installed; it relies "
+            f"trl_lopti is tested with TRL >={low},<{high} but TRL {installed} is installed; it relies "
             f"on GRPOTrainer internals that change between versions. Install a tested version: "
             f"pip install 'trl>={low},<{high}'"
         )
     return installed
+
+
+TRL_VERSION = check_trl_version()
+"""The installed TRL version (checked)."""

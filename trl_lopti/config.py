@@ -6,9 +6,12 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+import torch
+
+from . import _compat  # noqa: F401, I001  (checks the TRL version before TRL is imported)
 from trl import GRPOConfig
 
-from .core_algos import ADVANTAGE_ESTIMATORS, LOPTI_PASS_ORDERS
+from .core_algos import ADVANTAGE_ESTIMATORS, LOPTI_PASS_ORDERS, lopti_batch_threshold
 
 
 @dataclass
@@ -19,8 +22,8 @@ class LoptiGRPOConfig(GRPOConfig):
     Every field of TRL's `GRPOConfig` keeps its meaning and default. The fields below add Advantage Reweighting (AR)
     and Low-Probability Token Isolation (Lopti) from "Do Not Let Low-Probability Tokens Over-Dominate in RL for
     LLMs" (arXiv 2505.12929), and the paper's second base algorithm, REINFORCE++. With
-    `advantage_reweighting_alpha=0.0`, `lopti_threshold=None` and `advantage_estimator="grpo"` the trainer is exactly
-    TRL's `GRPOTrainer`.
+    `advantage_reweighting_alpha=0.0`, `lopti_threshold=None` (and `lopti_quantile` unset) and
+    `advantage_estimator="grpo"` the trainer is exactly TRL's `GRPOTrainer`.
 
     Parameters:
         > Parameters that control Advantage Reweighting
@@ -35,9 +38,17 @@ class LoptiGRPOConfig(GRPOConfig):
         lopti_threshold (`float` or `None`, *optional*, defaults to `0.5`):
             eta: completion tokens with `pi_old < eta` are "low", the others "high". Each generation batch is then
             trained twice: first with only the low tokens active, then with only the high tokens active (from the
-            parameters the first pass produced). Must lie in (0, 1); `None` disables Lopti. The paper uses 0.5 and
-            recommends [0.3, 0.5]; the authors' script for Lopti alone uses 0.4. What a pass costs and how it counts
-            against `max_steps`: README, section "The Lopti schedule".
+            parameters the first pass produced). Must lie in (0, 1); `None` splits at `lopti_quantile` instead, or,
+            with that unset too, disables Lopti. The paper uses 0.5 and recommends [0.3, 0.5]; the authors' script for
+            Lopti alone uses 0.4. What a pass costs and how it counts against `max_steps`: README, section "The Lopti
+            schedule".
+        lopti_quantile (`float` or `None`, *optional*, defaults to `None`):
+            The other split rule of the paper's authors (their `seperate_portion`): eta of each generation batch is
+            the quantile at level q of pi_old over all completion tokens of the whole batch (every process; linear
+            interpolation, as `torch.quantile`), so a share q of the tokens is low however the policy's confidence
+            drifts. Must lie in (0, 1); it needs `lopti_threshold=None` (the two rules are exclusive, and
+            `lopti_threshold` defaults to 0.5). It costs one no-grad forward per generation batch for pi_old, taken
+            before the first pass.
         lopti_order (`str`, *optional*, defaults to `"low_first"`):
             Which token group is updated first: `"low_first"` (the method) or `"high_first"` (the paper's ablation,
             which collapses training; offered for reproducing it).
@@ -65,6 +76,14 @@ class LoptiGRPOConfig(GRPOConfig):
             "pass before the others. None disables Lopti."
         },
     )
+    lopti_quantile: float | None = field(
+        default=None,
+        metadata={
+            "help": "Lopti split at a quantile of the batch: eta of each generation batch is the quantile at level q "
+            "in (0, 1) of pi_old over all its completion tokens (every process). Needs lopti_threshold=None. One "
+            "extra no-grad forward per generation batch. None: split at lopti_threshold."
+        },
+    )
     lopti_order: str = field(
         default="low_first",
         metadata={
@@ -90,6 +109,17 @@ class LoptiGRPOConfig(GRPOConfig):
             "lopti_threshold", self.lopti_threshold, "(0, 1)", lambda x: 0.0 < x < 1.0,
             allow_none=True, disabled_hint="None disables Lopti",
         )
+        self.lopti_quantile = _real_in_range(
+            "lopti_quantile", self.lopti_quantile, "(0, 1)", lambda x: 0.0 < x < 1.0,
+            allow_none=True, disabled_hint="None splits at lopti_threshold",
+        )
+        if self.lopti_quantile is not None and self.lopti_threshold is not None:
+            raise ValueError(
+                f"lopti_threshold={self.lopti_threshold:g} and lopti_quantile={self.lopti_quantile:g} are two Lopti "
+                "split rules (a fixed eta, or eta at a quantile of each generation batch) and only one can be used: "
+                "set lopti_threshold=None to split at the quantile (lopti_threshold defaults to 0.5), or "
+                "lopti_quantile=None to split at the fixed eta"
+            )
         if self.lopti_order not in LOPTI_PASS_ORDERS:
             raise ValueError(f"lopti_order must be one of {sorted(LOPTI_PASS_ORDERS)}, got {self.lopti_order!r}")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
@@ -104,13 +134,13 @@ class LoptiGRPOConfig(GRPOConfig):
                 "multi_objective_aggregation must be 'sum_then_normalize' (its normalisation is then not used), got "
                 f"{self.multi_objective_aggregation!r}"
             )
-        if self.lopti_threshold is not None and not lopti_pass_ends_on_optimizer_step(self):
+        if self.lopti_enabled and not lopti_pass_ends_on_optimizer_step(self):
             raise ValueError(lopti_schedule_error(self))
 
     @property
     def lopti_enabled(self) -> bool:
-        """Whether Low-Probability Token Isolation is on."""
-        return self.lopti_threshold is not None
+        """Whether Low-Probability Token Isolation is on (with either split rule)."""
+        return self.lopti_threshold is not None or self.lopti_quantile is not None
 
     @property
     def lopti_pass_order(self) -> tuple[str | None, ...]:
@@ -121,6 +151,23 @@ class LoptiGRPOConfig(GRPOConfig):
     def lopti_num_passes(self) -> int:
         """How many times each generation batch is trained (optimizer schedules per batch): 2 with Lopti, else 1."""
         return len(self.lopti_pass_order)
+
+    def lopti_batch_threshold(self, old_per_token_logps: torch.Tensor, completion_mask: torch.Tensor) -> float | None:
+        """
+        eta of a generation batch: `lopti_threshold`, or the `lopti_quantile` quantile of the batch's pi_old.
+
+        Args:
+            old_per_token_logps (`torch.Tensor`):
+                pi_old log-probabilities of the whole generation batch (every process); read by the quantile rule only.
+            completion_mask (`torch.Tensor`):
+                Same shape: nonzero for the completion tokens that count.
+
+        Returns:
+            `float` or `None`: eta (the split is `pi_old < eta`); `None` when Lopti is off.
+        """
+        if self.lopti_quantile is not None:
+            return lopti_batch_threshold(old_per_token_logps, completion_mask, self.lopti_quantile)
+        return self.lopti_threshold
 
     @property
     def advantage_reweighting_enabled(self) -> bool:
@@ -165,7 +212,7 @@ def lopti_schedule_error(config: GRPOConfig, upgraded_from_grpo_config: bool = F
             + message
             + ", or pass trl_lopti.LoptiGRPOConfig(..., lopti_threshold=None) to train without Lopti."
         )
-    return message + ", or set lopti_threshold=None to train without Lopti."
+    return message + ", or set lopti_threshold=None and lopti_quantile=None to train without Lopti."
 
 
 def _real_in_range(name, value, interval, contains, allow_none, disabled_hint):

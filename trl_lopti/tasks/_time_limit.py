@@ -3,7 +3,7 @@ process.
 
 A worker process serves one function of a `trl_lopti.tasks` module in its own main thread, where the `SIGALRM` limit
 can interrupt it; the parent kills the worker when it does not answer in time (stuck in C code) and starts a new one
-on the next call. The worker imports the task module without running `trl_lopti/__init__.py` (which imports TRL).
+on the next call. The worker imports the task module and what it needs; `import trl_lopti` imports no TRL.
 """
 
 from __future__ import annotations
@@ -37,12 +37,10 @@ WORKER_GRACE_SECONDS = 1.0
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding `trl_lopti/`
 
-# Registers `trl_lopti` as a bare namespace (its `__init__` imports TRL, which a worker does not need), then serves.
+# Imports the target's module (`import trl_lopti` imports no TRL), then serves.
 _WORKER_SCRIPT = """
-import importlib, json, os, sys, types
-package = types.ModuleType("trl_lopti")
-package.__path__ = [os.path.join(sys.argv[1], "trl_lopti")]
-sys.modules["trl_lopti"] = package
+import importlib, json, sys
+sys.path.insert(0, sys.argv[1])
 module_name, _, function_name = sys.argv[2].partition(":")
 function = getattr(importlib.import_module(module_name), function_name)
 function(*json.loads(sys.argv[3]))

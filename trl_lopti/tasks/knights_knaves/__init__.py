@@ -47,6 +47,7 @@ from .rewards import (
     ANSWER_UNPARSABLE_REWARD,
     ANSWER_WRONG_REWARD,
     FORMAT_REWARD,
+    ASSISTANT_MARKER,
     THINK_PREFILL,
     extract_answer,
     has_valid_format,
@@ -57,6 +58,7 @@ from .rewards import (
     parse_solution_text_format,
     score_answer,
     score_format,
+    scored_response,
 )
 
 
@@ -77,6 +79,7 @@ __all__ = [
     "PAPER_SYSTEM_PROMPT",
     "SPEECH_TEMPLATES",
     "SYSTEM_PROMPT",
+    "ASSISTANT_MARKER",
     "THINK_PREFILL",
     "Statement",
     "completion_to_text",
@@ -104,6 +107,7 @@ __all__ = [
     "sample_statement",
     "score_answer",
     "score_format",
+    "scored_response",
     "solution_to_text",
     "solve",
 ]

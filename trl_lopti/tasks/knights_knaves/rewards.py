@@ -10,6 +10,10 @@ Scoring:
 
 So a completion scores 3, -0.5, -1 or -3. With the paper's prompt the `<think>` is pre-filled in the prompt: the
 reward functions then count it as the response's first tag (the dataset's `think_prefilled` column says so).
+
+As the authors' scorer, which splits the decoded prompt + response at the first literal `Assistant:` (the paper's
+prompt has none), a completion containing `Assistant:` is scored on the text after its first `Assistant:` only,
+without the pre-filled `<think>` ([`scored_response`]).
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from .._text import completion_to_text
 
 THINK_PREFILL = "<think>"
 """Text the prompt puts at the start of the assistant turn when `<think>` is pre-filled."""
+
+ASSISTANT_MARKER = "Assistant:"
+"""The authors' scorer scores what follows the first occurrence of this text in the decoded prompt + response."""
 
 FORMAT_REWARD = 1.0
 ANSWER_CORRECT_REWARD = 2.0
@@ -163,10 +170,29 @@ def _per_completion(value: bool | Sequence[bool] | None, count: int) -> list[boo
     return [bool(value)] * count
 
 
+def scored_response(completion: str, think_prefilled: bool) -> str:
+    """
+    The text the paper's reward scores for one completion: the completion after its first `Assistant:` if it holds
+    one (the authors' split), else the pre-filled `<think>` (when the prompt has it) followed by the completion.
+
+    Args:
+        completion (`str`):
+            The completion text, as TRL passes it (without the prompt).
+        think_prefilled (`bool`):
+            Whether the prompt ends with a pre-filled `<think>`.
+
+    Returns:
+        `str`: The scored text.
+    """
+    if ASSISTANT_MARKER in completion:
+        return completion.split(ASSISTANT_MARKER, 1)[1]
+    return (THINK_PREFILL if think_prefilled else "") + completion
+
+
 def _responses(completions: Sequence[Any], think_prefilled: bool | Sequence[bool] | None) -> list[str]:
     prefilled = _per_completion(think_prefilled, len(completions))
     return [
-        (THINK_PREFILL if is_prefilled else "") + completion_to_text(completion)
+        scored_response(completion_to_text(completion), is_prefilled)
         for completion, is_prefilled in zip(completions, prefilled, strict=True)
     ]
 

@@ -1,4 +1,5 @@
-"""Math tasks of arXiv 2505.12929 for TRL: grading ([`math_reward`], the paper's; [`math_reward_lenient`]) and data
+"""Math tasks of arXiv 2505.12929 for TRL: grading ([`math_reward`], the authors' grader's rules, in
+[`paper_grading`]; [`math_reward_lenient`], math-verify) and data
 ([`load_paper_math_dataset`]: the authors' DSR-uniform and evaluation files; [`load_math_dataset`]: Hub sets)."""
 
 from .._text import completion_to_text

@@ -1,14 +1,13 @@
 """Grading of math answers for TRL: the paper's grading (`math_reward`) and a lenient variant (`math_reward_lenient`).
 
-The paper's grader (the authors' verl fork, DeepScaleR's reward) scores 1 for a correct final answer and 0
-otherwise, where the final answer must be a `\\boxed{...}` in the text after the FIRST `</think>` (the whole response
-when there is none): no box, no reward. [`math_reward`] does that; [`math_reward_lenient`] grades the text after
-the LAST `</think>` and, without a box, falls back to math-verify's own extraction ("the final answer is ...", the
-last formula or number).
+[`math_reward`] gives the authors' reward (their verl fork, DeepScaleR's `RewardMathFn`): 1 when the last
+`\\boxed{...}` in the text between the first and second `</think>` (the whole response without one) equals a reference
+under their string normaliser or their sympy check, else 0 (rules in [`~trl_lopti.tasks.math.paper_grading`]).
+[`math_reward_lenient`] grades the text after the LAST `</think>` with math-verify (`parse` + `verify`), reads
+`\\boxed 5`, `\\fbox{}` and, without a box, math-verify's own extraction ("the final answer is ...", the last formula
+or number); it is not the paper's grader.
 
-Equivalence is math-verify's (`parse` + `verify`) in both modes, under a wall-clock limit; nothing raises. The
-authors compare with DeepScaleR's `grade_answer_mathd` / `grade_answer_sympy` instead (see `configs/README.md` for
-what that changes). `math-verify` is an optional dependency: `pip install "trl_lopti[math]"`.
+Both run under a wall-clock limit; nothing raises. Optional dependencies: `pip install "trl_lopti[math]"`.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from typing import Any
 
 from .._text import completion_to_text
 from .._time_limit import DeadlineExceeded, in_main_thread, run_with_time_limit, shared_worker
+from .paper_grading import paper_is_correct, reference_answers
 
 
 GRADING_MODES = ("paper", "lenient")
@@ -155,6 +155,18 @@ class _DropTimeoutDisabledWarning(logging.Filter):
 _log_filter_installed = False
 
 
+def _import_grader(mode: str) -> None:
+    """The paper mode needs sympy and pylatexenc, the lenient mode math-verify (all in the `math` extra)."""
+    if mode != "paper":
+        _import_math_verify()
+        return
+    try:
+        import pylatexenc  # noqa: F401
+        import sympy  # noqa: F401
+    except ImportError as error:
+        raise ImportError('math_reward needs sympy and pylatexenc: pip install "trl_lopti[math]"') from error
+
+
 def _import_math_verify():
     global _log_filter_installed
     try:
@@ -226,15 +238,21 @@ def looks_explosive(answer: str) -> bool:
     return bool(re.search(rf"\d{{{_HUGE_FACTORIAL_DIGITS},}}\s*!", answer))
 
 
-def _is_correct(response: str, reference: str, mode: str) -> bool:
-    """Parses the prediction and the reference with math-verify (its own timeouts off) and compares them."""
+def _paper_sympy_allowed(answer: str) -> bool:
+    return len(answer) <= MAX_ANSWER_CHARS and not looks_explosive(answer)
+
+
+def _is_correct(response: str, reference: Any, mode: str) -> bool:
+    """The paper mode: the authors' rules ([`paper_is_correct`]). The lenient mode: math-verify (its own timeouts off)
+    parses and compares the prediction and the reference."""
+    if mode == "paper":
+        return paper_is_correct(response, reference, allow_sympy=_paper_sympy_allowed)
     math_verify = _import_math_verify()
+    reference = normalize_reference(reference)
     graded = final_part(response, mode)
     boxed = extract_boxed_answer(graded)
     if boxed is not None:
         prediction_text = "\\boxed{" + boxed + "}"
-    elif mode == "paper":
-        return False
     else:
         prediction_text = graded[-MAX_FALLBACK_CHARS:]
     if not reference or len(reference) > MAX_ANSWER_CHARS:
@@ -251,7 +269,7 @@ def _is_correct(response: str, reference: str, mode: str) -> bool:
     return bool(math_verify.verify(gold, prediction, timeout_seconds=None))
 
 
-def score_in_process(response: str, reference: str, mode: str, timeout_seconds: float | None) -> float:
+def score_in_process(response: str, reference: Any, mode: str, timeout_seconds: float | None) -> float:
     """
     Scores a response in this process under [`run_with_time_limit`]: `1.0` or `0.0`, never raises. The function a
     worker process serves (its arguments and result are JSON).
@@ -281,8 +299,9 @@ def verify_answer(
         completion (`str` or `list[dict]`):
             The model's response (plain or conversational).
         solution (`Any`):
-            The reference answer: a string (with or without `\\boxed{}`), a number, or a list of strings forming
-            one answer (see [`normalize_reference`]).
+            The reference answer: a string (with or without `\\boxed{}`) or a number. A list is one answer in the
+            lenient mode (see [`normalize_reference`]) and alternatives in the paper mode (any one counts, as the
+            authors' grader reads a list; see [`reference_answers`]).
         mode (`str`, *optional*, defaults to `"paper"`):
             One of [`GRADING_MODES`]; see [`final_part`]. `"paper"` scores 0 without a `\\boxed{}` answer.
         timeout_seconds (`float` or `None`, *optional*, defaults to `3.0`):
@@ -293,10 +312,10 @@ def verify_answer(
     """
     if mode not in GRADING_MODES:
         raise ValueError(f"mode must be one of {list(GRADING_MODES)}, got {mode!r}")
-    _import_math_verify()  # the one error that escapes: math-verify is not installed
+    _import_grader(mode)  # the one error that escapes: the grader's library is not installed
     try:
         response = completion_to_text(completion)
-        reference = normalize_reference(solution)
+        reference = reference_answers(solution) if mode == "paper" else normalize_reference(solution)
         if not in_main_thread():
             worker = shared_worker(WORKER_TARGET, warmup_args=("\\boxed{1}", "1", "paper", None))
             if worker is not None:
@@ -320,19 +339,20 @@ def math_reward(
     completions: Sequence[Any], solution: Sequence[Any], timeout_seconds: float | None = 3.0, **kwargs: Any
 ) -> list[float]:
     """
-    TRL reward function, the paper's math grading: 1.0 for a completion whose `\\boxed{}` answer is mathematically
-    equal to the reference, else 0.0.
+    TRL reward function, the paper's math grading: the authors' reward, 1.0 or 0.0.
 
-    The answer is the content of the last `\\boxed{...}` in the text after the first `</think>` (up to a second
-    `</think>`, if any; the whole response when there is none), as in the authors' reward; no box scores 0.
-    Equivalence is math-verify's: `\\frac{1}{2}`, `1/2` and `0.5` agree, as do equal intervals, sets (in any
-    order), tuples and symbolic expressions. For a grader that also reads unboxed answers, use
-    [`math_reward_lenient`].
+    The answer is the content of the last `\\boxed{...}` (balanced braces) in the text between the first and second
+    `</think>` (the whole response when there is none); no such box scores 0 (`\\fbox`, `\\boxed 7` and an unclosed
+    last box do not count). It is correct when it equals a reference under the authors' rules
+    ([`~trl_lopti.tasks.math.paper_grading`]): the MATH string normaliser, or their sympy check. As theirs, it does
+    not accept an unreduced fraction for a reduced one (`\\frac{2}{4}` vs `\\frac{1}{2}`), a non-integer form of an
+    integer (`1.5\\times10^3` vs `1500`), or sets and lists in another order. For math-verify's equivalence and
+    unboxed answers use [`math_reward_lenient`].
 
-    Malformed LaTeX and unreadable completions score 0; no exception escapes (except `ImportError` when math-verify
-    is not installed). Each completion gets at most `timeout_seconds` of wall-clock time, in the main thread and in
-    any other thread (see [`verify_answer`]); answers that would make sympy compute astronomically large exact
-    numbers score 0 unparsed (see [`looks_explosive`]).
+    Malformed LaTeX and unreadable completions score 0; no exception escapes (except `ImportError` when sympy or
+    pylatexenc is not installed). Each completion gets at most `timeout_seconds` of wall-clock time, in the main
+    thread and in any other thread (see [`verify_answer`]), and answers that would make sympy compute astronomically
+    large exact numbers get the string check only (see [`looks_explosive`]): the authors' grader has no limit.
 
     Args:
         completions (`Sequence[str]` or `Sequence[list[dict]]`):
