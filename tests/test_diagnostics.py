@@ -17,6 +17,7 @@ from trl_lopti.diagnostics import (
     DiagnosticsSettings,
     TokenDiagnosticsCallback,
     advance_policy_on_batch,
+    completion_log_probs,
     grpo_token_weights,
     hidden_state_gradient_norms,
     measure_token_gradients,
@@ -563,7 +564,7 @@ def test_diagnose_cli_errors_name_the_field(tiny_model_path, run_cli):
     code, _, err = run_cli(base + ["--loss_type", "sapo"])
     assert code == 2 and "refusing to measure a run that trains with loss_type='sapo'" in err
     code, _, err = run_cli(base + ["--lopti_threshold", "None"])
-    assert code == 2 and "the Lopti probes need a lopti_threshold" in err
+    assert code == 2 and "the Lopti probes need Lopti on" in err
     code, _, err = run_cli(base + ["--eta", "0.4"])
     assert code == 2 and "unknown field(s) 'eta'" in err
     code, _, err = run_cli(["diagnose", "--task", "toy"])
@@ -681,3 +682,30 @@ def test_modelled_token_weights_are_the_gradient_of_trl_loss(tiny_model_path, tm
     modelled = -(w_pg + w_kl) * loss_normalizer(mask, loss_type, settings.max_completion_length)
     assert bool((w_pg == 0).any()) and bool((w_pg != 0).any())  # some tokens clipped, some not
     torch.testing.assert_close(modelled, trl_gradient, rtol=1e-5, atol=1e-7)
+
+
+def test_quantile_split_of_the_config_drives_the_lopti_probe(tiny_model_path, tmp_path):
+    """A run with `lopti_quantile` is probed with its own split: eta is that quantile of the batch's pi_old."""
+    from datasets import Dataset
+
+    config = LoptiGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                             max_completion_length=6, lopti_threshold=None, lopti_quantile=0.25, temperature=TEMPERATURE,
+                             use_cpu=True, report_to="none", seed=0)  # fmt: skip
+    rows = [{"prompt": "ab cd", "kind": "length"}, {"prompt": "xy", "kind": "length"}]
+    trainer = LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=by_kind_reward, args=config,
+                               train_dataset=Dataset.from_list(rows))  # fmt: skip
+    settings = DiagnosticsSettings.from_trainer(trainer)
+    assert settings.lopti_quantile == 0.25
+    inputs, _ = sample_generation_batch(trainer, rows)
+    report = run_token_diagnostics(trainer.model.eval(), inputs, None, settings, summed_gradients=False,
+                                   probe_methods=["lopti"])  # fmt: skip
+    probe = report["probe"]
+    logps = inputs.get("old_per_token_logps")  # the batch's pi_old: the trainer's, else (on-policy) the model's
+    logps = completion_log_probs(trainer.model, inputs, TEMPERATURE) if logps is None else logps.double()
+    mask = inputs["completion_mask"].bool()
+    expected_eta = float(torch.quantile(logps.exp()[mask], 0.25))
+    assert probe["lopti_quantile"] == 0.25 and probe["eta"] == pytest.approx(expected_eta, rel=1e-5)
+    probs = logps.exp()[mask]
+    near = int(((probs - probe["eta"]).abs() < 1e-5).sum())  # float rounding may put these on either side
+    assert abs(probe["low_token_count"] - int((probs < probe["eta"]).sum())) <= near
+    assert 0 < probe["low_token_count"] < int(mask.sum())

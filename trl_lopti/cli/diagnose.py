@@ -7,8 +7,8 @@ trl-lopti diagnose --model_name_or_path ./my_model --task toy --inner_steps 2 --
 
 The command parses [`LoptiGRPOConfig`] and TRL's `ModelConfig` with the same parser as `trl-lopti train` (the loss
 settings under TRL's names: `temperature`, `beta`, `epsilon`, `epsilon_high`, `loss_type`, `use_bias_correction_kl`;
-the probe's AR and Lopti settings are `advantage_reweighting_alpha` and `lopti_threshold`), plus the fields of
-[`DiagnoseArguments`]. It builds a [`LoptiGRPOTrainer`] from them, which generates one generation batch
+the probe's AR and Lopti settings are `advantage_reweighting_alpha` and `lopti_threshold` or `lopti_quantile`), plus
+the fields of [`DiagnoseArguments`]. It builds a [`LoptiGRPOTrainer`] from them, which generates one generation batch
 (`per_device_train_batch_size` completions, `num_generations` per prompt), scores it with the task's reward and
 computes the advantages exactly as in training ([`trl_lopti.diagnostics.sample_generation_batch`]). The measurements
 are those of [`trl_lopti.diagnostics.run_token_diagnostics`], on the trainer's model, for the loss its configuration
@@ -166,7 +166,7 @@ def parse_args(argv: Sequence[str]) -> tuple:
     if unknown:
         raise CliError(f"probe_methods: unknown method(s) {unknown}; choose from {list(PROBE_METHODS)} or 'none'")
     if not training_args.lopti_enabled and {"lopti", "lopti_ar"} & set(diagnose_args.methods):
-        raise CliError("probe_methods: the Lopti probes need a lopti_threshold in (0, 1), got None")
+        raise CliError("probe_methods: the Lopti probes need Lopti on (a lopti_threshold or a lopti_quantile)")
     try:
         check_loss_is_modelled(training_args)
     except ValueError as error:

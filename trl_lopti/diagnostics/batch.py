@@ -10,7 +10,13 @@ from typing import Any
 
 import torch
 
-from ..core_algos import low_probability_token_mask, reweight_advantages, token_group_mask, token_level_advantages
+from ..core_algos import (
+    lopti_batch_threshold,
+    low_probability_token_mask,
+    reweight_advantages,
+    token_group_mask,
+    token_level_advantages,
+)
 from .measure import (
     SUPPORTED_LOSS_TYPES,
     grpo_token_weights,
@@ -48,7 +54,10 @@ class DiagnosticsSettings:
         alpha (`float`, *optional*, defaults to `0.3`):
             Advantage Reweighting strength of the probe's AR methods.
         eta (`float`, *optional*, defaults to `0.5`):
-            Lopti threshold of the probe's Lopti methods.
+            Lopti threshold of the probe's Lopti methods (`LoptiGRPOConfig.lopti_threshold`).
+        lopti_quantile (`float` or `None`, *optional*):
+            When set, the probe's Lopti split is the quantile rule of `LoptiGRPOConfig.lopti_quantile` (eta of the
+            batch at this quantile of its `pi_old`, [`~trl_lopti.core_algos.lopti_batch_threshold`]) instead of `eta`.
         micro_batch_size (`int`, *optional*, defaults to `4`):
             Completions per forward/backward pass.
         share_prompt_forward (`bool`, *optional*, defaults to `True`):
@@ -66,6 +75,7 @@ class DiagnosticsSettings:
     max_completion_length: int | None = None
     alpha: float = 0.3
     eta: float = 0.5
+    lopti_quantile: float | None = None
     micro_batch_size: int = 4
     share_prompt_forward: bool = True
 
@@ -135,7 +145,10 @@ class DiagnosticsSettings:
         if getattr(args, "advantage_reweighting_alpha", None) is not None:
             values["alpha"] = args.advantage_reweighting_alpha
         if getattr(args, "lopti_enabled", False):
-            values["eta"] = args.lopti_threshold
+            if args.lopti_threshold is not None:
+                values["eta"] = args.lopti_threshold
+            else:
+                values["lopti_quantile"] = args.lopti_quantile
         return cls(**{**values, **overrides})
 
 
@@ -412,7 +425,10 @@ class TokenContext:
         old_logps = batch.old_logps if batch.old_logps is not None else logps_before
         self.old_logps = old_logps.masked_fill(~self.mask, 0.0)
         self.edges, self.quartile = probability_quartiles(self.old_logps.exp(), self.mask)
-        self.low = low_probability_token_mask(self.old_logps, self.mask, settings.eta)
+        self.eta = settings.eta
+        if settings.lopti_quantile is not None:
+            self.eta = lopti_batch_threshold(self.old_logps, self.mask, settings.lopti_quantile)
+        self.low = low_probability_token_mask(self.old_logps, self.mask, self.eta)
         self.normalizer = loss_normalizer(batch.completion_mask, settings.loss_type, settings.max_completion_length)
         self.advantages = {
             "A": batch.advantages,
