@@ -169,7 +169,8 @@ def test_demo_rejects_a_missing_model_folder(tmp_path, run_cli):
 # ---------------------------------------------------------------------------------------------------------------------
 def _permute_for_gguf(weight, n_head):
     """The q/k row permutation llama.cpp's converter applies (transformers undoes it when loading)."""
-    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    rows_per_head = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, 2, rows_per_head, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def write_tiny_llama_gguf(model_dir: str, path: Path) -> None:
@@ -278,7 +279,8 @@ def test_get_smollm2_converts_once_and_reuses_the_cache(tmp_path, fake_wheel, ti
     for name, tensor in converted.state_dict().items():
         torch.testing.assert_close(tensor, original_state[name], msg=name)
     text = "What is 12 + 35? The answer is 47."
-    assert AutoTokenizer.from_pretrained(path)(text)["input_ids"] == AutoTokenizer.from_pretrained(tiny_llama_path)(text)["input_ids"]
+    converted, original = AutoTokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(tiny_llama_path)
+    assert converted(text)["input_ids"] == original(text)["input_ids"]
     assert not list(Path(tmp_path).glob(".convert-*"))  # the extracted GGUF and the staging folder are gone
 
     # Second call: no download, no conversion.

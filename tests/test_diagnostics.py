@@ -689,8 +689,8 @@ def test_quantile_split_of_the_config_drives_the_lopti_probe(tiny_model_path, tm
     from datasets import Dataset
 
     config = LoptiGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
-                             max_completion_length=6, lopti_threshold=None, lopti_quantile=0.25, temperature=TEMPERATURE,
-                             use_cpu=True, report_to="none", seed=0)  # fmt: skip
+                             max_completion_length=6, lopti_threshold=None, lopti_quantile=0.25,
+                             temperature=TEMPERATURE, use_cpu=True, report_to="none", seed=0)  # fmt: skip
     rows = [{"prompt": "ab cd", "kind": "length"}, {"prompt": "xy", "kind": "length"}]
     trainer = LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=by_kind_reward, args=config,
                                train_dataset=Dataset.from_list(rows))  # fmt: skip
