@@ -132,7 +132,8 @@ def test_demo_runs_on_a_local_model_folder(tmp_path, tiny_model_path, run_cli, l
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
-def test_demo_parses_the_trainer_config_with_its_own_defaults():
+def test_demo_parses_the_trainer_config_with_its_own_defaults(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default output_dir is relative
     demo_args, training_args, model_args = demo.make_parser().parse_args_and_config(
         ["--rollout_batches", "3", "--learning_rate", "1e-5", "--lopti_threshold", "0.4"]
     )
@@ -153,7 +154,8 @@ def test_demo_parses_the_trainer_config_with_its_own_defaults():
         (["--eta", "0.5"], "unknown field(s) 'eta'"),
     ],
 )
-def test_demo_rejects_bad_fields_before_loading_a_model(run_cli, argv, message):
+def test_demo_rejects_bad_fields_before_loading_a_model(run_cli, argv, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default output_dir is relative
     code, _, err = run_cli(["demo", *argv])
     assert code == 2 and message in err
 

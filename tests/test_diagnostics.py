@@ -555,7 +555,8 @@ def test_diagnose_cli_knights_knaves(tiny_model_path, tmp_path, run_cli):
         "use_bias_correction_kl": False, "alpha": 0.2, "eta": 0.4}  # fmt: skip
 
 
-def test_diagnose_cli_errors_name_the_field(tiny_model_path, run_cli):
+def test_diagnose_cli_errors_name_the_field(tiny_model_path, run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default output_dir is relative
     base = ["diagnose", "--model_name_or_path", tiny_model_path]
     code, _, err = run_cli(base + ["--num_generations", "1"])
     assert code == 2 and "at least 2 generations per prompt" in err  # TRL's GRPOConfig check, at parsing

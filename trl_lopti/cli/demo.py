@@ -237,9 +237,9 @@ def run_demo(demo_args: DemoArguments, training_args, model_args) -> dict[str, A
 
     start = time.perf_counter()
     timings: dict[str, float] = {}
+    model_path = resolve_demo_model(model_args.model_name_or_path, demo_args.cache_dir)
     output_dir = Path(training_args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    model_path = resolve_demo_model(model_args.model_name_or_path, demo_args.cache_dir)
     timings["model_download_and_conversion"] = time.perf_counter() - start
 
     set_seed(training_args.seed)
