@@ -300,7 +300,7 @@ def convert_gguf_to_plain(gguf_path: str | os.PathLike, output_dir: str | os.Pat
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     with torch.device("cpu"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state_dict = quantized.state_dict()
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     # Tied output embeddings are absent from the GGUF state dict under their own name; anything else is an error.
