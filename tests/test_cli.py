@@ -100,7 +100,10 @@ def test_dry_run_prints_the_resolved_config(tmp_path, base, run_cli):
     assert resolved["reward_funcs"] == ["knights_knaves_reward"]
     assert resolved["model"]["peft"] == {"type": "LoraConfig", "r": 4, "lora_alpha": 32}
     assert resolved["training"]["beta"] == 0.01
-    assert resolved["lopti"] == {"advantage_reweighting_alpha": 0.3, "lopti_threshold": 0.5, "lopti_order": "low_first"}
+    assert resolved["lopti"] == {
+        "advantage_reweighting_alpha": 0.3, "lopti_threshold": 0.5, "lopti_quantile": None, "lopti_order": "low_first",
+        "advantage_estimator": "grpo",
+    }  # fmt: skip
     assert not (tmp_path / "out").exists()  # a dry run trains nothing
 
 

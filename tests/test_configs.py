@@ -92,7 +92,7 @@ def test_preset_reproduces_the_authors_script(path, capsys):
     assert per_micro_step * training_args.steps_per_generation == SCRIPT["TRAIN_BS"] * SCRIPT["ROLLOUT_N"]
     optimizer_steps_per_pass = training_args.steps_per_generation // training_args.gradient_accumulation_steps
     assert optimizer_steps_per_pass == SCRIPT["TRAIN_BS"] * SCRIPT["ROLLOUT_N"] // SCRIPT["UPDATE_BS"] == 2
-    passes = 2 if training_args.lopti_threshold is not None else 1
+    passes = training_args.lopti_num_passes
     assert training_args.save_steps == SCRIPT["save_freq"] * optimizer_steps_per_pass * passes
     if group == "vllm":  # its launcher runs 4 training processes (GPU 0 serves vLLM)
         launcher = yaml.safe_load((CONFIGS / "accelerate" / "vllm_server.yaml").read_text())
@@ -109,7 +109,8 @@ def test_preset_reproduces_the_authors_script(path, capsys):
     assert training_args.advantage_reweighting_alpha == alpha
     assert training_args.lopti_threshold == eta
     assert training_args.lopti_order == "low_first"
-    expected_lopti = {"advantage_reweighting_alpha": alpha, "lopti_threshold": eta, "lopti_order": "low_first"}
+    expected_lopti = {"advantage_reweighting_alpha": alpha, "lopti_threshold": eta, "lopti_quantile": None,
+                      "lopti_order": "low_first", "advantage_estimator": estimator}  # fmt: skip
     assert resolved["lopti"] == expected_lopti
     if method in SCRIPT_OF:
         assert f"scripts/train_kklogic_{SCRIPT_OF[method]}_4x80GB.sh" in text or group == "math"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -173,6 +174,13 @@ class LoptiGRPOConfig(GRPOConfig):
     def advantage_reweighting_enabled(self) -> bool:
         """Whether Advantage Reweighting is on."""
         return self.advantage_reweighting_alpha != 0.0
+
+
+
+LOPTI_FIELD_NAMES: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(LoptiGRPOConfig) if f.name not in {g.name for g in dataclasses.fields(GRPOConfig)}
+)
+"""The fields `LoptiGRPOConfig` adds to TRL's `GRPOConfig` (AR, Lopti, the advantage estimator)."""
 
 
 def lopti_pass_ends_on_optimizer_step(config: GRPOConfig) -> bool:

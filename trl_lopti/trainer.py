@@ -338,7 +338,7 @@ class LoptiGRPOTrainer(GRPOTrainer):
             old_per_token_logps = forward_logps
             if self.args.lopti_enabled:  # the later pass's ratio is against it (TRL itself reads it from here on)
                 batch["old_per_token_logps"] = old_per_token_logps
-        threshold = self.args.lopti_threshold or UNSPLIT_REPORTING_THRESHOLD
+        threshold = self._generation_batch_threshold(batch)  # the fixed rule: the quantile needs the whole batch
         batch[SPLIT_TOTALS_KEY] = self._split(batch, old_per_token_logps, threshold)
         if not self.model.training:  # an evaluation batch is its own generation batch
             self._log_split_metrics(batch[SPLIT_TOTALS_KEY], threshold)

@@ -259,6 +259,8 @@ def resolved_config(script_args, training_args, model_args) -> dict[str, Any]:
     peft_config = get_peft_config(model_args)
     if peft_config is not None:
         model["peft"] = {"type": type(peft_config).__name__, "r": peft_config.r, "lora_alpha": peft_config.lora_alpha}
+    from ..config import LOPTI_FIELD_NAMES
+
     training_field_names = {f.name for f in fields(training_args)}
     return {
         "config_file": getattr(script_args, "config_path", None),
@@ -266,11 +268,7 @@ def resolved_config(script_args, training_args, model_args) -> dict[str, Any]:
         "dataset": dataset_spec(script_args, training_args),
         "reward_funcs": [name for name, _ in resolve_reward_funcs(script_args)],
         "model": model,
-        "lopti": {
-            "advantage_reweighting_alpha": training_args.advantage_reweighting_alpha,
-            "lopti_threshold": training_args.lopti_threshold,
-            "lopti_order": training_args.lopti_order,
-        },
+        "lopti": {name: getattr(training_args, name) for name in LOPTI_FIELD_NAMES},
         "training": {
             name: getattr(training_args, name)
             for name in getattr(script_args, "explicit_fields", [])
