@@ -1,5 +1,6 @@
 """Shared test fixtures: tiny offline models saved to temporary folders, and the command line run in-process."""
 
+import math
 import os
 
 import pytest
@@ -223,6 +224,68 @@ def threshold_between_values(values, min_relative_gap: float = 1e-3) -> float:
     midpoint = (low_value + high_value) / 2
     assert high_value - low_value >= min_relative_gap * abs(midpoint), "no robust threshold between these values"
     return midpoint
+
+
+def batch_log_probability_threshold(trainer, batch: dict) -> float:
+    """
+    A Lopti threshold (in log space) half-way in a wide gap of a generation batch's pi_old, over every process.
+
+    pi_old is computed as the trainer's first pass computes it (TRL's own log-prob forward, at the current parameters),
+    so each token falls on the same side of the threshold in the trainer's split, on any CPU.
+    """
+    import torch
+    from accelerate.utils import gather_object
+    from trl import GRPOTrainer
+
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, input_ids, attention_mask, batch["completion_ids"].size(1)
+        )
+    mask = batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
+    local = logps[mask.bool()].tolist()
+    every_process = gather_object([local]) if trainer.accelerator.num_processes > 1 else [local]
+    return threshold_between_values([value for values in every_process for value in values])
+
+
+def split_each_batch_mid_gap(monkeypatch=None) -> list[float]:
+    """
+    Gives every Lopti generation batch a threshold chosen from that batch (`batch_log_probability_threshold`).
+
+    A fixed eta near 1/vocab (where a random tiny model's probabilities cluster) splits a batch differently on
+    different CPUs. This wraps GRPOTrainer's generation so that, before the Lopti trainer splits a new batch, its
+    threshold (`args.lopti_threshold`, and the trainer's copy of it) is set from that batch. `monkeypatch` undoes it
+    after the test; a script keeps it. Returns the list the thresholds used are appended to (probability space).
+    """
+    from trl import GRPOTrainer
+
+    from trl_lopti import LoptiGRPOTrainer
+
+    thresholds = []
+    generate = GRPOTrainer._generate_and_score_completions
+
+    def generate_and_choose_threshold(self, inputs):
+        output = generate(self, inputs)
+        if isinstance(self, LoptiGRPOTrainer) and self.args.lopti_threshold is not None and self.model.training:
+            eta = math.exp(batch_log_probability_threshold(self, output))
+            self.args.lopti_threshold = eta
+            if hasattr(self, "lopti_threshold"):
+                self.lopti_threshold = eta
+            thresholds.append(eta)
+        return output
+
+    if monkeypatch is None:
+        GRPOTrainer._generate_and_score_completions = generate_and_choose_threshold
+    else:
+        monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", generate_and_choose_threshold)
+    return thresholds
+
+
+@pytest.fixture
+def batch_thresholds(monkeypatch) -> list[float]:
+    """`split_each_batch_mid_gap` for one test: the Lopti thresholds it chose, one per generation batch."""
+    return split_each_batch_mid_gap(monkeypatch)
 
 
 def load_benchmark_script(name: str):

@@ -161,7 +161,7 @@ def hand_run_cycle(initial_model, slices, config, eta_log, beta, pass_order):
     ],
 )
 def test_one_lopti_cycle_equals_hand_run_two_step_update(
-    tiny_float64_model_path, tmp_path, gradient_accumulation_steps, steps_per_generation, num_iterations, beta, lopti_order,
+    tiny_float64_model_path, tmp_path, float64_norms, gradient_accumulation_steps, steps_per_generation, num_iterations, beta, lopti_order,
     is_level, loss_type,
 ):
     trainer, initial_model, generation_calls, eta_log = run_one_cycle(
@@ -232,15 +232,15 @@ def count_passes(trainer_class, model_path, output_dir, num_generation_batches, 
     return counter
 
 
-def test_forward_and_backward_counts_per_generation_batch(tiny_model_path, tmp_path):
+def test_forward_and_backward_counts_per_generation_batch(tiny_model_path, tmp_path, batch_thresholds):
     """On-policy (TRL skips old log-probs): AR adds no pass; Lopti doubles the forward+backward and adds no forward."""
     batches = 2
     grpo = count_passes(GRPOTrainer, tiny_model_path, tmp_path / "grpo", batches)
     ar = count_passes(LoptiGRPOTrainer, tiny_model_path, tmp_path / "ar", batches, lopti_threshold=None)
-    # eta close to 1: a random tiny model puts every token below it, so both passes have work only if we
-    # disable the empty-pass skip; use a threshold that splits instead: below 1/vocab half the time
+    # both passes have tokens: each generation batch's threshold lies half-way in a wide gap of its pi_old
     lopti = count_passes(LoptiGRPOTrainer, tiny_model_path, tmp_path / "lopti", batches,
-                         advantage_reweighting_alpha=0.3, lopti_threshold=0.003)
+                         advantage_reweighting_alpha=0.3, lopti_threshold=0.5)
+    assert len(batch_thresholds) == batches
     assert grpo.forwards_with_grad == 2 * batches and grpo.forwards_without_grad == 0
     assert (ar.forwards_with_grad, ar.forwards_without_grad, ar.backwards) == (
         grpo.forwards_with_grad, grpo.forwards_without_grad, grpo.backwards)
