@@ -128,8 +128,8 @@ def use_exact_log_prob_head(trainer) -> None:
 
     TRL's fused LM head runs its softmax in float32 whatever the model's dtype, which limits any comparison with an
     independent float64 computation to ~1e-7. This replaces it, on the policy and the reference model, by the plain
-    `log_softmax -> gather` and entropy of the same logits (divided by the temperature), in the model's dtype. Everything
-    else (TRL's loss, the schedule, the Lopti hooks) runs unchanged.
+    `log_softmax -> gather` and entropy of the same logits (divided by the temperature), in the model's dtype.
+    Everything else (TRL's loss, the schedule, the Lopti hooks) runs unchanged.
     """
     import functools
     import types

@@ -389,8 +389,9 @@ def test_inactive_tokens_get_exactly_zero_gradient_and_active_ones_plain_grpos(
             inactive = ~active
             assert torch.count_nonzero(logp_grad[inactive]) == 0, f"{token_group} pass leaks to inactive tokens"
             assert torch.count_nonzero(entropy_grad[inactive]) == 0
-            torch.testing.assert_close(logp_grad[active], plain_logp_grad[active], atol=GRADIENT_ATOL, rtol=GRADIENT_RTOL)
-            torch.testing.assert_close(entropy_grad[active], plain_entropy_grad[active], atol=GRADIENT_ATOL, rtol=GRADIENT_RTOL)
+            tolerance = dict(atol=GRADIENT_ATOL, rtol=GRADIENT_RTOL)
+            torch.testing.assert_close(logp_grad[active], plain_logp_grad[active], **tolerance)
+            torch.testing.assert_close(entropy_grad[active], plain_entropy_grad[active], **tolerance)
             torch.testing.assert_close(loss, plain_loss)  # every value in the loss is plain GRPO's
             summed += logp_grad
         torch.testing.assert_close(summed, plain_logp_grad, atol=GRADIENT_ATOL, rtol=GRADIENT_RTOL)

@@ -52,7 +52,7 @@ def fixed_generation_batch(model_path: str, num_rows: int, seed: int, beta: floa
 
 
 def run_one_cycle(model_path, output_dir, gradient_accumulation_steps, steps_per_generation, num_iterations, beta,
-                  lopti_order="low_first", importance_sampling_level="token", loss_type="dapo"):
+                  lopti_order="low_first", importance_sampling_level="token", loss_type="dapo", exact_head=True):
     per_device_train_batch_size = 2
     num_rows = per_device_train_batch_size * steps_per_generation
     batch, eta = fixed_generation_batch(model_path, num_rows, seed=0, beta=beta)
@@ -87,7 +87,8 @@ def run_one_cycle(model_path, output_dir, gradient_accumulation_steps, steps_per
     config.max_steps = 2 * pass_optimizer_steps  # exactly one Lopti cycle
     dataset = Dataset.from_dict({"prompt": ["p"] * 16})
     trainer = LoptiGRPOTrainer(model=model_path, reward_funcs=constant_reward, args=config, train_dataset=dataset)
-    use_exact_log_prob_head(trainer)
+    if exact_head:
+        use_exact_log_prob_head(trainer)
     # not a deepcopy of trainer.model: TRL patches its forward with a closure over the original instance
     initial_model = AutoModelForCausalLM.from_pretrained(model_path)
     generation_calls = []
@@ -161,12 +162,12 @@ def hand_run_cycle(initial_model, slices, config, eta_log, beta, pass_order):
     ],
 )
 def test_one_lopti_cycle_equals_hand_run_two_step_update(
-    tiny_float64_model_path, tmp_path, float64_norms, gradient_accumulation_steps, steps_per_generation, num_iterations, beta, lopti_order,
-    is_level, loss_type,
+    tiny_float64_model_path, tmp_path, float64_norms, gradient_accumulation_steps, steps_per_generation, num_iterations,
+    beta, lopti_order, is_level, loss_type,
 ):
     trainer, initial_model, generation_calls, eta_log = run_one_cycle(
-        tiny_float64_model_path, tmp_path, gradient_accumulation_steps, steps_per_generation, num_iterations, beta, lopti_order,
-        is_level, loss_type,
+        tiny_float64_model_path, tmp_path, gradient_accumulation_steps, steps_per_generation, num_iterations, beta,
+        lopti_order, is_level, loss_type,
     )
     assert len(generation_calls) == 1, "one generation per Lopti cycle"
     pass_order = ("low", "high") if lopti_order == "low_first" else ("high", "low")
@@ -189,6 +190,20 @@ def test_one_lopti_cycle_equals_hand_run_two_step_update(
     passes_per_step = [first_key if first_key in entry else second_key for entry in losses]
     pass_steps = len(losses) // 2
     assert passes_per_step == [first_key] * pass_steps + [second_key] * pass_steps
+
+
+def test_one_lopti_cycle_in_float32_with_trls_own_log_prob_head(tiny_model_path, tmp_path):
+    """The real dtype path (float32, TRL's fused head, Qwen2's float32 norms) against the same hand-run."""
+    trainer, initial_model, _, eta_log = run_one_cycle(tiny_model_path, tmp_path, 2, 2, 1, 0.1, exact_head=False)
+    slices = [{k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for s in trainer._buffered_inputs]
+    expected_model = hand_run_cycle(initial_model, slices, trainer.args, eta_log, 0.1, ("low", "high"))
+    assert trainer.model.dtype == torch.float32
+    # float32 rounding of two forward implementations, amplified by lr 0.5: ~1e-5 of how far a tensor moved
+    _, moved = assert_parameters_close(
+        dict(trainer.model.named_parameters()), dict(expected_model.named_parameters()),
+        dict(initial_model.named_parameters()), atol=1e-7, relative_to_move=1e-4,
+    )
+    assert moved > 1e-3
 
 
 class PolicyPassCounter:

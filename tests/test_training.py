@@ -170,7 +170,8 @@ def test_degenerate_batches_do_not_produce_nan(tiny_model_path, tmp_path, reques
 
 
 def test_resume_from_a_checkpoint_between_the_two_passes(tiny_model_path, tmp_path, batch_thresholds):
-    config = small_config(tmp_path, lopti_threshold=ETA_FROM_EACH_BATCH, save_strategy="steps", save_steps=1, max_steps=3)
+    config = small_config(tmp_path, lopti_threshold=ETA_FROM_EACH_BATCH, save_strategy="steps", save_steps=1,
+                          max_steps=3)
     first, _ = train(tiny_model_path, config)
     checkpoint = tmp_path / "checkpoint-1"  # saved after the low pass, before its high pass
     assert checkpoint.is_dir()

@@ -91,7 +91,9 @@ def test_compute_loss_accepts_token_level_advantages(tiny_model_path, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------ fact 2
-def test_prepare_inputs_generates_every_steps_per_generation_times_num_iterations_micro_steps(tiny_model_path, tmp_path):
+def test_prepare_inputs_generates_every_steps_per_generation_times_num_iterations_micro_steps(
+    tiny_model_path, tmp_path
+):
     steps_per_generation, num_iterations, gradient_accumulation_steps, optimizer_steps = 2, 2, 2, 4
     trainer = grpo_trainer(tiny_model_path, tmp_path, steps_per_generation=steps_per_generation,
                            num_iterations=num_iterations, gradient_accumulation_steps=gradient_accumulation_steps,
