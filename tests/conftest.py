@@ -1,8 +1,21 @@
 """Shared test fixtures: tiny offline models saved to temporary folders, and the command line run in-process."""
 
+import math
 import os
 
 import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--reverse-order", action="store_true", default=False,
+        help="run the collected tests in reverse order (CI's check that no test depends on another's state)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--reverse-order"):
+        items.reverse()
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -18,6 +31,126 @@ def tiny_model_path(tmp_path_factory) -> str:
     from trl_lopti.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+# Model loading and precision for tests that compare a trained model (or gradients) with a hand-run or another run: the
+# tiny model in float64 (`dtype="auto"` keeps the dtype it was saved in; TRL loads float32 otherwise) and no bf16
+# autocast (TRL's default, even on CPU). Two correct implementations then agree to ~1e-12 on any CPU, so a tolerance
+# of 1e-8 separates them from any real defect.
+FLOAT64 = {"model_init_kwargs": {"dtype": "auto"}, "bf16": False}
+
+
+@pytest.fixture(scope="session")
+def tiny_float64_model_path(tiny_model_path, tmp_path_factory) -> str:
+    """`tiny_model_path` (same weights and tokenizer) saved in float64; load it with `**FLOAT64` in the config."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny-qwen2-float64")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).to(torch.float64)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(path)
+    return str(path)
+
+
+def assert_parameters_close(actual: dict, expected: dict, initial: dict, atol: float = 1e-8,
+                            relative_to_move: float = 0.0) -> tuple[float, float]:
+    """
+    Asserts every parameter of `actual` equals `expected` to `atol + relative_to_move * (largest move of the tensor)`.
+
+    Args:
+        actual, expected, initial (`dict[str, torch.Tensor]`): Parameters by name: trained, reference, before training.
+
+    Returns:
+        `tuple[float, float]`: The largest absolute difference seen and the total absolute move of `expected`.
+    """
+    import torch
+
+    assert actual.keys() == expected.keys() and len(expected) > 0
+    largest_difference = moved = 0.0
+    for name, reference in expected.items():
+        move = (reference.detach() - initial[name].detach()).abs()
+        tolerance = atol + relative_to_move * float(move.max())
+        torch.testing.assert_close(actual[name].detach(), reference.detach(), atol=tolerance, rtol=0,
+                                   msg=lambda message, name=name: f"{name}: {message}")
+        largest_difference = max(largest_difference, float((actual[name].detach() - reference.detach()).abs().max()))
+        moved += float(move.sum())
+    return largest_difference, moved
+
+
+def rms_norm_in_input_dtype(self, hidden_states):
+    """Qwen2's RMSNorm without its round trip through float32 (the same values for a float32 model)."""
+    import torch
+
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def patch_float64_norms(monkeypatch=None) -> None:
+    """
+    Makes Qwen2's RMSNorm compute in the model's dtype (`monkeypatch` undoes it after the test; a script keeps it).
+
+    Qwen2 normalises in float32 whatever the model's dtype, so in a float64 model the gradients of two backward passes
+    add up to the gradient of one only to ~1e-8 (each rounds at every norm). Rotary angles are float32 too, but they
+    are constants, the same in every forward.
+    """
+    from transformers.models.qwen2 import modeling_qwen2
+
+    if monkeypatch is None:
+        modeling_qwen2.Qwen2RMSNorm.forward = rms_norm_in_input_dtype
+    else:
+        monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", rms_norm_in_input_dtype)
+
+
+@pytest.fixture
+def float64_norms(monkeypatch):
+    """`patch_float64_norms` for the duration of one test."""
+    patch_float64_norms(monkeypatch)
+
+
+class LogProbHeadOutput:
+    """The fields of TRL's fused-LM-head output that GRPOTrainer reads."""
+
+    def __init__(self, log_probs, entropy, aux_loss):
+        self.log_probs, self.entropy, self.aux_loss = log_probs, entropy, aux_loss
+        self.loss = -log_probs.sum()
+
+
+def use_exact_log_prob_head(trainer) -> None:
+    """
+    Makes TRL's log-prob forward (`model(..., labels=..., fused_lm_head=True)`) compute in the model's dtype.
+
+    TRL's fused LM head runs its softmax in float32 whatever the model's dtype, which limits any comparison with an
+    independent float64 computation to ~1e-7. This replaces it, on the policy and the reference model, by the plain
+    `log_softmax -> gather` and entropy of the same logits (divided by the temperature), in the model's dtype.
+    Everything else (TRL's loss, the schedule, the Lopti hooks) runs unchanged.
+    """
+    import functools
+    import types
+
+    def exact_head(model):
+        original_forward = type(model).forward  # the class's own forward, without TRL's patch
+
+        @functools.wraps(original_forward)
+        def forward(self, *args, fused_lm_head=False, labels=None, **kwargs):
+            if not fused_lm_head:
+                return original_forward(self, *args, **({"labels": labels} if labels is not None else {}), **kwargs)
+            kwargs["use_cache"] = False
+            outputs = original_forward(self, *args, **kwargs)
+            log_probs = (outputs.logits[:, :-1] / trainer.temperature).log_softmax(-1)
+            labels = labels[:, 1:]
+            mask = labels != -100
+            token_log_probs = log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+            return LogProbHeadOutput(
+                token_log_probs.masked_fill(~mask, 0), entropy.masked_fill(~mask, 0), getattr(outputs, "aux_loss", None)
+            )
+
+        model.forward = types.MethodType(forward, model)
+
+    exact_head(trainer.model)
+    if trainer.ref_model is not None:
+        exact_head(trainer.ref_model)
 
 
 @pytest.fixture(scope="session")
@@ -85,6 +218,66 @@ def threshold_between_values(values, min_relative_gap: float = 1e-3) -> float:
     midpoint = (low_value + high_value) / 2
     assert high_value - low_value >= min_relative_gap * abs(midpoint), "no robust threshold between these values"
     return midpoint
+
+
+def batch_log_probability_threshold(trainer, batch: dict) -> float:
+    """
+    A Lopti threshold (in log space) half-way in a wide gap of a generation batch's pi_old, over every process.
+
+    pi_old is computed as the trainer's first pass computes it (TRL's own log-prob forward, at the current parameters),
+    so each token falls on the same side of the threshold in the trainer's split, on any CPU.
+    """
+    import torch
+    from accelerate.utils import gather_object
+    from trl import GRPOTrainer
+
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, input_ids, attention_mask, batch["completion_ids"].size(1)
+        )
+    mask = batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
+    local = logps[mask.bool()].tolist()
+    every_process = gather_object([local]) if trainer.accelerator.num_processes > 1 else [local]
+    return threshold_between_values([value for values in every_process for value in values])
+
+
+def split_each_batch_mid_gap(monkeypatch=None) -> list[float]:
+    """
+    Gives every Lopti generation batch a threshold chosen from that batch (`batch_log_probability_threshold`).
+
+    A fixed eta near 1/vocab (where a random tiny model's probabilities cluster) splits a batch differently on
+    different CPUs. This wraps GRPOTrainer's generation so that, before the Lopti trainer splits a new batch, its
+    threshold (`args.lopti_threshold`) is set from that batch. `monkeypatch` undoes it
+    after the test; a script keeps it. Returns the list the thresholds used are appended to (probability space).
+    """
+    from trl import GRPOTrainer
+
+    from trl_lopti import LoptiGRPOTrainer
+
+    thresholds = []
+    generate = GRPOTrainer._generate_and_score_completions
+
+    def generate_and_choose_threshold(self, inputs):
+        output = generate(self, inputs)
+        if isinstance(self, LoptiGRPOTrainer) and self.args.lopti_threshold is not None and self.model.training:
+            eta = math.exp(batch_log_probability_threshold(self, output))
+            self.args.lopti_threshold = eta
+            thresholds.append(eta)
+        return output
+
+    if monkeypatch is None:
+        GRPOTrainer._generate_and_score_completions = generate_and_choose_threshold
+    else:
+        monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", generate_and_choose_threshold)
+    return thresholds
+
+
+@pytest.fixture
+def batch_thresholds(monkeypatch) -> list[float]:
+    """`split_each_batch_mid_gap` for one test: the Lopti thresholds it chose, one per generation batch."""
+    return split_each_batch_mid_gap(monkeypatch)
 
 
 def load_benchmark_script(name: str):

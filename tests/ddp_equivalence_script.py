@@ -10,6 +10,7 @@ import sys
 import torch
 from datasets import Dataset
 
+from conftest import FLOAT64, patch_float64_norms, use_exact_log_prob_head
 from test_schedule import COMPLETION_LENGTH, TEMPERATURE, fixed_generation_batch
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
@@ -18,6 +19,7 @@ GLOBAL_ROWS_PER_MICRO_STEP, STEPS_PER_GENERATION = 4, 2
 
 
 def main(model_path: str, output_dir: str, result_path: str) -> None:
+    patch_float64_norms()  # float64 model (conftest.FLOAT64): the two runs agree to ~1e-15
     rows = GLOBAL_ROWS_PER_MICRO_STEP * STEPS_PER_GENERATION
     batch, eta_log = fixed_generation_batch(model_path, rows, seed=0, beta=0.1)  # pi_ref = the initial policy
     eta = float(torch.tensor(eta_log).exp())
@@ -28,12 +30,13 @@ def main(model_path: str, output_dir: str, result_path: str) -> None:
         max_completion_length=COMPLETION_LENGTH, temperature=TEMPERATURE, beta=0.1, advantage_reweighting_alpha=0.3,
         lopti_threshold=eta,
         importance_sampling_level="sequence", optim="sgd", learning_rate=0.5, lr_scheduler_type="constant",
-        weight_decay=0.0, max_grad_norm=0.0, bf16=False, report_to="none", use_cpu=True, save_strategy="no",
-        max_steps=2, shuffle_dataset=False,
+        weight_decay=0.0, max_grad_norm=0.0, report_to="none", use_cpu=True, save_strategy="no",
+        max_steps=2, shuffle_dataset=False, **FLOAT64,
     )
     trainer = LoptiGRPOTrainer(model=model_path, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                                args=config, train_dataset=Dataset.from_dict({"prompt": ["p"] * 16}))
-    assert trainer.accelerator.num_processes == world_size
+    assert trainer.accelerator.num_processes == world_size and trainer.model.dtype == torch.float64
+    use_exact_log_prob_head(trainer)
     rank = trainer.accelerator.process_index
     local_rows = rows // world_size
     generations = []

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from datasets import Dataset
 from transformers import TrainerCallback
 
+from conftest import split_each_batch_mid_gap
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
 
@@ -76,6 +77,7 @@ class RecordAdvantages:
 
 
 def main(model_path: str, output_dir: str, result_path: str, advantage_estimator: str = "grpo") -> None:
+    thresholds = split_each_batch_mid_gap()  # one threshold for both processes, from the tokens of both
     config = LoptiGRPOConfig(
         output_dir=output_dir,
         per_device_train_batch_size=2,
@@ -89,7 +91,7 @@ def main(model_path: str, output_dir: str, result_path: str, advantage_estimator
         report_to="none",
         use_cpu=True,
         advantage_reweighting_alpha=0.3,
-        lopti_threshold=0.003,
+        lopti_threshold=0.5,  # replaced for each generation batch, half-way in a wide gap of its pi_old
         advantage_estimator=advantage_estimator,
         seed=3,
     )
@@ -122,6 +124,9 @@ def main(model_path: str, output_dir: str, result_path: str, advantage_estimator
             "high_pass_losses": [e["lopti/loss_high_pass"] for e in trainer.state.log_history
                                  if "lopti/loss_high_pass" in e],
             "per_rank_batches": per_rank_batches,
+            "thresholds": thresholds,
+            "low_token_shares": [e["lopti/low_token_share"] for e in trainer.state.log_history
+                                 if "lopti/low_token_share" in e],
         }
         with open(result_path, "w") as handle:
             json.dump(result, handle)

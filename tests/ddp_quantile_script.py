@@ -14,6 +14,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from trl import GRPOTrainer
 
+from conftest import use_exact_log_prob_head
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
 
@@ -100,6 +101,7 @@ def run_one_cycle(model_path: str, config: LoptiGRPOConfig, batch: dict) -> Lopt
         model=model, reward_funcs=lambda completions, **kwargs: [0.0] * len(completions), args=config,
         train_dataset=Dataset.from_dict({"prompt": ["p"] * 64}),
     )
+    use_exact_log_prob_head(trainer)  # TRL's fused head is float32 whatever the model's dtype; the hand run is not
     trainer.train()
     return trainer
 

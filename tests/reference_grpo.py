@@ -14,7 +14,8 @@ def completion_logps_and_entropies(model, inputs: dict, temperature: float) -> t
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     num_completion_tokens = inputs["completion_ids"].size(1)
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    logits = logits[:, -num_completion_tokens - 1 : -1, :].float() / temperature
+    logits = logits[:, -num_completion_tokens - 1 : -1, :]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # float64 stays float64
     log_probs = torch.log_softmax(logits, dim=-1)
     logps = log_probs.gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
     entropies = -(log_probs.exp() * log_probs).sum(-1)

@@ -8,12 +8,15 @@ from datasets import Dataset
 from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer
 
+from conftest import FLOAT64, assert_parameters_close
 from test_schedule import PolicyPassCounter
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
 
-# A random tiny model spreads its probability over ~320 tokens: p ~ 0.003. This threshold splits its tokens.
-SPLITTING_ETA = 0.003
+# A random tiny model's probabilities cluster near 1/vocab, where no fixed eta splits a batch the same way on every
+# CPU: tests that split request the `batch_thresholds` fixture (conftest), which replaces this placeholder by a
+# threshold half-way in a wide gap of each generation batch's pi_old.
+ETA_FROM_EACH_BATCH = 0.5
 
 
 def length_reward(completions, **kwargs):
@@ -73,9 +76,9 @@ def assert_no_nan_in_logs(trainer):
 
 
 @pytest.mark.parametrize(
-    "alpha, eta", [(0.3, None), (0.0, SPLITTING_ETA), (0.3, SPLITTING_ETA)], ids=["ar", "lopti", "ar+lopti"]
+    "alpha, eta", [(0.3, None), (0.0, ETA_FROM_EACH_BATCH), (0.3, ETA_FROM_EACH_BATCH)], ids=["ar", "lopti", "ar+lopti"]
 )
-def test_training_changes_the_model_and_logs_lopti_metrics(tiny_model_path, tmp_path, alpha, eta):
+def test_training_changes_the_model_and_logs_lopti_metrics(tiny_model_path, tmp_path, batch_thresholds, alpha, eta):
     config = small_config(tmp_path, advantage_reweighting_alpha=alpha, lopti_threshold=eta)
     trainer, initial = train(tiny_model_path, config)
     assert trainer.state.global_step == 4
@@ -87,21 +90,27 @@ def test_training_changes_the_model_and_logs_lopti_metrics(tiny_model_path, tmp_
         weights = logged(trainer, "lopti/ar_weight_mean")
         assert weights and all(1 - alpha <= weight <= 1.0 for weight in weights)
     if eta is not None:
-        assert 0.0 < min(low_share) and max(low_share) < 1.0, "this eta splits the tokens of a random tiny model"
+        assert len(batch_thresholds) == 2, "one threshold per generation batch"
+        assert 0.0 < min(low_share) and max(low_share) < 1.0, "the batch's threshold splits its tokens"
         assert len(logged(trainer, "lopti/loss_low_pass")) == 2
         assert len(logged(trainer, "lopti/loss_high_pass")) == 2
         # two optimizer steps per generation batch: 4 steps = 2 generations
         assert len(logged(trainer, "num_tokens")) == 2
 
 
-def test_both_methods_disabled_is_grpo_trainer(tiny_model_path, tmp_path):
-    grpo, _ = train(tiny_model_path, small_config(tmp_path / "grpo", GRPOConfig), trainer_class=GRPOTrainer)
-    plain = small_config(tmp_path / "lopti", advantage_reweighting_alpha=0.0, lopti_threshold=None)
-    lopti, initial = train(tiny_model_path, plain)
+def test_both_methods_disabled_is_grpo_trainer(tiny_float64_model_path, tmp_path):
+    """Two float64 runs: equal to 1e-8 on any CPU (a changed step, advantage or loss moves parameters by >1e-4)."""
+    grpo, _ = train(tiny_float64_model_path, small_config(tmp_path / "grpo", GRPOConfig, **FLOAT64),
+                    trainer_class=GRPOTrainer)
+    plain = small_config(tmp_path / "lopti", advantage_reweighting_alpha=0.0, lopti_threshold=None, **FLOAT64)
+    lopti, initial = train(tiny_float64_model_path, plain)
+    assert lopti.model.dtype == grpo.model.dtype == torch.float64
     assert changed_parameters(lopti, initial)
-    for (name, expected), actual in zip(grpo.model.named_parameters(), lopti.model.parameters()):
-        torch.testing.assert_close(actual, expected, atol=0, rtol=0, msg=name)
-    assert logged(lopti, "loss") == logged(grpo, "loss")
+    largest_difference, moved = assert_parameters_close(
+        dict(lopti.model.named_parameters()), dict(grpo.model.named_parameters()), initial, atol=1e-8
+    )
+    assert moved > 1e-3
+    assert logged(lopti, "loss") == pytest.approx(logged(grpo, "loss"), rel=1e-8, abs=1e-10)
 
 
 def test_a_plain_grpo_config_gets_the_paper_defaults(tiny_model_path, tmp_path):
@@ -115,10 +124,10 @@ def test_a_plain_grpo_config_gets_the_paper_defaults(tiny_model_path, tmp_path):
     assert trainer.args.learning_rate == 3e-3 and trainer.args.steps_per_generation == 2
 
 
-def test_lora_with_lopti_changes_only_adapter_weights(tiny_model_path, tmp_path):
+def test_lora_with_lopti_changes_only_adapter_weights(tiny_model_path, tmp_path, batch_thresholds):
     from peft import LoraConfig
 
-    config = small_config(tmp_path, lopti_threshold=SPLITTING_ETA, learning_rate=5e-2)
+    config = small_config(tmp_path, lopti_threshold=ETA_FROM_EACH_BATCH, learning_rate=5e-2)
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer, initial = train(tiny_model_path, config, peft_config=peft_config)
     changed = changed_parameters(trainer, initial)
@@ -131,14 +140,16 @@ def test_lora_with_lopti_changes_only_adapter_weights(tiny_model_path, tmp_path)
 @pytest.mark.parametrize(
     "case, overrides, reward",
     [
-        ("all rewards equal", dict(lopti_threshold=SPLITTING_ETA), constant_reward),
+        ("all rewards equal", dict(lopti_threshold=ETA_FROM_EACH_BATCH), constant_reward),
         ("no low tokens", dict(lopti_threshold=1e-6), length_reward),
         ("no high tokens", dict(lopti_threshold=0.999), length_reward),
         ("empty completions", dict(mask_truncated_completions=True, max_completion_length=2, loss_type="grpo"),
          length_reward),
     ],
 )
-def test_degenerate_batches_do_not_produce_nan(tiny_model_path, tmp_path, case, overrides, reward):
+def test_degenerate_batches_do_not_produce_nan(tiny_model_path, tmp_path, request, case, overrides, reward):
+    if case == "all rewards equal":
+        request.getfixturevalue("batch_thresholds")
     config = small_config(tmp_path, beta=0.05, **overrides)
     trainer = LoptiGRPOTrainer(
         model=tiny_model_path, reward_funcs=reward, args=config, train_dataset=conversational_dataset()
@@ -157,14 +168,15 @@ def test_degenerate_batches_do_not_produce_nan(tiny_model_path, tmp_path, case, 
         assert trainer.state.log_history[0]["completions/clipped_ratio"] == 1.0
 
 
-def test_resume_from_a_checkpoint_between_the_two_passes(tiny_model_path, tmp_path):
-    config = small_config(tmp_path, lopti_threshold=SPLITTING_ETA, save_strategy="steps", save_steps=1, max_steps=3)
+def test_resume_from_a_checkpoint_between_the_two_passes(tiny_model_path, tmp_path, batch_thresholds):
+    config = small_config(tmp_path, lopti_threshold=ETA_FROM_EACH_BATCH, save_strategy="steps", save_steps=1,
+                          max_steps=3)
     first, _ = train(tiny_model_path, config)
     checkpoint = tmp_path / "checkpoint-1"  # saved after the low pass, before its high pass
     assert checkpoint.is_dir()
     assert "lopti/loss_low_pass" in first.state.log_history[0]
 
-    resumed_config = small_config(tmp_path, lopti_threshold=SPLITTING_ETA, save_strategy="no", max_steps=4)
+    resumed_config = small_config(tmp_path, lopti_threshold=ETA_FROM_EACH_BATCH, save_strategy="no", max_steps=4)
     resumed = LoptiGRPOTrainer(
         model=tiny_model_path, reward_funcs=length_reward, args=resumed_config, train_dataset=conversational_dataset()
     )
@@ -179,10 +191,10 @@ def test_resume_from_a_checkpoint_between_the_two_passes(tiny_model_path, tmp_pa
     assert get_last_checkpoint(str(tmp_path)) is not None
 
 
-def test_completions_are_logged_once_per_generation_batch(tiny_model_path, tmp_path):
+def test_completions_are_logged_once_per_generation_batch(tiny_model_path, tmp_path, batch_thresholds):
     import pandas as pd
 
-    config = small_config(tmp_path, lopti_threshold=SPLITTING_ETA, log_completions=True, max_steps=4)
+    config = small_config(tmp_path, lopti_threshold=ETA_FROM_EACH_BATCH, log_completions=True, max_steps=4)
     trainer, _ = train(tiny_model_path, config)
     tables = sorted((tmp_path / "completions").glob("completions_*.parquet"))
     # 4 optimizer steps = 2 generation batches (low pass, high pass each): one table per generation batch
@@ -192,15 +204,19 @@ def test_completions_are_logged_once_per_generation_batch(tiny_model_path, tmp_p
     assert first["completion"].astype(str).tolist() != second["completion"].astype(str).tolist()
 
 
-def test_low_token_share_is_logged_once_per_generation_batch_over_the_whole_batch(tiny_model_path, tmp_path):
-    config = small_config(tmp_path, lopti_threshold=SPLITTING_ETA, max_steps=4)
+def test_low_token_share_is_logged_once_per_generation_batch_over_the_whole_batch(
+    tiny_model_path, tmp_path, batch_thresholds
+):
+    config = small_config(tmp_path, lopti_threshold=ETA_FROM_EACH_BATCH, max_steps=4)
     trainer, _ = train(tiny_model_path, config)
     rows = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert ["lopti/low_token_share" in row for row in rows] == [True, False, True, False]
     assert ["lopti/ar_weight_mean" in row for row in rows] == [True, False, True, False]
     # the last value is the share over every micro-batch of the last generation batch
     micro_batches = trainer._buffered_inputs
-    low = sum(int(((b["old_per_token_logps"].exp() < SPLITTING_ETA) * b["completion_mask"]).sum()) for b in micro_batches)
+    log_eta = math.log(batch_thresholds[-1])  # compared in log space, as the trainer does
+    low = sum(int(((b["old_per_token_logps"] < log_eta) * b["completion_mask"]).sum()) for b in micro_batches)
+    assert 0 < low < sum(int(b["completion_mask"].sum()) for b in micro_batches)
     total = sum(int(b["completion_mask"].sum()) for b in micro_batches)
     assert rows[2]["lopti/low_token_share"] == pytest.approx(low / total, abs=1e-6)
     weights = sum(float(((0.3 * b["old_per_token_logps"].exp() + 0.7) * b["completion_mask"]).sum())
@@ -222,7 +238,7 @@ def test_model_card_credits_the_method_and_its_settings(tiny_model_path, tmp_pat
     assert "method introduced in [DeepSeekMath" not in card
 
 
-def test_reinforce_plus_plus_trains_on_batch_whitened_advantages(tiny_model_path, tmp_path):
+def test_reinforce_plus_plus_trains_on_batch_whitened_advantages(tiny_model_path, tmp_path, batch_thresholds):
     """REINFORCE++ with AR and Lopti: the trained advantages are the token-whitened rewards (no group baseline)."""
     import numpy as np
 
@@ -234,7 +250,7 @@ def test_reinforce_plus_plus_trains_on_batch_whitened_advantages(tiny_model_path
         return values
 
     config = small_config(tmp_path, advantage_estimator="reinforce_plus_plus", advantage_reweighting_alpha=0.1,
-                          lopti_threshold=SPLITTING_ETA, beta=0.05)
+                          lopti_threshold=ETA_FROM_EACH_BATCH, beta=0.05)
     trainer = LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=reward, args=config,
                                train_dataset=conversational_dataset())
     generate = trainer._generate_and_score_completions
@@ -255,6 +271,7 @@ def test_reinforce_plus_plus_trains_on_batch_whitened_advantages(tiny_model_path
         token_returns = np.repeat(batch_rewards, lengths)
         assert token_returns.std() > 0
         expected = (np.array(batch_rewards) - token_returns.mean()) / np.sqrt(token_returns.var(ddof=1) + 1e-8)
+        # TRL's rewards and so the advantages are float32 whatever the model's dtype: ~100 float32 ulps
         np.testing.assert_allclose(advantages, expected, rtol=1e-5, atol=1e-6)
     # the completions table shows the advantages trained on
     np.testing.assert_allclose(list(trainer._logs["advantages"]), records[-1][2], rtol=1e-6)
