@@ -12,12 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-
-pytest.importorskip("pylatexenc")
-pytest.importorskip("sympy")
-
-from trl_lopti.tasks.math import math_reward, math_reward_lenient  # noqa: E402
-from trl_lopti.tasks.math.paper_grading import last_box_content, mathd_normalize, sympy_normalize  # noqa: E402
+from trl_lopti.tasks.math import math_reward, math_reward_lenient
+from trl_lopti.tasks.math.paper_grading import last_box_content, mathd_normalize, sympy_normalize
 
 
 def _boxed(answer: str) -> str:

@@ -10,7 +10,7 @@ from datasets import Dataset
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
 
-wandb = pytest.importorskip("wandb")
+import wandb  # noqa: E402  (the test extra installs it: a missing wandb fails here, not skips)
 from wandb.proto import wandb_internal_pb2  # noqa: E402
 
 
