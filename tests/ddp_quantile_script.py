@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOTrainer
 
 from conftest import use_exact_log_prob_head
+from reference_grpo import completion_logps_and_entropies
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
 
@@ -29,12 +30,8 @@ PLAIN_SGD = dict(optim="sgd", learning_rate=LEARNING_RATE, lr_scheduler_type="co
 
 
 def completion_logps(model, batch: dict) -> torch.Tensor:
-    """Log-probabilities of the sampled completion tokens, in the model's precision (float64 here)."""
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    length = batch["completion_ids"].size(1)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -length - 1 : -1, :] / TEMPERATURE
-    return torch.log_softmax(logits, dim=-1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    """Log-probabilities of the sampled completion tokens at `TEMPERATURE`, in the model's precision (float64 here)."""
+    return completion_logps_and_entropies(model, batch, TEMPERATURE)[0]
 
 
 def fixed_generation_batch(vocab_size: int, num_rows: int, seed: int = 0) -> dict:

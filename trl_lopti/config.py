@@ -176,7 +176,6 @@ class LoptiGRPOConfig(GRPOConfig):
         return self.advantage_reweighting_alpha != 0.0
 
 
-
 LOPTI_FIELD_NAMES: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(LoptiGRPOConfig) if f.name not in {g.name for g in dataclasses.fields(GRPOConfig)}
 )

@@ -41,6 +41,7 @@ import warnings
 from typing import Any
 
 import torch
+
 from . import _compat  # noqa: F401, I001  (checks the TRL version before TRL is imported)
 from trl import GRPOConfig, GRPOTrainer
 
