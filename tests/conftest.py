@@ -1,5 +1,6 @@
 """Shared test fixtures: tiny offline models saved to temporary folders, and the command line run in-process."""
 
+import contextlib
 import math
 import os
 
@@ -278,6 +279,37 @@ def split_each_batch_mid_gap(monkeypatch=None) -> list[float]:
 def batch_thresholds(monkeypatch) -> list[float]:
     """`split_each_batch_mid_gap` for one test: the Lopti thresholds it chose, one per generation batch."""
     return split_each_batch_mid_gap(monkeypatch)
+
+
+@contextlib.contextmanager
+def in_pass(trainer, token_group):
+    """
+    Runs the body as a training micro-step of the Lopti pass that trains `token_group` ("low"/"high"): TRL's micro-step
+    counter `_step` at the start of that pass, from which the trainer reads its pass. `None`: Lopti off for the body
+    (every token carries gradient; AR as configured).
+    """
+    rules = trainer.args.lopti_threshold, trainer.args.lopti_quantile
+    if token_group is None:
+        trainer.args.lopti_threshold = trainer.args.lopti_quantile = None
+        trainer._step = 0
+    else:
+        trainer._step = trainer.args.lopti_pass_order.index(token_group) * trainer.lopti_pass_micro_steps
+    try:
+        yield
+    finally:
+        trainer.args.lopti_threshold, trainer.args.lopti_quantile = rules
+
+
+def micro_batches_as_generated(trainer, batch: dict) -> list[dict]:
+    """
+    The rows of a fixed generation `batch` (with a `row_id` key) in each micro-batch TRL buffered, as generated.
+
+    TRL shuffles and splits the batch; the trainer then adds its split and replaces the advantages by AR's in the
+    buffered micro-batches. This maps each buffered micro-batch back to the original rows, so a hand-run starts from
+    what the generation produced.
+    """
+    return [{key: value[entry["row_id"]] if value.dim() else value for key, value in batch.items()}
+            for entry in trainer._buffered_inputs]
 
 
 def load_benchmark_script(name: str):

@@ -14,7 +14,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from trl import GRPOTrainer
 
-from conftest import use_exact_log_prob_head
+from conftest import patch_float64_norms, use_exact_log_prob_head
 from reference_grpo import completion_logps_and_entropies
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
@@ -46,6 +46,7 @@ def fixed_generation_batch(vocab_size: int, num_rows: int, seed: int = 0) -> dic
         "completion_ids": torch.randint(3, vocab_size, (num_rows, COMPLETION_LENGTH), generator=generator),
         "completion_mask": completion_mask,
         "advantages": torch.randn(num_rows, generator=generator, dtype=torch.float64),
+        "row_id": torch.arange(num_rows),  # follows the rows through TRL's shuffle (conftest.micro_batches_as_generated)
     }
 
 
@@ -104,6 +105,7 @@ def run_one_cycle(model_path: str, config: LoptiGRPOConfig, batch: dict) -> Lopt
 
 
 def main(model_path: str, output_dir: str, result_path: str, quantile: str, rows_per_process: str) -> None:
+    patch_float64_norms()  # as the in-process run of the test: float64 throughout
     vocab_size = AutoModelForCausalLM.from_pretrained(model_path).config.vocab_size
     rows = int(rows_per_process)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

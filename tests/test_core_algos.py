@@ -7,10 +7,10 @@ import torch
 from trl_lopti.core_algos import (
     advantage_reweighting_weights,
     isolate_token_gradients,
-    lopti_active_token_mask,
     low_probability_token_mask,
     reinforce_plus_plus_advantages,
     reweight_advantages,
+    token_group_mask,
     token_level_advantages,
 )
 
@@ -53,8 +53,8 @@ def test_token_level_advantages_pass_through_and_reject_bad_shapes():
 
 def test_low_and_high_partition_the_completion_tokens(batch):
     logps, mask, _ = batch
-    low = lopti_active_token_mask(logps, mask, 0.5, "low")
-    high = lopti_active_token_mask(logps, mask, 0.5, "high")
+    split = low_probability_token_mask(logps, mask, 0.5)
+    low, high = (token_group_mask(split, mask, group) for group in ("low", "high"))
     assert not (low & high).any()
     assert torch.equal(low | high, mask.bool())
     probs = logps.exp().numpy()
@@ -77,7 +77,7 @@ def test_threshold_out_of_range_is_rejected(batch, bad):
 def test_unknown_token_group_is_rejected(batch):
     logps, mask, _ = batch
     with pytest.raises(ValueError, match="token_group"):
-        lopti_active_token_mask(logps, mask, 0.5, "middle")
+        token_group_mask(low_probability_token_mask(logps, mask, 0.5), mask, "middle")
 
 
 def test_isolation_keeps_values_and_passes_gradient_through_active_tokens_only():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from conftest import FLOAT64, threshold_between_values, use_exact_log_prob_head
+from conftest import FLOAT64, in_pass, threshold_between_values, use_exact_log_prob_head
 from reference_grpo import completion_logps_and_entropies, reference_grpo_loss
 from trl import GRPOTrainer
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
@@ -127,16 +127,10 @@ def configure(trainer, loss_type: str, beta: float, alpha: float, eta: float | N
     trainer.args.lopti_threshold = eta
 
 
-def set_pass(trainer, token_group: str | None):
-    """Makes the next compute_loss a first-cycle micro-step of the given pass (None: no Lopti, every token)."""
-    trainer._step = 0
-    trainer.lopti_token_group = lambda: token_group
-
-
 def trainer_loss_and_gradients(trainer, inputs: dict, token_group: str | None):
     trainer.model.zero_grad(set_to_none=True)
-    set_pass(trainer, token_group)
-    loss = trainer.compute_loss(trainer.model, dict(inputs))
+    with in_pass(trainer, token_group):
+        loss = trainer.compute_loss(trainer.model, dict(inputs))
     loss.backward()
     gradients = {name: p.grad.detach().clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
     trainer.model.zero_grad(set_to_none=True)
@@ -297,8 +291,8 @@ def test_degenerate_micro_batches_give_finite_zero_gradients(trainer):
         trainer.loss_type = loss_type
         for token_group in ["low", "high", None]:
             trainer.model.zero_grad(set_to_none=True)
-            set_pass(trainer, token_group)
-            loss = trainer.compute_loss(trainer.model, dict(inputs))
+            with in_pass(trainer, token_group):
+                loss = trainer.compute_loss(trainer.model, dict(inputs))
             loss.backward()
             assert torch.isfinite(loss)
             for parameter in trainer.model.parameters():
@@ -462,17 +456,9 @@ def test_router_auxiliary_loss_is_trained_once_per_cycle(moe_model_path, tmp_pat
     moe.model.train()
     inputs = make_batch(moe, seed=7)
     moe.args.lopti_threshold = splitting_eta(inputs)
-    plain_loss, plain = trainer_loss_and_gradients(moe, inputs, None)
-    moe._step = 0  # the first pass
-    moe.lopti_token_group = lambda: "low"
-    moe.model.zero_grad(set_to_none=True)
-    moe.compute_loss(moe.model, dict(inputs)).backward()
-    low = {n: p.grad.detach().clone() for n, p in moe.model.named_parameters() if p.grad is not None}
-    moe._step = moe.lopti_pass_micro_steps  # the second pass
-    moe.lopti_token_group = lambda: "high"
-    moe.model.zero_grad(set_to_none=True)
-    moe.compute_loss(moe.model, dict(inputs)).backward()
-    high = {n: p.grad.detach().clone() for n, p in moe.model.named_parameters() if p.grad is not None}
+    _, plain = trainer_loss_and_gradients(moe, inputs, None)
+    _, low = trainer_loss_and_gradients(moe, inputs, "low")  # the first pass
+    _, high = trainer_loss_and_gradients(moe, inputs, "high")  # the second pass
     router = [n for n in plain if ".gate.weight" in n and "shared" not in n]
     assert router and all(plain[n].abs().sum() > 0 for n in router)
     summed = {n: low.get(n, torch.zeros_like(plain[n])) + high.get(n, torch.zeros_like(plain[n])) for n in plain}

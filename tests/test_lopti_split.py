@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOTrainer
 
-from conftest import threshold_between_values
+from conftest import in_pass, micro_batches_as_generated, threshold_between_values
 from ddp_quantile_script import (
     ALPHA,
     LEARNING_RATE,
@@ -97,14 +97,15 @@ def whole_batch_quantile(tiny_model_path):
     ids=["pi_old-forward-made-for-the-quantile", "two-optimizer-steps-per-pass"],
 )
 def test_one_quantile_cycle_equals_hand_run_with_eta_of_the_whole_batch(
-    tiny_model_path, tmp_path, monkeypatch, single_thread, gradient_accumulation_steps, steps_per_generation
+    tiny_model_path, tmp_path, monkeypatch, single_thread, float64_norms, gradient_accumulation_steps,
+    steps_per_generation,
 ):
     initial_model, batch, quantile = whole_batch_quantile(tiny_model_path)
     monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", fixed_generation(batch))
     config = quantile_config(str(tmp_path), ROWS, gradient_accumulation_steps, steps_per_generation, quantile)
     trainer = run_one_cycle(tiny_model_path, config, batch)
 
-    micro_batches = [{k: v for k, v in entry.items() if k in batch} for entry in trainer._buffered_inputs]
+    micro_batches = micro_batches_as_generated(trainer, batch)
     assert len(micro_batches) == steps_per_generation > 1
     with torch.no_grad():
         old = [completion_logps(initial_model, micro_batch) for micro_batch in micro_batches]
@@ -134,14 +135,15 @@ def test_low_plus_high_is_plain_grpo_on_a_batch_split_at_its_quantile(tiny_model
     monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", fixed_generation(batch))
     trainer = run_one_cycle(tiny_model_path, quantile_config(str(tmp_path), ROWS, 2, 2, quantile), batch)
     trainer.model.train()
-    micro_batch = trainer._buffered_inputs[0]  # split at generation, with the batch's eta
-    low, mask = micro_batch["lopti_low_mask"], micro_batch["completion_mask"].bool()
-    assert low.any() and (mask & ~low).any(), "neither pass is empty"
+    micro_batch = trainer._buffered_inputs[0]  # split with the whole batch's eta
+    eta = float(micro_batch["lopti_threshold"])
+    low = (micro_batch["old_per_token_logps"].exp() < eta) & micro_batch["completion_mask"].bool()
+    assert low.any() and (micro_batch["completion_mask"].bool() & ~low).any(), "neither pass is empty"
     gradients = {}
     for token_group in ("low", "high", None):
-        monkeypatch.setattr(trainer, "lopti_token_group", lambda group=token_group: group)
         trainer.model.zero_grad(set_to_none=True)
-        trainer.compute_loss(trainer.model, micro_batch).backward()
+        with in_pass(trainer, token_group):
+            trainer.compute_loss(trainer.model, micro_batch).backward()
         gradients[token_group] = [p.grad.detach().clone() for p in trainer.model.parameters()]
     for low_pass, high_pass, plain in zip(gradients["low"], gradients["high"], gradients[None]):
         torch.testing.assert_close(low_pass + high_pass, plain, rtol=1e-6, atol=1e-10)
@@ -180,7 +182,9 @@ def test_fixed_eta_needs_no_extra_forward_and_logs_it(tiny_model_path, tmp_path)
 
 
 @pytest.mark.slow
-def test_two_process_ddp_gives_the_eta_and_parameters_of_one_process(tiny_model_path, tmp_path, monkeypatch):
+def test_two_process_ddp_gives_the_eta_and_parameters_of_one_process(
+    tiny_model_path, tmp_path, monkeypatch, float64_norms
+):
     initial_model, batch, quantile = whole_batch_quantile(tiny_model_path)
     monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", fixed_generation(batch))
     one_process = run_one_cycle(tiny_model_path, quantile_config(str(tmp_path / "one"), ROWS, 2, 2, quantile), batch)

@@ -8,7 +8,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from conftest import (
-    FLOAT64, assert_parameters_close, threshold_between_values, use_exact_log_prob_head,
+    FLOAT64, assert_parameters_close, micro_batches_as_generated, threshold_between_values, use_exact_log_prob_head,
 )
 from reference_grpo import completion_logps_and_entropies, reference_grpo_loss
 from trl import GRPOTrainer
@@ -41,6 +41,7 @@ def fixed_generation_batch(model_path: str, num_rows: int, seed: int, beta: floa
         "completion_mask": completion_mask,
         "advantages": torch.randn(num_rows, generator=generator),
         "num_items_in_batch": completion_mask.sum(),
+        "row_id": torch.arange(num_rows),  # follows the rows through TRL's shuffle (conftest.micro_batches_as_generated)
     }
     with torch.no_grad():
         logps, _ = completion_logps_and_entropies(model, batch, TEMPERATURE)
@@ -104,7 +105,7 @@ def run_one_cycle(model_path, output_dir, gradient_accumulation_steps, steps_per
 
     trainer._generate_and_score_completions = generate_fixed_batch
     trainer.train()
-    return trainer, initial_model, generation_calls, eta
+    return trainer, initial_model, generation_calls, eta, batch
 
 
 def hand_run_cycle(initial_model, slices, config, eta_log, beta, pass_order):
@@ -165,13 +166,13 @@ def test_one_lopti_cycle_equals_hand_run_two_step_update(
     tiny_float64_model_path, tmp_path, float64_norms, gradient_accumulation_steps, steps_per_generation, num_iterations,
     beta, lopti_order, is_level, loss_type,
 ):
-    trainer, initial_model, generation_calls, eta_log = run_one_cycle(
+    trainer, initial_model, generation_calls, eta_log, batch = run_one_cycle(
         tiny_float64_model_path, tmp_path, gradient_accumulation_steps, steps_per_generation, num_iterations, beta,
         lopti_order, is_level, loss_type,
     )
     assert len(generation_calls) == 1, "one generation per Lopti cycle"
     pass_order = ("low", "high") if lopti_order == "low_first" else ("high", "low")
-    slices = [{k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for s in trainer._buffered_inputs]
+    slices = micro_batches_as_generated(trainer, batch)
     expected_model = hand_run_cycle(initial_model, slices, trainer.args, eta_log, beta, pass_order)
     assert trainer.model.dtype == expected_model.dtype == torch.float64
     largest_difference, moved = assert_parameters_close(
@@ -194,8 +195,8 @@ def test_one_lopti_cycle_equals_hand_run_two_step_update(
 
 def test_one_lopti_cycle_in_float32_with_trls_own_log_prob_head(tiny_model_path, tmp_path):
     """The real dtype path (float32, TRL's fused head, Qwen2's float32 norms) against the same hand-run."""
-    trainer, initial_model, _, eta_log = run_one_cycle(tiny_model_path, tmp_path, 2, 2, 1, 0.1, exact_head=False)
-    slices = [{k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for s in trainer._buffered_inputs]
+    trainer, initial_model, _, eta_log, batch = run_one_cycle(tiny_model_path, tmp_path, 2, 2, 1, 0.1, exact_head=False)
+    slices = micro_batches_as_generated(trainer, batch)
     expected_model = hand_run_cycle(initial_model, slices, trainer.args, eta_log, 0.1, ("low", "high"))
     assert trainer.model.dtype == torch.float32
     # float32 rounding of two forward implementations, amplified by lr 0.5: ~1e-5 of how far a tensor moved

@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 from datasets import Dataset
-from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer
 
 from conftest import FLOAT64, assert_parameters_close
@@ -168,27 +167,36 @@ def test_degenerate_batches_do_not_produce_nan(tiny_model_path, tmp_path, reques
         assert trainer.state.log_history[0]["completions/clipped_ratio"] == 1.0
 
 
-def test_resume_from_a_checkpoint_between_the_two_passes(tiny_model_path, tmp_path, batch_thresholds):
-    config = small_config(tmp_path, lopti_threshold=ETA_FROM_EACH_BATCH, save_strategy="steps", save_steps=1,
-                          max_steps=3)
-    first, _ = train(tiny_model_path, config)
-    checkpoint = tmp_path / "checkpoint-1"  # saved after the low pass, before its high pass
-    assert checkpoint.is_dir()
-    assert "lopti/loss_low_pass" in first.state.log_history[0]
+def test_resume_between_the_two_passes_continues_the_batch_to_the_uninterrupted_parameters(
+    tiny_float64_model_path, tmp_path, batch_thresholds, float64_norms
+):
+    """A checkpoint after a low pass keeps its generation batch: the resumed run trains that batch's high pass."""
+    from trl_lopti.trainer import GENERATION_BATCH_FILE
 
-    resumed_config = small_config(tmp_path, lopti_threshold=ETA_FROM_EACH_BATCH, save_strategy="no", max_steps=4)
-    resumed = LoptiGRPOTrainer(
-        model=tiny_model_path, reward_funcs=length_reward, args=resumed_config, train_dataset=conversational_dataset()
-    )
+    def run(output_dir, **overrides):
+        config = small_config(output_dir, lopti_threshold=ETA_FROM_EACH_BATCH, max_steps=4, **FLOAT64, **overrides)
+        return LoptiGRPOTrainer(model=tiny_float64_model_path, reward_funcs=length_reward, args=config,
+                                train_dataset=conversational_dataset())
+
+    uninterrupted = run(tmp_path / "whole", save_strategy="steps", save_steps=1)
+    initial = {name: p.detach().clone() for name, p in uninterrupted.model.named_parameters()}
+    uninterrupted.train()
+    checkpoint = tmp_path / "whole" / "checkpoint-3"  # after the low pass of the second generation batch
+    assert (checkpoint / GENERATION_BATCH_FILE.format(0)).is_file()
+    assert not (tmp_path / "whole" / "checkpoint-2" / GENERATION_BATCH_FILE.format(0)).exists()  # between batches
+
+    resumed = run(tmp_path / "resumed")
+    generations = []
+    generate = resumed._generate_and_score_completions
+    resumed._generate_and_score_completions = lambda inputs: generations.append(1) or generate(inputs)
     resumed.train(resume_from_checkpoint=str(checkpoint))
-    assert resumed.state.global_step == 4
-    steps = [entry for entry in resumed.state.log_history if "loss" in entry and entry["step"] > 1]
-    assert [entry["step"] for entry in steps] == [2, 3, 4]
-    # the resumed run regenerates and starts with a low pass: no high pass without its low pass
-    assert ["lopti/loss_low_pass" in e for e in steps] == [True, False, True]
-    assert "num_tokens" in steps[0], "a fresh generation at the first resumed step"
+    assert resumed.state.global_step == 4 and generations == [], "the high pass of the stored batch, no generation"
+    assert "lopti/loss_high_pass" in [e for e in resumed.state.log_history if e.get("step") == 4][0]
+    difference, moved = assert_parameters_close(dict(resumed.model.named_parameters()),
+                                                dict(uninterrupted.model.named_parameters()), initial, atol=1e-8)
+    print(f"resumed vs uninterrupted: largest difference {difference:.3g} (moved {moved:.3g} in all)")
+    assert moved > 1e-3
     assert_no_nan_in_logs(resumed)
-    assert get_last_checkpoint(str(tmp_path)) is not None
 
 
 def test_completions_are_logged_once_per_generation_batch(tiny_model_path, tmp_path, batch_thresholds):

@@ -7,12 +7,10 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-import torch
-
 from . import _compat  # noqa: F401, I001  (checks the TRL version before TRL is imported)
 from trl import GRPOConfig
 
-from .core_algos import ADVANTAGE_ESTIMATORS, LOPTI_PASS_ORDERS, lopti_batch_threshold
+from .core_algos import ADVANTAGE_ESTIMATORS, LOPTI_PASS_ORDERS
 
 
 @dataclass
@@ -23,8 +21,8 @@ class LoptiGRPOConfig(GRPOConfig):
     Every field of TRL's `GRPOConfig` keeps its meaning and default. The fields below add Advantage Reweighting (AR)
     and Low-Probability Token Isolation (Lopti) from "Do Not Let Low-Probability Tokens Over-Dominate in RL for
     LLMs" (arXiv 2505.12929), and the paper's second base algorithm, REINFORCE++. With
-    `advantage_reweighting_alpha=0.0`, `lopti_threshold=None` (and `lopti_quantile` unset) and
-    `advantage_estimator="grpo"` the trainer is exactly TRL's `GRPOTrainer`.
+    `advantage_reweighting_alpha=0.0`, `lopti_threshold=None` and `advantage_estimator="grpo"` the trainer is exactly
+    TRL's `GRPOTrainer`.
 
     Parameters:
         > Parameters that control Advantage Reweighting
@@ -39,17 +37,16 @@ class LoptiGRPOConfig(GRPOConfig):
         lopti_threshold (`float` or `None`, *optional*, defaults to `0.5`):
             eta: completion tokens with `pi_old < eta` are "low", the others "high". Each generation batch is then
             trained twice: first with only the low tokens active, then with only the high tokens active (from the
-            parameters the first pass produced). Must lie in (0, 1); `None` splits at `lopti_quantile` instead, or,
-            with that unset too, disables Lopti. The paper uses 0.5 and recommends [0.3, 0.5]; the authors' script for
-            Lopti alone uses 0.4. What a pass costs and how it counts against `max_steps`: README, section "The Lopti
-            schedule".
+            parameters the first pass produced). Must lie in (0, 1); `None` (with `lopti_quantile` unset) disables
+            Lopti. The paper uses 0.5 and recommends [0.3, 0.5]; the authors' script for Lopti alone uses 0.4. What a
+            pass costs and how it counts against `max_steps`: README, section "The Lopti schedule".
         lopti_quantile (`float` or `None`, *optional*, defaults to `None`):
             The other split rule of the paper's authors (their `seperate_portion`): eta of each generation batch is
             the quantile at level q of pi_old over all completion tokens of the whole batch (every process; linear
             interpolation, as `torch.quantile`), so a share q of the tokens is low however the policy's confidence
-            drifts. Must lie in (0, 1); it needs `lopti_threshold=None` (the two rules are exclusive, and
-            `lopti_threshold` defaults to 0.5). It costs one no-grad forward per generation batch for pi_old, taken
-            before the first pass.
+            drifts. Must lie in (0, 1). It replaces the fixed eta: `lopti_threshold` is then set to `None`, and a
+            `lopti_threshold` other than its default alongside it is an error. It costs one no-grad forward per
+            generation batch for pi_old, before the first pass, where TRL does not compute pi_old itself.
         lopti_order (`str`, *optional*, defaults to `"low_first"`):
             Which token group is updated first: `"low_first"` (the method) or `"high_first"` (the paper's ablation,
             which collapses training; offered for reproducing it).
@@ -74,15 +71,14 @@ class LoptiGRPOConfig(GRPOConfig):
         default=0.5,
         metadata={
             "help": "Lopti probability threshold eta in (0, 1): tokens with pi_old < eta are updated in a separate "
-            "pass before the others. None disables Lopti."
+            "pass before the others. None (and no lopti_quantile) disables Lopti."
         },
     )
     lopti_quantile: float | None = field(
         default=None,
         metadata={
-            "help": "Lopti split at a quantile of the batch: eta of each generation batch is the quantile at level q "
-            "in (0, 1) of pi_old over all its completion tokens (every process). Needs lopti_threshold=None. One "
-            "extra no-grad forward per generation batch. None: split at lopti_threshold."
+            "help": "Lopti split at a quantile of the batch, in place of lopti_threshold: eta of each generation "
+            "batch is the quantile at level q in (0, 1) of pi_old over all its completion tokens (every process)."
         },
     )
     lopti_order: str = field(
@@ -102,25 +98,20 @@ class LoptiGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
-        self.advantage_reweighting_alpha = _real_in_range(
-            "advantage_reweighting_alpha", self.advantage_reweighting_alpha, "[0, 1]", lambda x: 0.0 <= x <= 1.0,
-            allow_none=False, disabled_hint="0 disables AR",
-        )
-        self.lopti_threshold = _real_in_range(
-            "lopti_threshold", self.lopti_threshold, "(0, 1)", lambda x: 0.0 < x < 1.0,
-            allow_none=True, disabled_hint="None disables Lopti",
-        )
-        self.lopti_quantile = _real_in_range(
-            "lopti_quantile", self.lopti_quantile, "(0, 1)", lambda x: 0.0 < x < 1.0,
-            allow_none=True, disabled_hint="None splits at lopti_threshold",
-        )
-        if self.lopti_quantile is not None and self.lopti_threshold is not None:
-            raise ValueError(
-                f"lopti_threshold={self.lopti_threshold:g} and lopti_quantile={self.lopti_quantile:g} are two Lopti "
-                "split rules (a fixed eta, or eta at a quantile of each generation batch) and only one can be used: "
-                "set lopti_threshold=None to split at the quantile (lopti_threshold defaults to 0.5), or "
-                "lopti_quantile=None to split at the fixed eta"
-            )
+        self.advantage_reweighting_alpha = _number_in("advantage_reweighting_alpha", self.advantage_reweighting_alpha,
+                                                      closed=True, disabled_by="0 disables AR")  # fmt: skip
+        if self.lopti_threshold is not None:
+            self.lopti_threshold = _number_in("lopti_threshold", self.lopti_threshold, closed=False,
+                                              disabled_by="None disables Lopti")  # fmt: skip
+        if self.lopti_quantile is not None:
+            self.lopti_quantile = _number_in("lopti_quantile", self.lopti_quantile, closed=False,
+                                             disabled_by="None splits at lopti_threshold")  # fmt: skip
+            if self.lopti_threshold not in (None, _DEFAULT_THRESHOLD):
+                raise ValueError(
+                    f"lopti_threshold={self.lopti_threshold:g} and lopti_quantile={self.lopti_quantile:g} are two "
+                    "Lopti split rules (a fixed eta, or eta at a quantile of each generation batch): set only one"
+                )
+            self.lopti_threshold = None  # the quantile replaces the fixed eta
         if self.lopti_order not in LOPTI_PASS_ORDERS:
             raise ValueError(f"lopti_order must be one of {sorted(LOPTI_PASS_ORDERS)}, got {self.lopti_order!r}")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
@@ -128,8 +119,7 @@ class LoptiGRPOConfig(GRPOConfig):
                 f"advantage_estimator must be one of {list(ADVANTAGE_ESTIMATORS)}, got {self.advantage_estimator!r}"
             )
         super().__post_init__()
-        reinforce_plus_plus = self.advantage_estimator == "reinforce_plus_plus"
-        if reinforce_plus_plus and self.multi_objective_aggregation != "sum_then_normalize":
+        if self.advantage_estimator == "reinforce_plus_plus" and self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 "advantage_estimator='reinforce_plus_plus' whitens the weighted sum of the rewards, so "
                 "multi_objective_aggregation must be 'sum_then_normalize' (its normalisation is then not used), got "
@@ -153,28 +143,13 @@ class LoptiGRPOConfig(GRPOConfig):
         """How many times each generation batch is trained (optimizer schedules per batch): 2 with Lopti, else 1."""
         return len(self.lopti_pass_order)
 
-    def lopti_batch_threshold(self, old_per_token_logps: torch.Tensor, completion_mask: torch.Tensor) -> float | None:
-        """
-        eta of a generation batch: `lopti_threshold`, or the `lopti_quantile` quantile of the batch's pi_old.
-
-        Args:
-            old_per_token_logps (`torch.Tensor`):
-                pi_old log-probabilities of the whole generation batch (every process); read by the quantile rule only.
-            completion_mask (`torch.Tensor`):
-                Same shape: nonzero for the completion tokens that count.
-
-        Returns:
-            `float` or `None`: eta (the split is `pi_old < eta`); `None` when Lopti is off.
-        """
-        if self.lopti_quantile is not None:
-            return lopti_batch_threshold(old_per_token_logps, completion_mask, self.lopti_quantile)
-        return self.lopti_threshold
-
     @property
     def advantage_reweighting_enabled(self) -> bool:
         """Whether Advantage Reweighting is on."""
         return self.advantage_reweighting_alpha != 0.0
 
+
+_DEFAULT_THRESHOLD = 0.5  # lopti_threshold's default, which a quantile replaces without an error
 
 LOPTI_FIELD_NAMES: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(LoptiGRPOConfig) if f.name not in {g.name for g in dataclasses.fields(GRPOConfig)}
@@ -222,26 +197,11 @@ def lopti_schedule_error(config: GRPOConfig, upgraded_from_grpo_config: bool = F
     return message + ", or set lopti_threshold=None and lopti_quantile=None to train without Lopti."
 
 
-def _real_in_range(name, value, interval, contains, allow_none, disabled_hint):
-    """Validates a real-valued field: any real number (numpy included) or its text; `None`/"none" where allowed."""
-    expected = f"{name} must be a number in {interval} ({disabled_hint})"
-    if isinstance(value, str):
-        text = value.strip()
-        if text.lower() in ("none", "null"):
-            if allow_none:
-                return None
-            raise ValueError(f"{expected}; got {value!r}")
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError(f"{expected}; got the text {value!r}, which is not a number") from None
-    if value is None:
-        if allow_none:
-            return None
-        raise ValueError(f"{expected}; got None")
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{expected}; got {value!r} of type {type(value).__name__}")
-    value = float(value)
-    if not contains(value):  # NaN fails every comparison
-        raise ValueError(f"{expected}; got {value!r}")
-    return value
+def _number_in(name: str, value, closed: bool, disabled_by: str) -> float:
+    """`value` as a float, if it is a real number (numpy scalars included) in [0, 1] (`closed`) or (0, 1)."""
+    interval = "[0, 1]" if closed else "(0, 1)"
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    inside = real and ((0.0 <= value <= 1.0) if closed else (0.0 < value < 1.0))  # NaN fails both
+    if not inside:
+        raise ValueError(f"{name} must be a number in {interval} ({disabled_by}), got {value!r}")
+    return float(value)

@@ -162,30 +162,6 @@ def lopti_batch_threshold(old_per_token_logps: torch.Tensor, completion_mask: to
     return float(torch.lerp(ordered[below.long()], ordered[above.long()], position - below))
 
 
-def lopti_active_token_mask(
-    old_per_token_logps: torch.Tensor, completion_mask: torch.Tensor, threshold: float, token_group: str
-) -> torch.Tensor:
-    """
-    The tokens active in one Lopti pass.
-
-    Args:
-        old_per_token_logps (`torch.Tensor`):
-            Behaviour-policy log-probabilities, shape (B, T).
-        completion_mask (`torch.Tensor`):
-            Completion-token mask, shape (B, T).
-        threshold (`float`):
-            eta in (0, 1).
-        token_group (`str`):
-            `"low"` (pi_old < eta) or `"high"` (pi_old >= eta).
-
-    Returns:
-        `torch.Tensor`: Boolean mask (B, T). The low and high masks are disjoint and their union is the completion
-        mask.
-    """
-    low = low_probability_token_mask(old_per_token_logps, completion_mask, threshold)
-    return token_group_mask(low, completion_mask, token_group)
-
-
 def token_group_mask(low_mask: torch.Tensor, completion_mask: torch.Tensor, token_group: str) -> torch.Tensor:
     """
     The tokens of one Lopti group, from a split already computed by [`low_probability_token_mask`].

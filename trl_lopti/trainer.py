@@ -1,43 +1,42 @@
-"""`LoptiGRPOTrainer`: TRL's `GRPOTrainer` with Advantage Reweighting, Low-Probability Token Isolation and REINFORCE++.
+"""`LoptiGRPOTrainer`: TRL's `GRPOTrainer` with Advantage Reweighting and Low-Probability Token Isolation.
 
 The math is in `trl_lopti/core_algos.py`; this file is plumbing. TRL still computes every loss, KL, clipping,
 importance-sampling and normalisation term itself; this trainer changes, per token, the advantage TRL's loss reads
 (AR) and through which tokens' log-probabilities and entropies gradient flows in which pass (Lopti).
 
-The facts of a generation batch (pi_old, the batch's eta, the split, the AR advantages) are computed once and kept in
-its buffered micro-batches (keys `old_per_token_logps`, `lopti_threshold`, `lopti_low_mask`, `lopti_advantages`); the
-passes only read them. Where TRL computes pi_old at generation (off-policy schedules,
-vLLM importance sampling, and always with `lopti_quantile`), the split is made there for the whole batch; in on-policy
-runs with a fixed eta, pi_old of a micro-batch is the detached output of its first training forward (no extra
-forward), and its split is made then.
+How it fits TRL's schedule: each generation batch is trained once per pass (README, "The Lopti schedule"): the
+first pass is TRL's own schedule, a later pass replays the micro-batches TRL buffered, so every optimizer step is an
+ordinary Trainer step (gradient synchronisation, clipping, scheduler, DeepSpeed and FSDP untouched). Each micro-batch
+is split once, at its first loss forward, and keeps its split in its own dict (keys `lopti_low_mask`, with AR the
+token-level `advantages`, with Lopti `old_per_token_logps`): pi_old is TRL's when TRL computed it at generation,
+otherwise the detached output of that forward (on-policy, so no extra forward). The quantile rule needs pi_old of the
+whole batch before the first pass: its eta is computed at generation (`lopti_threshold` key), from TRL's pi_old or
+from one no-grad forward of TRL's log-prob method.
 
-The TRL 1.16 facts it relies on, each pinned by `tests/test_trl_contract.py` or `tests/test_lopti_split.py`:
+The TRL facts it relies on, each pinned by `tests/test_trl_contract.py`:
 
-1. `GRPOTrainer._compute_loss(model, inputs)` calls `self._get_per_token_logps_and_entropies` exactly once for the
-   policy and reads `inputs["advantages"]` and `inputs["old_per_token_logps"]` only afterwards; it accepts
-   token-level advantages (B, T). For the duration of one `compute_loss` call, the override of
-   `_get_per_token_logps_and_entropies` sees the micro-batch and its pass, and returns log-probabilities and
-   entropies whose gradient flows only through the pass's active tokens (Lopti).
-2. `GRPOTrainer._prepare_inputs` generates when `self._step % (steps_per_generation * num_iterations) == 0`, buffers
-   the split generation batch in `self._buffered_inputs` (0-dim tensors are copied into every micro-batch) and serves
-   slice `self._step % steps_per_generation`; `training_step` increments `self._step` after each micro-step. Lopti is
-   a schedule over that counter: each generation batch is served once per pass (README, "The Lopti schedule"), the
-   first pass through TRL's `_prepare_inputs`, the later ones replaying `self._buffered_inputs`. Every optimizer step
-   is an ordinary Trainer step (gradient synchronisation, clipping, scheduler, DeepSpeed and FSDP untouched).
-3. The train sampler repeats each generation batch `num_iterations * steps_per_generation` times, read from
-   `self.num_iterations` while the dataloader is built; Lopti builds it with one repeat per pass.
-4. `_generate_and_score_completions` computes `old_per_token_logps` (a no-grad forward) when
-   `gradient_accumulation_steps % (steps_per_generation * self.num_iterations) != 0`, reading `self.num_iterations`
-   for nothing else; `lopti_quantile` makes it do so. It calls `_calculate_rewards` once, which returns the rewards
-   of the whole generation batch, gathered over processes in process order (REINFORCE++ reads them there).
+1. Schedule. `_prepare_inputs` generates when `self._step % (steps_per_generation * num_iterations) == 0`, buffers
+   the generation batch split into micro-batches in `self._buffered_inputs` (0-dim tensors copied into each) and
+   serves slice `self._step % steps_per_generation`; `training_step` then increments `self._step`. The train
+   dataloader repeats each generation batch `self.num_iterations * steps_per_generation` times, reading
+   `self.num_iterations` while it is built.
+2. Loss. `_compute_loss(model, inputs)` calls `self._get_per_token_logps_and_entropies` once for the policy, and only
+   then reads `inputs["advantages"]` (token-level (B, T) accepted) and `inputs.get("old_per_token_logps")` (absent:
+   the forward's own detached output).
+3. Generation. `_generate_and_score_completions` returns `old_per_token_logps` exactly when TRL needs pi_old
+   (off-policy schedules, vLLM importance sampling).
+4. Checkpoints. `_save_checkpoint` and `_load_optimizer_and_scheduler` are TRL's own extension points for trainer
+   state (its entropy controller); transformers calls the latter on resume after `self.state` is loaded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import textwrap
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,22 +48,21 @@ from .config import LoptiGRPOConfig, lopti_pass_ends_on_optimizer_step, lopti_sc
 from .core_algos import (
     advantage_reweighting_weights,
     isolate_token_gradients,
+    lopti_batch_threshold,
     low_probability_token_mask,
-    reinforce_plus_plus_advantages,
     reweight_advantages,
     token_group_mask,
 )
+from .reinforce_plus_plus import ReinforcePlusPlusMixin
 
 
-# Keys this trainer adds to the micro-batches of a generation batch.
-LOW_MASK_KEY = "lopti_low_mask"  # (B, T) bool: the split, pi_old < eta
-THRESHOLD_KEY = "lopti_threshold"  # 0-dim: the batch's eta
-AR_ADVANTAGES_KEY = "lopti_advantages"  # (B, T), with AR: the token-level advantages the loss reads
-SPLIT_TOTALS_KEY = "lopti_split_totals"  # (3,): low tokens, AR weight sum, tokens of a micro-batch split on its own
-COMPLETIONS_LOGGED_KEY = "lopti_completions_logged"  # on the first micro-batch: its completions table is written
-
-# The threshold for `lopti/low_token_share` when Lopti is off (the paper's eta), so GRPO and AR runs log it too.
-UNSPLIT_REPORTING_THRESHOLD = 0.5
+LOW_MASK_KEY = "lopti_low_mask"  # (B, T) bool, in each micro-batch: the split, pi_old < eta
+THRESHOLD_KEY = "lopti_threshold"  # 0-dim, in each micro-batch of a quantile-split batch: its eta
+GENERATION_BATCH_FILE = "lopti_generation_batch_rank{}.pt"  # in a checkpoint taken inside a generation batch
+UNSPLIT_REPORTING_THRESHOLD = 0.5  # the eta of `lopti/low_token_share` when Lopti is off (the paper's)
+# The model inputs besides ids and masks that TRL's `_compute_loss` passes to its log-prob forward (multimodal).
+EXTRA_FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                      "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 LOPTI_PAPER_CITATION = textwrap.dedent("""\
     @article{yang2025lopti,
@@ -73,6 +71,28 @@ LOPTI_PAPER_CITATION = textwrap.dedent("""\
         year         = 2025,
         eprint       = {arXiv:2505.12929},
     }""")
+
+
+@dataclass
+class LossCall:
+    """
+    What one `compute_loss` call shares with the policy forward TRL runs inside it (fact 2).
+
+    Args:
+        batch (`dict[str, Any]`):
+            The micro-batch: TRL's own dict, which `_compute_loss` reads after the forward.
+        token_group (`str` or `None`):
+            The tokens that carry gradient in this pass (`"low"` or `"high"`); `None`: every token.
+        trains_aux_loss (`bool`):
+            Whether the router's auxiliary loss (MoE) keeps its gradient: in the first pass only.
+        policy_forwards (`int`):
+            How many policy forwards TRL ran in this call so far (exactly one is expected).
+    """
+
+    batch: dict[str, Any]
+    token_group: str | None
+    trains_aux_loss: bool
+    policy_forwards: int = 0
 
 
 def as_lopti_config(args: GRPOConfig | None, model: Any) -> LoptiGRPOConfig:
@@ -119,7 +139,7 @@ def as_lopti_config(args: GRPOConfig | None, model: Any) -> LoptiGRPOConfig:
     return LoptiGRPOConfig(**values)
 
 
-class LoptiGRPOTrainer(GRPOTrainer):
+class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
     """
     TRL's `GRPOTrainer` with Advantage Reweighting (AR) and Low-Probability Token Isolation (Lopti), arXiv 2505.12929.
 
@@ -131,14 +151,15 @@ class LoptiGRPOTrainer(GRPOTrainer):
     - Lopti splits the completion tokens of each generation batch once by `pi_old < eta` (eta: `lopti_threshold`, or
       the `lopti_quantile` quantile of the whole batch's `pi_old`) and trains the batch once per token group: first
       only the low tokens carry gradient, then only the high ones, from the parameters the first pass produced and
-      with importance ratios against the same `pi_old`. A pass without an active token is an ordinary optimizer step
-      with a zero gradient, as in the authors' runs. In a pass every value
-      of the loss is what plain GRPO computes; only the gradient through the inactive tokens' log-probabilities and
-      entropies is cut, which isolates the groups for every loss type and importance-sampling level. The router's
-      auxiliary loss (MoE models), not a per-token term, gets its gradient in the first pass only.
-    - `advantage_estimator="reinforce_plus_plus"` replaces TRL's group-relative advantages by REINFORCE++'s.
-
-    The schedule, its cost and what `max_steps` counts: README, section "The Lopti schedule".
+      with importance ratios against the same `pi_old`. In a pass every value of the loss is what plain GRPO
+      computes; only the gradient through the inactive tokens' log-probabilities and entropies is cut, which isolates
+      the groups for every loss type and importance-sampling level. A pass without an active token is an ordinary
+      optimizer step with a zero gradient, as in the authors' runs. The router's auxiliary loss (MoE models), not a
+      per-token term, gets its gradient in the first pass only.
+    - `advantage_estimator="reinforce_plus_plus"` replaces TRL's group-relative advantages by REINFORCE++'s
+      ([`~trl_lopti.reinforce_plus_plus.ReinforcePlusPlusMixin`]).
+    - A checkpoint taken inside a generation batch's schedule (between the passes) keeps that batch, and resuming from
+      it continues the schedule where it stopped.
 
     Logged metrics (prefix `lopti/`), once per generation batch: `lopti/low_token_share` (share of the batch's
     completion tokens with `pi_old < eta`; eta = 0.5 when Lopti is off), `lopti/ar_weight_mean` (mean AR weight over
@@ -159,9 +180,9 @@ class LoptiGRPOTrainer(GRPOTrainer):
         args = as_lopti_config(args, model)
         super().__init__(model, reward_funcs, args, *extra_args, **kwargs)
         self._name = describe_method(args)
-        # What the TRL call now running shares with the hooks it calls, for that call only: while a generation batch
-        # is scored, the dict its rewards go into; while a micro-batch's loss is computed, that micro-batch and pass.
-        self._call_scope: dict[str, Any] | None = None
+        self._loss_call: LossCall | None = None  # the compute_loss call in flight
+        self._split_totals: torch.Tensor | None = None  # low tokens, AR weights, tokens of the batch split so far
+        self._completions_logged_for: int | None = None  # the generation batch whose completions table was written
 
     # ------------------------------------------------------------------------------------------------ schedule
     @property
@@ -169,130 +190,65 @@ class LoptiGRPOTrainer(GRPOTrainer):
         """Micro-steps in one pass: the schedule plain GRPO runs on one generation batch."""
         return self.args.steps_per_generation * self.args.num_iterations
 
-    def lopti_pass_index(self, micro_step: int | None = None) -> int:
-        """
-        Which pass over its generation batch a training micro-step belongs to.
+    @property
+    def lopti_cycle_micro_steps(self) -> int:
+        """Micro-steps trained on one generation batch: one pass per token group."""
+        return self.args.lopti_num_passes * self.lopti_pass_micro_steps
 
-        Args:
-            micro_step (`int` or `None`, *optional*):
-                TRL's micro-step counter; defaults to the current one (`self._step`).
-
-        Returns:
-            `int`: 0 for the first pass, 1 for the second (always 0 without Lopti).
-        """
-        micro_step = self._step if micro_step is None else micro_step
-        cycle_micro_steps = self.args.lopti_num_passes * self.lopti_pass_micro_steps
-        return (micro_step % cycle_micro_steps) // self.lopti_pass_micro_steps
-
-    def lopti_token_group(self) -> str | None:
-        """The token group that carries gradient in the current training micro-step (`None` without Lopti)."""
-        return self.args.lopti_pass_order[self.lopti_pass_index()]
+    def lopti_pass_index(self) -> int:
+        """Which pass over its generation batch the current training micro-step belongs to (0 without Lopti)."""
+        return (self._step % self.lopti_cycle_micro_steps) // self.lopti_pass_micro_steps
 
     def get_train_dataloader(self):
-        # One repeat of TRL's schedule per pass: an epoch still covers every prompt once.
+        # Fact 1: the dataloader serves each generation batch `self.num_iterations * steps_per_generation` times; Lopti
+        # trains it num_iterations times per pass, so an epoch still covers every prompt once.
         with _temporarily_set(self, "num_iterations", self.args.lopti_num_passes * self.args.num_iterations):
             return super().get_train_dataloader()
 
     def _prepare_inputs(self, generation_batch):
-        if not self.model.training or self.lopti_pass_index() == 0:
-            return super()._prepare_inputs(generation_batch)
-        # A later pass replays the generation batch of the first (TRL's `_step` keeps counting, so it does not
-        # generate here: it generates again at the start of the next cycle).
-        buffered = self._buffered_inputs[self._step % self.args.steps_per_generation]
-        if LOW_MASK_KEY not in buffered:
-            raise RuntimeError("Lopti second pass without the split of its first pass; please report this bug.")
-        return buffered
+        if self.model.training and self.lopti_pass_index() > 0:  # a later pass replays the first pass's micro-batches
+            return self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return super()._prepare_inputs(generation_batch)
 
     # ------------------------------------------------------------------------------------------------ generation batch
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self._call_scope is not None:
-            self._call_scope["rewards_per_func"] = rewards_per_func
-        return rewards_per_func
-
     def _generate_and_score_completions(self, inputs):
-        # TRL computes pi_old at generation when gradient_accumulation_steps is not a multiple of
-        # steps_per_generation * num_iterations: the quantile split needs it for the whole batch before the first pass.
-        num_iterations = self.num_iterations
-        if self.args.lopti_quantile is not None:
-            num_iterations = self.args.gradient_accumulation_steps + 1
-        scope: dict[str, Any] = {}
-        with _temporarily_set(self, "_call_scope", scope), _temporarily_set(self, "num_iterations", num_iterations):
-            output = super()._generate_and_score_completions(inputs)
-        if self.args.advantage_estimator == "reinforce_plus_plus":
-            output["advantages"] = self._reinforce_plus_plus_advantages(scope["rewards_per_func"], output)
-        if "old_per_token_logps" in output:  # pi_old of the whole batch is known: split it now, once
-            threshold = self._generation_batch_threshold(output)
-            self._log_split_metrics(self._split(output, output["old_per_token_logps"], threshold), threshold)
-        elif self.args.lopti_quantile is not None:
-            raise RuntimeError(
-                "GRPOTrainer._generate_and_score_completions did not compute old_per_token_logps: this TRL version is "
-                "not supported by trl_lopti with lopti_quantile."
-            )
+        output = super()._generate_and_score_completions(inputs)
+        if self.args.lopti_quantile is not None:  # eta from pi_old of the whole batch, every process
+            if "old_per_token_logps" not in output:  # fact 3: TRL did not need it; one no-grad forward
+                output["old_per_token_logps"] = self._policy_log_probs(output)
+            mask = _loss_mask(output).bool()
+            local = output["old_per_token_logps"][mask]
+            logps = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0))
+            counted = self.accelerator.gather(self.accelerator.pad_across_processes(torch.ones_like(local), dim=0))
+            eta = lopti_batch_threshold(logps, counted, self.args.lopti_quantile)
+            output[THRESHOLD_KEY] = torch.tensor(eta, dtype=torch.float64)  # on the CPU: MPS has no float64
         return output
 
-    def _reinforce_plus_plus_advantages(self, rewards_per_func: torch.Tensor, output: dict) -> torch.Tensor:
-        """REINFORCE++ advantages of this process's completions, whitened over the whole generation batch."""
-        weights = self.reward_weights.to(rewards_per_func.device)
-        rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
-        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan  # unscorable, as TRL marks them
-        lengths = self.accelerator.gather(_loss_mask(output).sum(dim=1))  # process order, as the rewards
-        advantages = reinforce_plus_plus_advantages(rewards, lengths)
-        # the completions table shows the advantages trained on
-        logged = self._logs["advantages"]
-        for _ in range(min(len(advantages), len(logged))):
-            logged.pop()
-        logged.extend(advantages.tolist())
-        local = len(output["completion_mask"])
-        start = self.accelerator.process_index * local
-        return advantages[start : start + local].to(output["completion_mask"].device)
-
-    def _generation_batch_threshold(self, output: dict[str, Any]) -> float:
-        """The batch's eta (`LoptiGRPOConfig.lopti_batch_threshold`), over the tokens of every process."""
-        if self.args.lopti_quantile is None:
-            return self.args.lopti_threshold or UNSPLIT_REPORTING_THRESHOLD
-        mask = _loss_mask(output).bool()
-        local_logps = output["old_per_token_logps"][mask]
-        logps = self.accelerator.gather(self.accelerator.pad_across_processes(local_logps, dim=0))
-        counted = self.accelerator.gather(self.accelerator.pad_across_processes(torch.ones_like(local_logps), dim=0))
-        return self.args.lopti_batch_threshold(logps, counted)
-
-    def _split(self, batch: dict[str, Any], old_per_token_logps: torch.Tensor, threshold: float) -> torch.Tensor:
-        """
-        Splits a batch once: writes its low mask, its eta and, with AR, its token-level advantages into `batch`.
-
-        TRL's `advantages` stay as they are (what TRL logged); the loss reads `lopti_advantages` instead.
-
-        Returns:
-            `torch.Tensor`: The sums the batch metrics need: low tokens, AR weights (0 without AR), tokens.
-        """
-        mask = _loss_mask(batch)
-        low_mask = low_probability_token_mask(old_per_token_logps, mask, threshold)
-        batch[LOW_MASK_KEY] = low_mask
-        batch[THRESHOLD_KEY] = torch.tensor(threshold, device=mask.device)
-        mask = mask.float()
-        weight_sum = mask.new_zeros(())
-        if self.args.advantage_reweighting_enabled:  # A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i)
-            alpha = self.args.advantage_reweighting_alpha
-            batch[AR_ADVANTAGES_KEY] = reweight_advantages(batch["advantages"], old_per_token_logps, alpha)
-            weight_sum = (advantage_reweighting_weights(old_per_token_logps, alpha).float() * mask).sum()
-        return torch.stack([(low_mask.float() * mask).sum(), weight_sum, mask.sum()])
+    @torch.no_grad()
+    def _policy_log_probs(self, batch: dict[str, Any]) -> torch.Tensor:
+        """pi_old of a generation batch by one no-grad forward of TRL's own log-prob method."""
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        extra = {key: batch[key] for key in EXTRA_FORWARD_KEYS if batch.get(key) is not None}
+        training = self.model.training
+        batch_size = self.args.per_device_train_batch_size if training else self.args.per_device_eval_batch_size
+        logps, _, _ = self._get_per_token_logps_and_entropies(
+            self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size=batch_size, **extra
+        )
+        return logps
 
     # ------------------------------------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         training = self.model.training
-        token_group = self.lopti_token_group() if training else None
-        first_pass = not training or self.lopti_pass_index() == 0
-        loss_inputs = dict(inputs)  # what TRL's loss reads: the AR advantages in place of TRL's
-        if AR_ADVANTAGES_KEY in inputs:
-            loss_inputs["advantages"] = inputs[AR_ADVANTAGES_KEY]
-        call = {"inputs": inputs, "loss_inputs": loss_inputs, "token_group": token_group, "first_pass": first_pass}
-        with _temporarily_set(self, "_call_scope", call):
-            loss = super().compute_loss(model, loss_inputs, return_outputs, num_items_in_batch)
-        if not call.get("applied"):
+        pass_index = self.lopti_pass_index() if training else 0
+        token_group = self.args.lopti_pass_order[pass_index] if training else None
+        call = LossCall(batch=inputs, token_group=token_group, trains_aux_loss=pass_index == 0)
+        with _temporarily_set(self, "_loss_call", call):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if call.policy_forwards != 1:
             raise RuntimeError(
-                "GRPOTrainer._compute_loss no longer calls _get_per_token_logps_and_entropies: this TRL version is "
-                "not supported by trl_lopti."
+                f"GRPOTrainer._compute_loss ran {call.policy_forwards} policy forwards through "
+                "_get_per_token_logps_and_entropies instead of one: this TRL version is not supported by trl_lopti"
             )
         if token_group is not None:
             self._log_pass_loss(token_group, loss.detach())
@@ -302,64 +258,64 @@ class LoptiGRPOTrainer(GRPOTrainer):
         per_token_logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
-        call = self._call_scope
-        if call is None or "token_group" not in call or call.get("applied"):  # only the policy forward of the loss
+        call = self._loss_call
+        if call is None:  # a forward outside the loss: pi_old or the reference model's log-probs
             return per_token_logps, entropies, aux_loss
-        call["applied"] = True
-        batch = call["inputs"]
-        if LOW_MASK_KEY not in batch:  # an on-policy micro-batch's first forward: pi_old is its detached output
-            self._split_at_first_forward(batch, per_token_logps.detach())
-            loss_inputs = call["loss_inputs"]  # TRL reads these after this forward
-            if "old_per_token_logps" in batch:
-                loss_inputs["old_per_token_logps"] = batch["old_per_token_logps"]
-            if AR_ADVANTAGES_KEY in batch:
-                loss_inputs["advantages"] = batch[AR_ADVANTAGES_KEY]
-        if call["token_group"] is not None:
-            isolated = self._isolate_active_tokens(call, per_token_logps, entropies, aux_loss)
-            per_token_logps, entropies, aux_loss = isolated
+        call.policy_forwards += 1
+        if LOW_MASK_KEY not in call.batch:  # the micro-batch's first loss forward: split it (fact 2: read after)
+            self._split(call.batch, per_token_logps.detach())
+        if call.token_group is not None:  # Lopti: gradient only through the pass's active tokens
+            active_mask = token_group_mask(call.batch[LOW_MASK_KEY], _loss_mask(call.batch), call.token_group)
+            per_token_logps = isolate_token_gradients(per_token_logps, active_mask)
+            if entropies is not None:
+                entropies = isolate_token_gradients(entropies, active_mask)
+            if aux_loss is not None and not call.trains_aux_loss:
+                aux_loss = aux_loss.detach()
         return per_token_logps, entropies, aux_loss
 
-    def _isolate_active_tokens(self, call: dict[str, Any], per_token_logps, entropies, aux_loss):
-        """Lopti: gradient only through the log-probabilities and entropies of the pass's active tokens."""
-        batch = call["inputs"]
-        active_mask = token_group_mask(batch[LOW_MASK_KEY], _loss_mask(batch), call["token_group"])
-        per_token_logps = isolate_token_gradients(per_token_logps, active_mask)
-        if entropies is not None:
-            entropies = isolate_token_gradients(entropies, active_mask)
-        if aux_loss is not None and not call["first_pass"]:  # not a per-token term: trained in the first pass only
-            aux_loss = aux_loss.detach()
-        return per_token_logps, entropies, aux_loss
-
-    def _split_at_first_forward(self, batch: dict[str, Any], forward_logps: torch.Tensor) -> None:
-        """Splits a micro-batch whose pi_old was not known at generation; logs the batch once all are split."""
-        if self.args.lopti_quantile is not None:
-            raise RuntimeError("lopti_quantile without pi_old from generation; please report this bug.")
+    def _split(self, batch: dict[str, Any], forward_logps: torch.Tensor) -> None:
+        """Splits a micro-batch once: its low mask, with AR its token-level advantages, with Lopti its pi_old."""
         old_per_token_logps = batch.get("old_per_token_logps")
-        if old_per_token_logps is None:
+        if old_per_token_logps is None:  # on-policy: pi_old is this forward's output
             old_per_token_logps = forward_logps
-            if self.args.lopti_enabled:  # the later pass's ratio is against it (TRL itself reads it from here on)
+            if self.args.lopti_enabled:  # a later pass's ratio is against it
                 batch["old_per_token_logps"] = old_per_token_logps
-        threshold = self._generation_batch_threshold(batch)  # the fixed rule: the quantile needs the whole batch
-        batch[SPLIT_TOTALS_KEY] = self._split(batch, old_per_token_logps, threshold)
-        if not self.model.training:  # an evaluation batch is its own generation batch
-            self._log_split_metrics(batch[SPLIT_TOTALS_KEY], threshold)
-            return
-        micro_batches = self._buffered_inputs or []
-        if any(entry is batch for entry in micro_batches) and all(SPLIT_TOTALS_KEY in e for e in micro_batches):
-            self._log_split_metrics(sum(entry[SPLIT_TOTALS_KEY] for entry in micro_batches), threshold)
+        if THRESHOLD_KEY in batch:
+            eta = float(batch[THRESHOLD_KEY])
+        elif self.args.lopti_quantile is not None:
+            raise RuntimeError("lopti_quantile: this batch has no eta from its generation; please report this bug")
+        else:
+            eta = self.args.lopti_threshold or UNSPLIT_REPORTING_THRESHOLD
+        mask = _loss_mask(batch)
+        batch[LOW_MASK_KEY] = low_probability_token_mask(old_per_token_logps, mask, eta)
+        mask = mask.float()
+        weight_sum = mask.new_zeros(())
+        if self.args.advantage_reweighting_enabled:  # A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i)
+            alpha = self.args.advantage_reweighting_alpha
+            weight_sum = (advantage_reweighting_weights(old_per_token_logps, alpha).float() * mask).sum()
+            batch["advantages"] = reweight_advantages(batch["advantages"], old_per_token_logps, alpha)
+        totals = torch.stack([(batch[LOW_MASK_KEY].float() * mask).sum(), weight_sum, mask.sum()])
+        self._log_split(totals, eta)
 
     # ------------------------------------------------------------------------------------------------ metrics
-    def _log_split_metrics(self, totals: torch.Tensor, threshold: float) -> None:
-        """Logs the split of a whole generation batch (all processes), once: low-token share, AR weight, eta."""
-        mode = "train" if self.model.training else "eval"
-        totals = self.accelerator.reduce(totals, reduction="sum")
+    def _log_split(self, micro_batch_totals: torch.Tensor, eta: float) -> None:
+        """Logs the split of a generation batch once its last micro-batch is split (first pass, first iteration)."""
+        if self.model.training:
+            position = self._step % self.args.steps_per_generation
+            first = position == 0 or self._split_totals is None
+            self._split_totals = micro_batch_totals if first else self._split_totals + micro_batch_totals
+            if position != self.args.steps_per_generation - 1:
+                return
+            micro_batch_totals, self._split_totals = self._split_totals, None
+        mode = "train" if self.model.training else "eval"  # an evaluation batch is its own generation batch
+        totals = self.accelerator.reduce(micro_batch_totals, reduction="sum")
         if totals[2] == 0:  # no completion token anywhere: nothing to report
             return
         self._metrics[mode]["lopti/low_token_share"].append((totals[0] / totals[2]).item())
         if self.args.advantage_reweighting_enabled:
             self._metrics[mode]["lopti/ar_weight_mean"].append((totals[1] / totals[2]).item())
         if self.args.lopti_enabled:
-            self._metrics[mode]["lopti/threshold"].append(float(threshold))
+            self._metrics[mode]["lopti/threshold"].append(eta)
 
     def _log_pass_loss(self, token_group: str, loss: torch.Tensor) -> None:
         # The loss TRL returns is one micro-step's share of its optimizer step; scaled back to a per-step value.
@@ -369,13 +325,29 @@ class LoptiGRPOTrainer(GRPOTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # TRL writes the completions table at every log; a generation batch trained over several optimizer steps
-        # (Lopti's passes, steps_per_generation > gradient_accumulation_steps) would be written once per step.
-        first_micro_batch = self._buffered_inputs[0] if self.model.training and self._buffered_inputs else {}
-        fresh = not first_micro_batch.get(COMPLETIONS_LOGGED_KEY, False)
+        # (Lopti's passes, steps_per_generation > gradient_accumulation_steps) is written once.
+        batch_index = (self._step - 1) // self.lopti_cycle_micro_steps if self.model.training else None
+        fresh = batch_index is None or batch_index != self._completions_logged_for
         with _temporarily_set(self, "log_completions", self.log_completions and fresh):
-            if self.log_completions:
-                first_micro_batch[COMPLETIONS_LOGGED_KEY] = True
+            if self.log_completions and batch_index is not None:
+                self._completions_logged_for = batch_index
             super().log(logs, start_time)
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self._step % self.lopti_cycle_micro_steps != 0 and self._buffered_inputs is not None:
+            # inside a generation batch's schedule: keep the batch (and its split) for the rest of it (fact 4)
+            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            os.makedirs(folder, exist_ok=True)
+            torch.save(self._buffered_inputs, os.path.join(folder, GENERATION_BATCH_FILE.format(self.accelerator.process_index)))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = checkpoint and os.path.join(checkpoint, GENERATION_BATCH_FILE.format(self.accelerator.process_index))
+        if path and os.path.isfile(path):  # resume inside the batch's schedule, at the micro-step it stopped at
+            self._buffered_inputs = torch.load(path, map_location=self.accelerator.device)
+            self._step = self.state.global_step * self.args.gradient_accumulation_steps
 
 
 def describe_method(config: LoptiGRPOConfig) -> str:

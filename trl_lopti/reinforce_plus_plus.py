@@ -1,0 +1,58 @@
+"""REINFORCE++, the paper's second base algorithm, as one advantage estimator beside TRL's group-relative one.
+
+`ReinforcePlusPlusMixin` is a base class of `LoptiGRPOTrainer`; it acts only with
+`advantage_estimator="reinforce_plus_plus"` and replaces the advantages of each generation batch by
+`core_algos.reinforce_plus_plus_advantages` of its rewards, before AR and Lopti read them. Delete this file, its base
+class and the config value, and nothing else changes.
+
+The TRL facts it relies on (pinned by `tests/test_trl_contract.py`):
+
+1. `GRPOTrainer._generate_and_score_completions` calls `self._calculate_rewards` once per generation batch, which
+   returns the rewards of every completion of the batch (all processes, in process order), one column per reward
+   function; this process's completions are the `process_index`-th slice of that order.
+2. `_generate_and_score_completions` appends the batch's advantages (all processes) to `self._logs["advantages"]`,
+   which the completions table shows; the REINFORCE++ advantages take their place there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .core_algos import reinforce_plus_plus_advantages
+
+
+class ReinforcePlusPlusMixin:
+    """`GRPOTrainer` mixin: REINFORCE++ advantages in place of GRPO's when `args.advantage_estimator` says so."""
+
+    _rewards_of_scored_batch: torch.Tensor | None = None
+    """Rewards of the generation batch being scored (every process, one column per reward function): fact 1."""
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._rewards_of_scored_batch = rewards_per_func
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        self._rewards_of_scored_batch = None
+        output = super()._generate_and_score_completions(inputs)
+        if self.args.advantage_estimator == "reinforce_plus_plus":
+            if self._rewards_of_scored_batch is None:
+                raise RuntimeError("GRPOTrainer did not call _calculate_rewards: this TRL version is not supported")
+            output["advantages"] = self._reinforce_plus_plus_advantages(self._rewards_of_scored_batch, output)
+        return output
+
+    def _reinforce_plus_plus_advantages(self, rewards_per_func: torch.Tensor, output: dict) -> torch.Tensor:
+        """This process's REINFORCE++ advantages, whitened over the loss tokens of the whole generation batch."""
+        rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan  # unscorable, as TRL marks them
+        mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
+        lengths = self.accelerator.gather(mask.sum(dim=1))  # process order, as the rewards
+        advantages = reinforce_plus_plus_advantages(rewards, lengths)
+        logged = self._logs["advantages"]  # fact 2: the completions table shows the advantages trained on
+        del_count = min(len(advantages), len(logged))
+        for _ in range(del_count):
+            logged.pop()
+        logged.extend(advantages.tolist())
+        local = len(output["completion_mask"])
+        start = self.accelerator.process_index * local
+        return advantages[start : start + local].to(output["completion_mask"].device)
