@@ -41,12 +41,11 @@ class LoptiGRPOConfig(GRPOConfig):
             Lopti. The paper uses 0.5 and recommends [0.3, 0.5]; the authors' script for Lopti alone uses 0.4. What a
             pass costs and how it counts against `max_steps`: README, section "The Lopti schedule".
         lopti_quantile (`float` or `None`, *optional*, defaults to `None`):
-            The other split rule of the paper's authors (their `seperate_portion`): eta of each generation batch is
-            the quantile at level q of pi_old over all completion tokens of the whole batch (every process; linear
-            interpolation, as `torch.quantile`), so a share q of the tokens is low however the policy's confidence
-            drifts. Must lie in (0, 1). It replaces the fixed eta: `lopti_threshold` is then set to `None`, and a
-            `lopti_threshold` other than its default alongside it is an error. It costs one no-grad forward per
-            generation batch for pi_old, before the first pass, where TRL does not compute pi_old itself.
+            The authors' other split rule (`seperate_portion`): eta of each generation batch is the quantile at level q
+            in (0, 1) of pi_old over all its completion tokens (every process; linear interpolation), so a share q of
+            the tokens is low however the policy's confidence drifts. It replaces the fixed eta (`lopti_threshold`
+            becomes `None`; another value than its default beside it is an error) and costs one no-grad forward per
+            generation batch where TRL computes no pi_old itself.
         lopti_order (`str`, *optional*, defaults to `"low_first"`):
             Which token group is updated first: `"low_first"` (the method) or `"high_first"` (the paper's ablation,
             which collapses training; offered for reproducing it).
@@ -54,10 +53,9 @@ class LoptiGRPOConfig(GRPOConfig):
         > Parameters that control the advantage estimator
 
         advantage_estimator (`str`, *optional*, defaults to `"grpo"`):
-            `"grpo"`: TRL's group-relative advantages (every GRPO option applies). `"reinforce_plus_plus"`: the
-            paper's REINFORCE++ (outcome reward, gamma 1): each completion's reward, whitened over all completion
-            tokens of the whole generation batch on every process (token-weighted mean, unbiased variance), with no
-            per-prompt baseline; `scale_rewards` is then not used. AR and Lopti apply on top of either.
+            `"grpo"`: TRL's group-relative advantages. `"reinforce_plus_plus"`: the paper's REINFORCE++ (outcome
+            reward, gamma 1): each reward whitened over all completion tokens of the generation batch on every process,
+            no per-prompt baseline (`scale_rewards` unused). AR and Lopti apply on top of either.
     """
 
     advantage_reweighting_alpha: float = field(
@@ -119,11 +117,12 @@ class LoptiGRPOConfig(GRPOConfig):
                 f"advantage_estimator must be one of {list(ADVANTAGE_ESTIMATORS)}, got {self.advantage_estimator!r}"
             )
         super().__post_init__()
-        if self.advantage_estimator == "reinforce_plus_plus" and self.multi_objective_aggregation != "sum_then_normalize":
+        aggregation = self.multi_objective_aggregation
+        if self.advantage_estimator == "reinforce_plus_plus" and aggregation != "sum_then_normalize":
             raise ValueError(
                 "advantage_estimator='reinforce_plus_plus' whitens the weighted sum of the rewards, so "
                 "multi_objective_aggregation must be 'sum_then_normalize' (its normalisation is then not used), got "
-                f"{self.multi_objective_aggregation!r}"
+                f"{aggregation!r}"
             )
         if self.lopti_enabled and not lopti_pass_ends_on_optimizer_step(self):
             raise ValueError(lopti_schedule_error(self))
@@ -135,7 +134,7 @@ class LoptiGRPOConfig(GRPOConfig):
 
     @property
     def lopti_pass_order(self) -> tuple[str | None, ...]:
-        """The token group active in each pass over a generation batch: `("low", "high")`, or `(None,)` without Lopti."""
+        """The token group active in each pass over a generation batch: `("low", "high")`; `(None,)` without Lopti."""
         return LOPTI_PASS_ORDERS[self.lopti_order] if self.lopti_enabled else (None,)
 
     @property
@@ -152,7 +151,7 @@ class LoptiGRPOConfig(GRPOConfig):
 _DEFAULT_THRESHOLD = 0.5  # lopti_threshold's default, which a quantile replaces without an error
 
 LOPTI_FIELD_NAMES: tuple[str, ...] = tuple(
-    f.name for f in dataclasses.fields(LoptiGRPOConfig) if f.name not in {g.name for g in dataclasses.fields(GRPOConfig)}
+    f.name for f in dataclasses.fields(LoptiGRPOConfig) if f.name not in GRPOConfig.__dataclass_fields__
 )
 """The fields `LoptiGRPOConfig` adds to TRL's `GRPOConfig` (AR, Lopti, the advantage estimator)."""
 
@@ -162,39 +161,20 @@ def lopti_pass_ends_on_optimizer_step(config: GRPOConfig) -> bool:
     return (config.steps_per_generation * config.num_iterations) % config.gradient_accumulation_steps == 0
 
 
-def lopti_schedule_error(config: GRPOConfig, upgraded_from_grpo_config: bool = False) -> str:
-    """
-    The message for a schedule in which a Lopti pass would not end on an optimizer step.
-
-    Args:
-        config (`GRPOConfig`):
-            The configuration (its `steps_per_generation` already resolved by `GRPOConfig.__post_init__`).
-        upgraded_from_grpo_config (`bool`, *optional*, defaults to `False`):
-            Whether the user passed a plain `GRPOConfig` (so never set a Lopti field).
-
-    Returns:
-        `str`: What is wrong, in the fields the user has, and how to fix it.
-    """
-    steps, iterations, accumulation = (
-        config.steps_per_generation, config.num_iterations, config.gradient_accumulation_steps
-    )
+def lopti_schedule_error(config: GRPOConfig) -> str:
+    """The message for a schedule in which a Lopti pass would not end on an optimizer step, with a fix that works."""
+    steps, iterations = config.steps_per_generation, config.num_iterations
+    accumulation = config.gradient_accumulation_steps
     fitting = accumulation // math.gcd(accumulation, iterations)
     suggestion = steps + (-steps) % fitting  # the next steps_per_generation that fits
     global_batch = config.generation_batch_size // steps
-    message = (
+    return (
         f"Lopti trains each generation batch in two passes, and each pass must end on an optimizer step: "
         f"steps_per_generation * num_iterations ({steps} * {iterations} = {steps * iterations}) must be a multiple of "
         f"gradient_accumulation_steps ({accumulation}). Set steps_per_generation={suggestion} (or "
         f"generation_batch_size={suggestion * global_batch}, {global_batch} completions per micro-step over all "
-        "processes)"
+        "processes), or set lopti_threshold=None and lopti_quantile=None to train without Lopti."
     )
-    if upgraded_from_grpo_config:
-        return (
-            "LoptiGRPOTrainer got a plain GRPOConfig and turns on the paper's Lopti (lopti_threshold=0.5) for it. "
-            + message
-            + ", or pass trl_lopti.LoptiGRPOConfig(..., lopti_threshold=None) to train without Lopti."
-        )
-    return message + ", or set lopti_threshold=None and lopti_quantile=None to train without Lopti."
 
 
 def _number_in(name: str, value, closed: bool, disabled_by: str) -> float:

@@ -1,30 +1,19 @@
 """The algorithm: Advantage Reweighting (AR) and Low-Probability Token Isolation (Lopti) as small pure tensor functions.
 
-Everything in this file is exactly what arXiv 2505.12929 computes, written so that each piece can be tested on its
-own. The trainer (`trl_lopti/trainer.py`) only wires these functions into TRL's `GRPOTrainer`.
+Exactly what arXiv 2505.12929 computes, each piece testable on its own; `trl_lopti/trainer.py` wires them into TRL.
+Shapes: `B` completions, `T` completion tokens (padded). `old_per_token_logps` (B, T): log pi_old of each sampled token
+under the policy that produced the batch, at the loss's temperature (a constant: no gradient flows through it).
+`completion_mask` (B, T): 1 for a completion token the loss counts, 0 for padding (and masked tool output).
 
-Notation (shapes): `B` completions in a micro-batch, `T` completion tokens (padded).
-
-- `old_per_token_logps` (B, T): log pi_old of each sampled token, under the policy that produced the batch, with the
-  same temperature scaling the loss uses. Constants: no gradient flows through anything derived from them.
-- `completion_mask` (B, T): 1 for a real completion token, 0 for padding (and for tool-output tokens where TRL masks
-  them).
-
-Advantage Reweighting:
-
-    A'(i, t) = (alpha * pi_old(i, t) + (1 - alpha)) * A(i)
-
-Lopti: split the completion tokens once by `pi_old < eta` into "low" and "high" and run the update twice, once with
-only the low tokens active, once with only the high tokens active. In a pass, gradient flows only through the
-log-probabilities and entropies of the active tokens, while every value in the loss (ratios, clipping, KL, entropy
-bonus, normaliser) stays what plain GRPO computes. For token-level losses this is exactly the paper's "zero advantage,
-KL and entropy for inactive tokens"; for losses that couple the tokens of a sequence (sequence-level importance
-sampling, LUSPO, VESPO) it is the only form that isolates. By the chain rule, at equal parameters
-`grad(low pass) + grad(high pass) == grad(plain GRPO)` for every loss.
-
-REINFORCE++ (outcome reward, gamma 1, KL as a loss term): every token of completion i has the return R(i), whitened
-over all completion tokens of the whole generation batch: `A(i) = (R(i) - m) / sqrt(v + 1e-8)` with the token-weighted
-mean m and the unbiased token-weighted variance v.
+- AR: `A'(i, t) = (alpha * pi_old(i, t) + (1 - alpha)) * A(i)`.
+- Lopti: split the completion tokens once by `pi_old < eta` into "low" and "high" and run the update twice, once per
+  group. In a pass, gradient flows only through the active tokens' log-probabilities and entropies, while every value
+  of the loss (ratios, clipping, KL, entropy bonus, normaliser) stays plain GRPO's: for token-level losses the paper's
+  "zero advantage, KL and entropy for inactive tokens", for losses that couple a sequence's tokens (sequence-level
+  ratios, LUSPO, VESPO) the only form that isolates. By the chain rule, at equal parameters
+  `grad(low pass) + grad(high pass) == grad(plain GRPO)` for every loss.
+- REINFORCE++ (outcome reward, gamma 1): `A(i) = (R(i) - m) / sqrt(v + 1e-8)`, with m and v the token-weighted mean
+  and unbiased variance of the returns over all completion tokens of the generation batch.
 """
 
 from __future__ import annotations
@@ -62,18 +51,7 @@ def advantage_reweighting_weights(old_per_token_logps: torch.Tensor, alpha: floa
 
 
 def token_level_advantages(advantages: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """
-    Broadcasts sequence-level advantages (B,) to token level (B, T); token-level advantages pass through.
-
-    Args:
-        advantages (`torch.Tensor`):
-            Advantages of shape (B,) or (B, T).
-        num_tokens (`int`):
-            T, the number of completion positions.
-
-    Returns:
-        `torch.Tensor`: Advantages of shape (B, T).
-    """
+    """Advantages (B,) broadcast to token level (B, `num_tokens`); token-level advantages (B, T) pass through."""
     if advantages.dim() == 1:
         return advantages.unsqueeze(1).expand(-1, num_tokens)
     if advantages.dim() == 2 and advantages.size(1) == num_tokens:
@@ -84,20 +62,8 @@ def token_level_advantages(advantages: torch.Tensor, num_tokens: int) -> torch.T
 def reweight_advantages(
     advantages: torch.Tensor, old_per_token_logps: torch.Tensor, alpha: float
 ) -> torch.Tensor:
-    """
-    Advantage Reweighting: `A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i)`.
-
-    Args:
-        advantages (`torch.Tensor`):
-            Advantages of shape (B,) or (B, T).
-        old_per_token_logps (`torch.Tensor`):
-            Behaviour-policy log-probabilities, shape (B, T).
-        alpha (`float`):
-            Reweighting strength in [0, 1].
-
-    Returns:
-        `torch.Tensor`: Token-level advantages of shape (B, T).
-    """
+    """Advantage Reweighting: the token-level (B, T) `A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i)` of
+    advantages (B,) or (B, T), for behaviour-policy log-probabilities (B, T) and alpha in [0, 1]."""
     weights = advantage_reweighting_weights(old_per_token_logps, alpha)
     return token_level_advantages(advantages, old_per_token_logps.size(1)) * weights
 
@@ -163,20 +129,8 @@ def lopti_batch_threshold(old_per_token_logps: torch.Tensor, completion_mask: to
 
 
 def token_group_mask(low_mask: torch.Tensor, completion_mask: torch.Tensor, token_group: str) -> torch.Tensor:
-    """
-    The tokens of one Lopti group, from a split already computed by [`low_probability_token_mask`].
-
-    Args:
-        low_mask (`torch.Tensor`):
-            Boolean mask of the low-probability completion tokens, shape (B, T).
-        completion_mask (`torch.Tensor`):
-            Completion-token mask, shape (B, T).
-        token_group (`str`):
-            `"low"` or `"high"` (the other completion tokens).
-
-    Returns:
-        `torch.Tensor`: Boolean mask (B, T).
-    """
+    """The tokens (B, T) of the Lopti group `"low"` (`low_mask`, from [`low_probability_token_mask`]) or `"high"` (the
+    other completion tokens of `completion_mask`)."""
     if token_group == "low":
         return low_mask
     if token_group == "high":
@@ -193,13 +147,8 @@ def isolate_token_gradients(values: torch.Tensor, active_mask: torch.Tensor) -> 
     while the gradient of the loss w.r.t. each inactive token's log-probability and entropy is exactly zero.
 
     Args:
-        values (`torch.Tensor`):
-            Per-token values (log-probabilities or entropies), shape (B, T).
-        active_mask (`torch.Tensor`):
-            Boolean mask of the active tokens, shape (B, T).
-
-    Returns:
-        `torch.Tensor`: Same values; gradient only through active tokens.
+        values (`torch.Tensor`): per-token values (log-probabilities or entropies), (B, T).
+        active_mask (`torch.Tensor`): boolean mask of the active tokens, (B, T).
     """
     return torch.where(active_mask, values, values.detach())
 

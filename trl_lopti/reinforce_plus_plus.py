@@ -1,9 +1,8 @@
 """REINFORCE++, the paper's second base algorithm, as one advantage estimator beside TRL's group-relative one.
 
-`ReinforcePlusPlusMixin` is a base class of `LoptiGRPOTrainer`; it acts only with
-`advantage_estimator="reinforce_plus_plus"` and replaces the advantages of each generation batch by
-`core_algos.reinforce_plus_plus_advantages` of its rewards, before AR and Lopti read them. Delete this file, its base
-class and the config value, and nothing else changes.
+`ReinforcePlusPlusMixin`, a base class of `LoptiGRPOTrainer`, acts only with `advantage_estimator=
+"reinforce_plus_plus"`: it replaces each generation batch's advantages by `core_algos.reinforce_plus_plus_advantages`
+of its rewards, before AR and Lopti read them. Deleting it (and the config value) changes nothing else.
 
 The TRL facts it relies on (pinned by `tests/test_trl_contract.py`):
 
@@ -23,7 +22,6 @@ from .core_algos import reinforce_plus_plus_advantages
 
 class ReinforcePlusPlusMixin:
     """`GRPOTrainer` mixin: REINFORCE++ advantages in place of GRPO's when `args.advantage_estimator` says so."""
-
     _rewards_of_scored_batch: torch.Tensor | None = None
     """Rewards of the generation batch being scored (every process, one column per reward function): fact 1."""
 
@@ -49,8 +47,7 @@ class ReinforcePlusPlusMixin:
         lengths = self.accelerator.gather(mask.sum(dim=1))  # process order, as the rewards
         advantages = reinforce_plus_plus_advantages(rewards, lengths)
         logged = self._logs["advantages"]  # fact 2: the completions table shows the advantages trained on
-        del_count = min(len(advantages), len(logged))
-        for _ in range(del_count):
+        for _ in range(min(len(advantages), len(logged))):
             logged.pop()
         logged.extend(advantages.tolist())
         local = len(output["completion_mask"])

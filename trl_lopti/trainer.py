@@ -1,25 +1,22 @@
 """`LoptiGRPOTrainer`: TRL's `GRPOTrainer` with Advantage Reweighting and Low-Probability Token Isolation.
 
-The math is in `trl_lopti/core_algos.py`; this file is plumbing. TRL still computes every loss, KL, clipping,
-importance-sampling and normalisation term itself; this trainer changes, per token, the advantage TRL's loss reads
-(AR) and through which tokens' log-probabilities and entropies gradient flows in which pass (Lopti).
+The math is in `trl_lopti/core_algos.py`; this file is plumbing. TRL computes every loss, KL, clipping,
+importance-sampling and normalisation term itself; the trainer changes, per token, the advantage TRL's loss reads (AR)
+and through which tokens' log-probabilities and entropies gradient flows in which pass (Lopti).
 
-How it fits TRL's schedule: each generation batch is trained once per pass (README, "The Lopti schedule"): the
-first pass is TRL's own schedule, a later pass replays the micro-batches TRL buffered, so every optimizer step is an
-ordinary Trainer step (gradient synchronisation, clipping, scheduler, DeepSpeed and FSDP untouched). Each micro-batch
-is split once, at its first loss forward, and keeps its split in its own dict (keys `lopti_low_mask`, with AR the
-token-level `advantages`, with Lopti `old_per_token_logps`): pi_old is TRL's when TRL computed it at generation,
-otherwise the detached output of that forward (on-policy, so no extra forward). The quantile rule needs pi_old of the
-whole batch before the first pass: its eta is computed at generation (`lopti_threshold` key), from TRL's pi_old or
-from one no-grad forward of TRL's log-prob method.
+Each generation batch is trained once per pass (README, "The Lopti schedule"): the first pass is TRL's own schedule,
+a later pass replays the micro-batches TRL buffered, so every optimizer step is an ordinary Trainer step. Each
+micro-batch is split once, at its first loss forward, into its own dict (`lopti_low_mask`; with AR its `advantages`
+become token-level; with Lopti it keeps `old_per_token_logps`): pi_old is TRL's where TRL computed it at generation,
+otherwise that forward's detached output (on-policy: no extra forward). The quantile rule needs the whole batch's
+pi_old first: its eta is computed at generation (`lopti_threshold`), from TRL's pi_old or one no-grad forward.
 
 The TRL facts it relies on, each pinned by `tests/test_trl_contract.py`:
 
 1. Schedule. `_prepare_inputs` generates when `self._step % (steps_per_generation * num_iterations) == 0`, buffers
-   the generation batch split into micro-batches in `self._buffered_inputs` (0-dim tensors copied into each) and
-   serves slice `self._step % steps_per_generation`; `training_step` then increments `self._step`. The train
-   dataloader repeats each generation batch `self.num_iterations * steps_per_generation` times, reading
-   `self.num_iterations` while it is built.
+   the batch split into micro-batches in `self._buffered_inputs` (0-dim tensors copied into each) and serves slice
+   `self._step % steps_per_generation`; `training_step` then increments `self._step`. The train dataloader repeats each
+   generation batch `self.num_iterations * steps_per_generation` times, reading `self.num_iterations` as it is built.
 2. Loss. `_compute_loss(model, inputs)` calls `self._get_per_token_logps_and_entropies` once for the policy, and only
    then reads `inputs["advantages"]` (token-level (B, T) accepted) and `inputs.get("old_per_token_logps")` (absent:
    the forward's own detached output).
@@ -44,7 +41,7 @@ import torch
 from . import _compat  # noqa: F401, I001  (checks the TRL version before TRL is imported)
 from trl import GRPOConfig, GRPOTrainer
 
-from .config import LoptiGRPOConfig, lopti_pass_ends_on_optimizer_step, lopti_schedule_error
+from .config import LoptiGRPOConfig
 from .core_algos import (
     advantage_reweighting_weights,
     isolate_token_gradients,
@@ -79,14 +76,10 @@ class LossCall:
     What one `compute_loss` call shares with the policy forward TRL runs inside it (fact 2).
 
     Args:
-        batch (`dict[str, Any]`):
-            The micro-batch: TRL's own dict, which `_compute_loss` reads after the forward.
-        token_group (`str` or `None`):
-            The tokens that carry gradient in this pass (`"low"` or `"high"`); `None`: every token.
-        trains_aux_loss (`bool`):
-            Whether the router's auxiliary loss (MoE) keeps its gradient: in the first pass only.
-        policy_forwards (`int`):
-            How many policy forwards TRL ran in this call so far (exactly one is expected).
+        batch (`dict`): the micro-batch, TRL's own dict, which `_compute_loss` reads after the forward.
+        token_group (`str` or `None`): the tokens that carry gradient in this pass (`"low"`, `"high"`; `None`: all).
+        trains_aux_loss (`bool`): whether a MoE router's auxiliary loss keeps its gradient (the first pass only).
+        policy_forwards (`int`): the policy forwards TRL ran in this call so far (exactly one is expected).
     """
 
     batch: dict[str, Any]
@@ -97,20 +90,15 @@ class LossCall:
 
 def as_lopti_config(args: GRPOConfig | None, model: Any) -> LoptiGRPOConfig:
     """
-    Returns a `LoptiGRPOConfig` for `args`.
-
-    A `LoptiGRPOConfig` passes through. A plain `GRPOConfig` (a user who only swapped the trainer class) becomes a
-    `LoptiGRPOConfig` with the same values and the paper's defaults for the new fields, with a warning that says so.
-    `None` gives the defaults, with TRL's naming of the output folder.
+    Returns the `LoptiGRPOConfig` to train with: `args` itself; for a plain `GRPOConfig` (a user who only swapped the
+    trainer class) the same values with the paper's defaults for the new fields, with a warning; for `None` the
+    defaults, with TRL's naming of the output folder.
 
     Args:
         args (`GRPOConfig` or `None`):
             The configuration given to the trainer.
         model (`str` or `PreTrainedModel`):
             The model given to the trainer (names the default output folder).
-
-    Returns:
-        `LoptiGRPOConfig`: The configuration to train with.
     """
     if isinstance(args, LoptiGRPOConfig):
         return args
@@ -119,16 +107,17 @@ def as_lopti_config(args: GRPOConfig | None, model: Any) -> LoptiGRPOConfig:
         return LoptiGRPOConfig(output_dir=f"{str(model_name).split('/')[-1]}-Lopti-GRPO")
     if not isinstance(args, GRPOConfig):
         raise TypeError(f"args must be a LoptiGRPOConfig or a GRPOConfig, got {type(args).__name__}")
-    if not lopti_pass_ends_on_optimizer_step(args):
-        raise ValueError(lopti_schedule_error(args, upgraded_from_grpo_config=True))
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig) if f.init}
-    # GRPOConfig.__post_init__ filled in generation_batch_size from steps_per_generation; both set is an error.
-    values["generation_batch_size"] = None
-    defaults = LoptiGRPOConfig
+    values["generation_batch_size"] = None  # GRPOConfig derived it from steps_per_generation; both set is an error
+    upgrade = "LoptiGRPOTrainer got a plain GRPOConfig and turns on the paper's defaults for it"
+    try:
+        config = LoptiGRPOConfig(**values)
+    except ValueError as error:
+        raise ValueError(f"{upgrade}: {error} (with a plain GRPOConfig: pass "
+                         "trl_lopti.LoptiGRPOConfig(..., lopti_threshold=None) to train without Lopti)") from None
     warnings.warn(
-        "LoptiGRPOTrainer got a plain GRPOConfig and turns on the paper's defaults: Advantage Reweighting "
-        f"(advantage_reweighting_alpha={defaults.advantage_reweighting_alpha}) and Lopti "
-        f"(lopti_threshold={defaults.lopti_threshold}, lopti_order={defaults.lopti_order!r}). Lopti trains each "
+        f"{upgrade}: Advantage Reweighting (advantage_reweighting_alpha={config.advantage_reweighting_alpha}) and "
+        f"Lopti (lopti_threshold={config.lopti_threshold}, lopti_order={config.lopti_order!r}). Lopti trains each "
         "generation batch twice, so it makes two optimizer steps where GRPO makes one: max_steps, the learning-rate "
         "schedule, save_steps and logging_steps now count twice per generation batch, and max_steps buys half the "
         "rollouts. Pass a trl_lopti.LoptiGRPOConfig to choose these values (lopti_threshold=None and "
@@ -136,7 +125,7 @@ def as_lopti_config(args: GRPOConfig | None, model: Any) -> LoptiGRPOConfig:
         UserWarning,
         stacklevel=3,
     )
-    return LoptiGRPOConfig(**values)
+    return config
 
 
 class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
@@ -146,26 +135,21 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
     Same constructor and arguments as `GRPOTrainer`. `args` should be a [`LoptiGRPOConfig`]; a plain `GRPOConfig`
     is upgraded with the paper's defaults (`advantage_reweighting_alpha=0.3`, `lopti_threshold=0.5`), with a warning.
 
-    - AR replaces each completion's advantage `A(i)` by the token-level `(alpha * pi_old(i, t) + 1 - alpha) * A(i)`.
-      The KL penalty is not reweighted.
-    - Lopti splits the completion tokens of each generation batch once by `pi_old < eta` (eta: `lopti_threshold`, or
-      the `lopti_quantile` quantile of the whole batch's `pi_old`) and trains the batch once per token group: first
-      only the low tokens carry gradient, then only the high ones, from the parameters the first pass produced and
-      with importance ratios against the same `pi_old`. In a pass every value of the loss is what plain GRPO
-      computes; only the gradient through the inactive tokens' log-probabilities and entropies is cut, which isolates
-      the groups for every loss type and importance-sampling level. A pass without an active token is an ordinary
-      optimizer step with a zero gradient, as in the authors' runs. The router's auxiliary loss (MoE models), not a
-      per-token term, gets its gradient in the first pass only.
-    - `advantage_estimator="reinforce_plus_plus"` replaces TRL's group-relative advantages by REINFORCE++'s
-      ([`~trl_lopti.reinforce_plus_plus.ReinforcePlusPlusMixin`]).
-    - A checkpoint taken inside a generation batch's schedule (between the passes) keeps that batch, and resuming from
-      it continues the schedule where it stopped.
+    - AR: each completion's advantage `A(i)` becomes `(alpha * pi_old(i, t) + 1 - alpha) * A(i)`; the KL is not
+      reweighted.
+    - Lopti: the completion tokens of each generation batch are split once by `pi_old < eta` (`lopti_threshold`, or
+      the `lopti_quantile` quantile of the batch's pi_old), and the batch is trained once per group, low tokens first,
+      the second pass from the first's parameters and against the same pi_old. In a pass every value of the loss is
+      plain GRPO's; only gradient through inactive tokens' log-probabilities and entropies is cut, which isolates the
+      groups for every loss type. An empty pass is an ordinary optimizer step with zero gradient (as the authors
+      run it); a MoE router's auxiliary loss is trained in the first pass only.
+    - `advantage_estimator="reinforce_plus_plus"`: REINFORCE++ advantages ([`~trl_lopti.reinforce_plus_plus`]).
+    - A checkpoint taken between the passes keeps its generation batch; resuming continues the schedule there.
 
-    Logged metrics (prefix `lopti/`), once per generation batch: `lopti/low_token_share` (share of the batch's
-    completion tokens with `pi_old < eta`; eta = 0.5 when Lopti is off), `lopti/ar_weight_mean` (mean AR weight over
-    them, with AR on), `lopti/threshold` (the batch's eta, with Lopti on); once per pass: `lopti/loss_low_pass`,
-    `lopti/loss_high_pass` (TRL's loss, whose value is the plain GRPO loss at the parameters of that pass).
-    Completions (`log_completions`) are logged once per generation batch.
+    Metrics, once per generation batch: `lopti/low_token_share` (share of its tokens with `pi_old < eta`; eta 0.5
+    without Lopti), `lopti/ar_weight_mean` (with AR), `lopti/threshold` (with Lopti); once per pass:
+    `lopti/loss_low_pass`, `lopti/loss_high_pass` (TRL's loss at that pass's parameters). Completions
+    (`log_completions`) are logged once per generation batch.
     """
 
     _tag_names = ["trl", "grpo", "lopti"]
@@ -192,7 +176,7 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
 
     @property
     def lopti_cycle_micro_steps(self) -> int:
-        """Micro-steps trained on one generation batch: one pass per token group."""
+        """Micro-steps trained on one generation batch (one pass per token group)."""
         return self.args.lopti_num_passes * self.lopti_pass_micro_steps
 
     def lopti_pass_index(self) -> int:
@@ -280,22 +264,17 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
             old_per_token_logps = forward_logps
             if self.args.lopti_enabled:  # a later pass's ratio is against it
                 batch["old_per_token_logps"] = old_per_token_logps
-        if THRESHOLD_KEY in batch:
-            eta = float(batch[THRESHOLD_KEY])
-        elif self.args.lopti_quantile is not None:
+        if self.args.lopti_quantile is not None and THRESHOLD_KEY not in batch:
             raise RuntimeError("lopti_quantile: this batch has no eta from its generation; please report this bug")
-        else:
-            eta = self.args.lopti_threshold or UNSPLIT_REPORTING_THRESHOLD
+        eta = float(batch[THRESHOLD_KEY]) if THRESHOLD_KEY in batch else self.args.lopti_threshold
+        eta = UNSPLIT_REPORTING_THRESHOLD if eta is None else eta
         mask = _loss_mask(batch)
-        batch[LOW_MASK_KEY] = low_probability_token_mask(old_per_token_logps, mask, eta)
-        mask = mask.float()
-        weight_sum = mask.new_zeros(())
-        if self.args.advantage_reweighting_enabled:  # A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i)
-            alpha = self.args.advantage_reweighting_alpha
-            weight_sum = (advantage_reweighting_weights(old_per_token_logps, alpha).float() * mask).sum()
+        low_mask = batch[LOW_MASK_KEY] = low_probability_token_mask(old_per_token_logps, mask, eta)
+        alpha, mask = self.args.advantage_reweighting_alpha, mask.float()
+        if alpha != 0.0:  # A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i)
             batch["advantages"] = reweight_advantages(batch["advantages"], old_per_token_logps, alpha)
-        totals = torch.stack([(batch[LOW_MASK_KEY].float() * mask).sum(), weight_sum, mask.sum()])
-        self._log_split(totals, eta)
+        weight_sum = (advantage_reweighting_weights(old_per_token_logps, alpha).float() * mask).sum()
+        self._log_split(torch.stack([(low_mask.float() * mask).sum(), weight_sum, mask.sum()]), eta)
 
     # ------------------------------------------------------------------------------------------------ metrics
     def _log_split(self, micro_batch_totals: torch.Tensor, eta: float) -> None:
@@ -340,7 +319,8 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
             # inside a generation batch's schedule: keep the batch (and its split) for the rest of it (fact 4)
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
             os.makedirs(folder, exist_ok=True)
-            torch.save(self._buffered_inputs, os.path.join(folder, GENERATION_BATCH_FILE.format(self.accelerator.process_index)))
+            path = os.path.join(folder, GENERATION_BATCH_FILE.format(self.accelerator.process_index))
+            torch.save(self._buffered_inputs, path)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -351,16 +331,8 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
 
 
 def describe_method(config: LoptiGRPOConfig) -> str:
-    """
-    The method a configuration trains with, in words (the model card's "trained with").
-
-    Args:
-        config (`LoptiGRPOConfig`):
-            The configuration.
-
-    Returns:
-        `str`: For example `"GRPO with Advantage Reweighting (alpha=0.3) and Lopti (eta=0.5, low tokens first)"`.
-    """
+    """The method of a configuration in words, the model card's "trained with", e.g. `"GRPO with Advantage
+    Reweighting (alpha=0.3) and Low-Probability Token Isolation (Lopti, eta=0.5, low tokens first)"`."""
     base = {"grpo": "GRPO", "reinforce_plus_plus": "REINFORCE++"}[config.advantage_estimator]
     parts = []
     if config.advantage_reweighting_enabled:
