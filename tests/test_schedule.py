@@ -208,19 +208,36 @@ def test_one_lopti_cycle_in_float32_with_trls_own_log_prob_head(tiny_model_path,
 
 
 class PolicyPassCounter:
-    """Counts training forwards (TRL's fused-LM-head calls), split by grad mode, and backward passes."""
+    """
+    Counts the policy's forwards outside generation, split by grad mode, and its backward passes.
+
+    A forward pre-hook counts every forward of the model; those inside `model.generate` (decoding) are left out, so
+    the count does not depend on the arguments TRL passes to its log-prob forward in a given release.
+    """
 
     def __init__(self, model):
         self.forwards_with_grad = self.forwards_without_grad = self.backwards = 0
-        model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        self._generating = 0
+        generate = model.generate
+
+        def counted_generate(*args, **kwargs):
+            self._generating += 1
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                self._generating -= 1
+
+        model.generate = counted_generate
+        model.register_forward_pre_hook(self._on_forward)
         model.get_input_embeddings().register_full_backward_hook(self._on_backward)
 
-    def _on_forward(self, module, args, kwargs):
-        if kwargs.get("fused_lm_head"):
-            if torch.is_grad_enabled():
-                self.forwards_with_grad += 1
-            else:
-                self.forwards_without_grad += 1
+    def _on_forward(self, module, args):
+        if self._generating:
+            return
+        if torch.is_grad_enabled():
+            self.forwards_with_grad += 1
+        else:
+            self.forwards_without_grad += 1
 
     def _on_backward(self, module, grad_input, grad_output):
         self.backwards += 1

@@ -204,9 +204,54 @@ def test_model_card_reads_the_trainer_name_and_paper(tiny_model_path, tmp_path):
         assert expected in card, expected
 
 
-def test_incompatible_trl_version_fails_with_a_clear_message(monkeypatch):
-    monkeypatch.setattr(compat, "version", lambda name: "1.99.0")
-    with pytest.raises(ImportError, match=r"tested with TRL >=1.16.0,<1.17.0 but TRL 1.99.0 is installed"):
+@pytest.mark.parametrize("release", ["1.10.0", "1.15.0", "1.17.0", "2.0.0"])
+def test_a_trl_outside_the_range_is_refused_at_import_with_the_range_and_what_to_do(monkeypatch, release):
+    monkeypatch.setattr(compat, "version", lambda name: release)
+    monkeypatch.delenv(compat.ALLOW_UNTESTED_TRL, raising=False)
+    with pytest.raises(ImportError, match=rf"supports TRL .*but TRL {release} is installed") as error:
         compat.check_trl_version()
-    monkeypatch.setattr(compat, "version", lambda name: importlib.metadata.version(name))
-    assert compat.check_trl_version() == importlib.metadata.version("trl")
+    message = str(error.value)
+    assert "pip install 'trl" in message and str(compat.SUPPORTED_TRL) in message
+    if release != "1.10.0":  # a release we did not test: how to check it
+        assert "tests/test_trl_contract.py" in message and compat.ALLOW_UNTESTED_TRL in message
+        monkeypatch.setenv(compat.ALLOW_UNTESTED_TRL, "1")
+        with pytest.warns(UserWarning, match="importing anyway"):
+            assert compat.check_trl_version() == release
+
+
+def test_the_installed_trl_is_a_supported_release():
+    installed = importlib.metadata.version("trl")
+    assert compat.check_trl_version() == installed
+    assert installed in compat.SUPPORTED_TRL
+
+
+def test_the_declared_requirement_is_the_supported_range():
+    from pathlib import Path
+
+    setup = (Path(__file__).resolve().parents[1] / "setup.cfg").read_text()
+    assert f"trl{compat.SUPPORTED_TRL}" in setup.replace(" ", "")
+    assert all(release in compat.SUPPORTED_TRL for release in compat.TESTED_TRL_RELEASES)
+
+
+def test_liger_is_refused_at_config_construction_below_the_release_that_routes_it_through_the_log_prob_hook(
+    monkeypatch,
+):
+    monkeypatch.setattr(compat, "TRL_VERSION", "1.13.0")
+    with pytest.raises(ValueError, match=r"use_liger_kernel=True: with TRL 1.13.0.*use_liger_kernel=False.*1.14"):
+        LoptiGRPOConfig(output_dir="unused", use_cpu=True, use_liger_kernel=True)
+    monkeypatch.setattr(compat, "TRL_VERSION", "1.14.2")
+    compat.check_features(LoptiGRPOConfig(output_dir="unused", use_cpu=True))  # and never without Liger
+
+
+def test_a_loss_that_no_longer_runs_the_log_prob_forward_stops_the_trainer(tiny_model_path, tmp_path, monkeypatch):
+    """The runtime check of fact 2: a TRL whose loss bypasses the hook (as Liger below 1.14 does) fails loudly."""
+    config = LoptiGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+                             max_completion_length=COMPLETION_LENGTH, report_to="none", use_cpu=True, bf16=False)
+    trainer = LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=reward, args=config,
+                               train_dataset=Dataset.from_dict({"prompt": ["p"] * 4}))
+    trainer.current_gradient_accumulation_steps = 1
+    batch, _ = fixed_generation_batch(tiny_model_path, 2, seed=0, beta=0.0)
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", lambda self, model, inputs: torch.zeros((), requires_grad=True))
+    trainer.model.train()
+    with pytest.raises(RuntimeError, match="ran 0 policy forwards"):
+        trainer.compute_loss(trainer.model, dict(batch))

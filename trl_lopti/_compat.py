@@ -1,24 +1,55 @@
-"""The TRL versions this package is tested against, checked when the trainer or its config is first imported.
+"""The TRL releases trl_lopti supports, checked when the trainer or its config is first imported.
 
-`trl_lopti.config` and `trl_lopti.trainer` import this module before they import TRL, so that an untested TRL fails
+`trl_lopti.config` and `trl_lopti.trainer` import this module before they import TRL, so that an unsupported TRL fails
 with the message below rather than somewhere inside TRL; `trl_lopti.tasks` does not import TRL at all.
+
+The trainer relies on four GRPOTrainer facts (the docstring of `trl_lopti/trainer.py`), which hold unchanged in every
+supported release: `.ci/run` runs the contract, exactness, schedule and split tests against the newest patch of each.
+TRL 1.15 is left out: its fused log-prob head needs Triton on every device (1.16 made it optional), so no test of
+ours can run it on a CPU, and a release we cannot test is refused. A release above the range is refused too: the
+runtime checks catch a changed loss forward, not a changed schedule, so a new release could train the wrong update.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from importlib.metadata import PackageNotFoundError, version
 
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 
-# The trainer relies on TRL internals (see the module docstring of `trl_lopti.trainer`): widen this range only after
-# `pytest tests/test_trl_contract.py` passes on the new version.
-TESTED_TRL_RANGE = (Version("1.16.0"), Version("1.17.0"))
+SUPPORTED_TRL = SpecifierSet(">=1.11.0,<1.17,!=1.15.*")
+"""The supported TRL releases (as `setup.cfg` declares them)."""
+
+TESTED_TRL_RELEASES = ("1.11.0", "1.12.0", "1.13.0", "1.14.2", "1.16.0")
+"""The newest patch of each supported minor release: what `.ci/run` tests."""
+
+ALLOW_UNTESTED_TRL = "TRL_LOPTI_ALLOW_UNTESTED_TRL"
+"""Set to 1 to import with a TRL outside the range anyway (with a warning), e.g. to run the contract tests on it."""
+
+LIGER_MINIMUM_TRL = Version("1.14.0")
+"""Below it, `use_liger_kernel=True` computes GRPO's loss in `compute_liger_loss`, which AR and Lopti cannot reach."""
+
+_CONTRACT_TESTS = "tests/test_trl_contract.py tests/test_exactness.py tests/test_schedule.py tests/test_lopti_split.py"
+
+
+def unsupported_trl_message(installed: str) -> str:
+    """What a user with TRL `installed` (outside `SUPPORTED_TRL`) is told: the range and what to do."""
+    supported = f"trl_lopti supports TRL {SUPPORTED_TRL} (tested: {', '.join(TESTED_TRL_RELEASES)})"
+    if Version(installed) < Version("1.11.0"):
+        return (f"{supported}, but TRL {installed} is installed: its GRPO losses differ from the ones trl_lopti is "
+                f"exact for. Upgrade: pip install 'trl{SUPPORTED_TRL}'")
+    return (f"{supported}, but TRL {installed} is installed: trl_lopti relies on GRPOTrainer internals (see "
+            f"trl_lopti/trainer.py) that this release was not tested for. Install a supported release (pip install "
+            f"'trl{SUPPORTED_TRL}'), or check this one: in a checkout of trl_lopti run {ALLOW_UNTESTED_TRL}=1 "
+            f"python -m pytest {_CONTRACT_TESTS}; if they pass, {ALLOW_UNTESTED_TRL}=1 lets you train with it")
 
 
 def check_trl_version() -> str:
     """
-    Raises `ImportError` with a clear message when the installed TRL is outside the tested range.
+    Raises `ImportError` with a clear message when the installed TRL is not a supported release.
 
     Returns:
         `str`: The installed TRL version.
@@ -26,15 +57,31 @@ def check_trl_version() -> str:
     try:
         installed = version("trl")
     except PackageNotFoundError as error:
-        raise ImportError("trl_lopti needs TRL: pip install 'trl>=1.16.0,<1.17'") from error
-    low, high = TESTED_TRL_RANGE
-    if not low <= Version(installed) < high:
-        raise ImportError(
-            f"trl_lopti is tested with TRL >={low},<{high} but TRL {installed} is installed; it relies "
-            f"on GRPOTrainer internals that change between versions. Install a tested version: "
-            f"pip install 'trl>={low},<{high}'"
+        raise ImportError(f"trl_lopti needs TRL: pip install 'trl{SUPPORTED_TRL}'") from error
+    if Version(installed) in SUPPORTED_TRL:
+        return installed
+    if os.environ.get(ALLOW_UNTESTED_TRL) == "1":
+        warnings.warn(unsupported_trl_message(installed) + f" ({ALLOW_UNTESTED_TRL}=1: importing anyway)", stacklevel=2)
+        return installed
+    raise ImportError(unsupported_trl_message(installed))
+
+
+def check_features(config) -> None:
+    """
+    Raises `ValueError` at config construction for a TRL option that the installed release runs outside the hooks
+    AR and Lopti act through.
+
+    Args:
+        config (`trl.GRPOConfig`):
+            The configuration being built.
+    """
+    if config.use_liger_kernel and Version(TRL_VERSION) < LIGER_MINIMUM_TRL:
+        raise ValueError(
+            f"use_liger_kernel=True: with TRL {TRL_VERSION}, GRPOTrainer computes the Liger loss in compute_liger_loss, "
+            "which never calls the log-prob forward that Advantage Reweighting and Lopti act through, so they would "
+            f"be silently ignored. Set use_liger_kernel=False, or install TRL >= {LIGER_MINIMUM_TRL} (where the Liger "
+            "loss goes through it)"
         )
-    return installed
 
 
 TRL_VERSION = check_trl_version()

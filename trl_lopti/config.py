@@ -7,7 +7,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-from . import _compat  # noqa: F401, I001  (checks the TRL version before TRL is imported)
+from . import _compat  # noqa: I001  (checks the TRL version before TRL is imported)
 from trl import GRPOConfig
 
 from .core_algos import ADVANTAGE_ESTIMATORS, LOPTI_PASS_ORDERS
@@ -104,7 +104,7 @@ class LoptiGRPOConfig(GRPOConfig):
         if self.lopti_quantile is not None:
             self.lopti_quantile = _number_in("lopti_quantile", self.lopti_quantile, closed=False,
                                              disabled_by="None splits at lopti_threshold")  # fmt: skip
-            if self.lopti_threshold not in (None, _DEFAULT_THRESHOLD):
+            if self.lopti_threshold not in (None, LoptiGRPOConfig.lopti_threshold):  # its default gives way
                 raise ValueError(
                     f"lopti_threshold={self.lopti_threshold:g} and lopti_quantile={self.lopti_quantile:g} are two "
                     "Lopti split rules (a fixed eta, or eta at a quantile of each generation batch): set only one"
@@ -117,6 +117,7 @@ class LoptiGRPOConfig(GRPOConfig):
                 f"advantage_estimator must be one of {list(ADVANTAGE_ESTIMATORS)}, got {self.advantage_estimator!r}"
             )
         super().__post_init__()
+        _compat.check_features(self)  # e.g. Liger below TRL 1.14
         aggregation = self.multi_objective_aggregation
         if self.advantage_estimator == "reinforce_plus_plus" and aggregation != "sum_then_normalize":
             raise ValueError(
@@ -147,8 +148,6 @@ class LoptiGRPOConfig(GRPOConfig):
         """Whether Advantage Reweighting is on."""
         return self.advantage_reweighting_alpha != 0.0
 
-
-_DEFAULT_THRESHOLD = 0.5  # lopti_threshold's default, which a quantile replaces without an error
 
 LOPTI_FIELD_NAMES: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(LoptiGRPOConfig) if f.name not in GRPOConfig.__dataclass_fields__

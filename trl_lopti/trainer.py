@@ -6,10 +6,11 @@ and through which tokens' log-probabilities and entropies gradient flows in whic
 
 Each generation batch is trained once per pass (README, "The Lopti schedule"): the first pass is TRL's own schedule,
 a later pass replays the micro-batches TRL buffered, so every optimizer step is an ordinary Trainer step. Each
-micro-batch is split once, at its first loss forward, into its own dict (`lopti_low_mask`; with AR its `advantages`
-become token-level; with Lopti it keeps `old_per_token_logps`): pi_old is TRL's where TRL computed it at generation,
-otherwise that forward's detached output (on-policy: no extra forward). The quantile rule needs the whole batch's
-pi_old first: its eta is computed at generation (`lopti_threshold`), from TRL's pi_old or one no-grad forward.
+micro-batch is split once, at its first loss forward, into its own dict (`lopti_low_mask`; with AR the token-level
+`lopti_advantages` that TRL's loss reads instead of `advantages`; with Lopti `old_per_token_logps`). pi_old is TRL's
+where TRL computed it at generation, else that forward's detached output (on-policy: no extra forward). The quantile
+rule needs the whole batch's pi_old first: its eta (`lopti_threshold`) comes at generation from TRL's pi_old or one
+no-grad forward.
 
 The TRL facts it relies on, each pinned by `tests/test_trl_contract.py`:
 
@@ -33,7 +34,6 @@ import dataclasses
 import os
 import textwrap
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,6 +54,7 @@ from .reinforce_plus_plus import ReinforcePlusPlusMixin
 
 
 LOW_MASK_KEY = "lopti_low_mask"  # (B, T) bool, in each micro-batch: the split, pi_old < eta
+AR_ADVANTAGES_KEY = "lopti_advantages"  # (B, T), in each micro-batch with AR: the advantages TRL's loss reads
 THRESHOLD_KEY = "lopti_threshold"  # 0-dim, in each micro-batch of a quantile-split batch: its eta
 GENERATION_BATCH_FILE = "lopti_generation_batch_rank{}.pt"  # in a checkpoint taken inside a generation batch
 UNSPLIT_REPORTING_THRESHOLD = 0.5  # the eta of `lopti/low_token_share` when Lopti is off (the paper's)
@@ -70,19 +71,20 @@ LOPTI_PAPER_CITATION = textwrap.dedent("""\
     }""")
 
 
-@dataclass
+@dataclasses.dataclass
 class LossCall:
-    """
-    What one `compute_loss` call shares with the policy forward TRL runs inside it (fact 2).
+    """What one `compute_loss` call shares with the policy forward TRL runs inside it (fact 2).
 
     Args:
-        batch (`dict`): the micro-batch, TRL's own dict, which `_compute_loss` reads after the forward.
+        batch (`dict`): the micro-batch (TRL's buffered dict, which keeps TRL's advantages) and its split.
+        loss_inputs (`dict`): what TRL's `_compute_loss` reads: the micro-batch with AR's advantages in place of TRL's.
         token_group (`str` or `None`): the tokens that carry gradient in this pass (`"low"`, `"high"`; `None`: all).
         trains_aux_loss (`bool`): whether a MoE router's auxiliary loss keeps its gradient (the first pass only).
         policy_forwards (`int`): the policy forwards TRL ran in this call so far (exactly one is expected).
     """
 
     batch: dict[str, Any]
+    loss_inputs: dict[str, Any]
     token_group: str | None
     trains_aux_loss: bool
     policy_forwards: int = 0
@@ -214,26 +216,24 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         extra = {key: batch[key] for key in EXTRA_FORWARD_KEYS if batch.get(key) is not None}
-        training = self.model.training
-        batch_size = self.args.per_device_train_batch_size if training else self.args.per_device_eval_batch_size
-        logps, _, _ = self._get_per_token_logps_and_entropies(
+        args = self.args
+        batch_size = args.per_device_train_batch_size if self.model.training else args.per_device_eval_batch_size
+        return self._get_per_token_logps_and_entropies(
             self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size=batch_size, **extra
-        )
-        return logps
+        )[0]
 
     # ------------------------------------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         training = self.model.training
         pass_index = self.lopti_pass_index() if training else 0
         token_group = self.args.lopti_pass_order[pass_index] if training else None
-        call = LossCall(batch=inputs, token_group=token_group, trains_aux_loss=pass_index == 0)
+        loss_inputs = {**inputs, "advantages": inputs.get(AR_ADVANTAGES_KEY, inputs["advantages"])}
+        call = LossCall(inputs, loss_inputs, token_group, trains_aux_loss=pass_index == 0)
         with _temporarily_set(self, "_loss_call", call):
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if call.policy_forwards != 1:
-            raise RuntimeError(
-                f"GRPOTrainer._compute_loss ran {call.policy_forwards} policy forwards through "
-                "_get_per_token_logps_and_entropies instead of one: this TRL version is not supported by trl_lopti"
-            )
+            loss = super().compute_loss(model, loss_inputs, return_outputs, num_items_in_batch)
+        if call.policy_forwards != 1:  # fact 2, checked at every step
+            raise RuntimeError(f"GRPOTrainer._compute_loss ran {call.policy_forwards} policy forwards through "
+                               "_get_per_token_logps_and_entropies, not one: trl_lopti does not support this TRL")
         if token_group is not None:
             self._log_pass_loss(token_group, loss.detach())
         return loss
@@ -246,8 +246,10 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
         if call is None:  # a forward outside the loss: pi_old or the reference model's log-probs
             return per_token_logps, entropies, aux_loss
         call.policy_forwards += 1
-        if LOW_MASK_KEY not in call.batch:  # the micro-batch's first loss forward: split it (fact 2: read after)
+        if LOW_MASK_KEY not in call.batch:  # the micro-batch's first loss forward: split it
             self._split(call.batch, per_token_logps.detach())
+            if AR_ADVANTAGES_KEY in call.batch:  # fact 2: TRL reads the advantages after this forward
+                call.loss_inputs["advantages"] = call.batch[AR_ADVANTAGES_KEY]
         if call.token_group is not None:  # Lopti: gradient only through the pass's active tokens
             active_mask = token_group_mask(call.batch[LOW_MASK_KEY], _loss_mask(call.batch), call.token_group)
             per_token_logps = isolate_token_gradients(per_token_logps, active_mask)
@@ -272,7 +274,7 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
         low_mask = batch[LOW_MASK_KEY] = low_probability_token_mask(old_per_token_logps, mask, eta)
         alpha, mask = self.args.advantage_reweighting_alpha, mask.float()
         if alpha != 0.0:  # A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i)
-            batch["advantages"] = reweight_advantages(batch["advantages"], old_per_token_logps, alpha)
+            batch[AR_ADVANTAGES_KEY] = reweight_advantages(batch["advantages"], old_per_token_logps, alpha)
         weight_sum = (advantage_reweighting_weights(old_per_token_logps, alpha).float() * mask).sum()
         self._log_split(torch.stack([(low_mask.float() * mask).sum(), weight_sum, mask.sum()]), eta)
 
