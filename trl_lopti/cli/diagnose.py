@@ -167,7 +167,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..diagnostics import (
         advance_policy_on_batch, format_tables, plot_report, run_token_diagnostics, sample_generation_batch,
     )  # fmt: skip
-    from ..diagnostics.measure import json_safe
 
     argv = list(sys.argv[1:] if argv is None else argv)
     diagnose_args, training_args, model_args = parse_args(argv)
@@ -200,7 +199,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    micro_batch_size=diagnose_args.micro_batch_size)  # fmt: skip
     report.update(generation=summary, inner_steps=inner, command="trl-lopti diagnose " + " ".join(argv),
                   args=dataclasses.asdict(diagnose_args))  # fmt: skip
-    report = json_safe(report)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False))
     tables = format_tables(report)

@@ -93,18 +93,16 @@ def trl_forward(
 
 
 @contextlib.contextmanager
-def shadowed(obj: Any, name: str, value: Any) -> Iterator[None]:
-    """Sets the instance attribute `obj.name` to `value` for the block, then restores what the instance had."""
-    missing = object()
-    previous = obj.__dict__.get(name, missing)
-    setattr(obj, name, value)
+def shadowed(obj: Any, **values: Any) -> Iterator[None]:
+    """Sets instance attributes of `obj` for the block (shadowing methods of its class), then restores its own."""
+    saved = {name: obj.__dict__[name] for name in values if name in obj.__dict__}
+    obj.__dict__.update(values)
     try:
         yield
     finally:
-        if previous is missing:
-            delattr(obj, name)
-        else:
-            setattr(obj, name, previous)
+        for name in values:
+            del obj.__dict__[name]
+        obj.__dict__.update(saved)
 
 
 @contextlib.contextmanager
@@ -145,9 +143,10 @@ def trl_loss_gradients(
     def leaf_forward(*args: Any, **kwargs: Any):
         return logps, entropy, aux_loss
 
-    beta = 0.0 if without_kl else trainer.beta
-    with shadowed(trainer, "_get_per_token_logps_and_entropies", leaf_forward), shadowed(trainer, "beta", beta):
-        with metrics_kept(trainer), torch.enable_grad():
+    beta = 0.0 if without_kl else trainer.beta  # TRL's loss at beta 0: the same loss without its KL term
+    # the one patch: TRL's forward returns the leaves, so that autograd differentiates TRL's loss w.r.t. them
+    with shadowed(trainer, _get_per_token_logps_and_entropies=leaf_forward, beta=beta), metrics_kept(trainer):
+        with torch.enable_grad():
             loss = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
     grads = torch.autograd.grad(loss, (logps, entropy), allow_unused=True)
     return tuple(torch.zeros_like(leaf) if grad is None else grad for leaf, grad in zip((logps, entropy), grads))

@@ -134,6 +134,7 @@ def completion_log_probs(
 ) -> torch.Tensor:
     """Log-probabilities under `model` (float64 from its logits over `temperature`, no gradient, 0 on padding) of the
     completion tokens of a TRL batch (`prompt_ids`, `prompt_mask`, `completion_ids`, `completion_mask`)."""
+    inputs = trl_batch([inputs], next(model.parameters()).device)
     return completion_statistics(model, inputs, temperature, micro_batch_size)["logps"]
 
 
@@ -217,16 +218,10 @@ def run_token_diagnostics(
         report["gradients"]["kl_reference"] = kl_reference
         report["time_s"] = {"gradients": time.perf_counter() - started}
         if probe_methods:
-            split = probe_split(trainer, old_logps, mask, probe_methods)
-            if split["eta"] is not None:
-                low = low_probability_token_mask(old_logps, mask, split["eta"])
-                groups.update(low=token_group_mask(low, mask, "low"), high=token_group_mask(low, mask, "high"))
-            report["probe"] = {"optimizer": optimizer, "lr": lr, **split}
-            report["probe"]["low_token_count"] = int(groups["low"].sum()) if "low" in groups else None
-            report["probe"]["methods"] = probe(trainer, model, batch, values, groups, stats, probe_methods,
-                                               split["alpha"], lr, optimizer, micro_batch_size)  # fmt: skip
+            report["probe"] = probe(trainer, model, batch, values, groups, stats, probe_methods, lr, optimizer,
+                                    micro_batch_size)  # fmt: skip
             report["time_s"]["probe"] = time.perf_counter() - started - report["time_s"]["gradients"]
-    return json_safe(report)
+    return report
 
 
 @contextlib.contextmanager
@@ -288,7 +283,8 @@ def quartile_table(
     sigma = float(torch.linalg.matrix_norm(lm_head_weight(model).detach().double(), ord=2))
     table = {
         "num_completions": int(groups["all"].size(0)), "num_tokens": int(groups["all"].sum()),
-        "quartile_edges": edges.tolist(), "loss": {name: getattr(trainer.args, name, None) for name in LOSS_SETTINGS},
+        "quartile_edges": [edge if math.isfinite(edge) else None for edge in edges.tolist()],
+        "loss": {name: getattr(trainer.args, name, None) for name in LOSS_SETTINGS},
         "quartiles": rows, "bound": {"lm_head_spectral_norm": sigma,
                                      "ratio_to_one_minus_p_upper_bound": math.sqrt(2) * sigma / trainer.temperature},
     }  # fmt: skip
@@ -296,20 +292,26 @@ def quartile_table(
         table["full_grad_norm"] = _norm(full)
         table["summed_grad_cosine"] = [[_cosine(a, b) for b in quartile_grads] for a in quartile_grads]
     keys = ("hidden_grad_norm_mean", "unit_hidden_grad_norm_mean", "summed_grad_norm", "abs_w_mean", "abs_w_no_kl_mean")
-    table["lowest_over_highest"] = {key: _ratio(rows[0].get(key), rows[-1].get(key)) for key in keys}
+    ratios = [(rows[0].get(key), rows[-1].get(key)) for key in keys]
+    table["lowest_over_highest"] = {key: low / high if low is not None and high else None
+                                    for key, (low, high) in zip(keys, ratios)}  # fmt: skip
     return table
 
 
 def probe(
     trainer: GRPOTrainer, model: torch.nn.Module, batch: dict[str, Any], values: tuple, groups: dict[str, torch.Tensor],
-    stats: dict[str, torch.Tensor], methods: Sequence[str], alpha: float, lr: float, optimizer: str,
-    micro_batch_size: int,
+    stats: dict[str, torch.Tensor], methods: Sequence[str], lr: float, optimizer: str, micro_batch_size: int,
 ) -> dict[str, Any]:
     """One update of the model per method, the shift of every token's probability, then the parameters restored."""
+    mask, old_logps = groups["all"], batch["old_per_token_logps"]
+    split = probe_split(trainer, old_logps, mask, methods)
+    if split["eta"] is not None:
+        low = low_probability_token_mask(old_logps, mask, split["eta"])
+        groups = dict(groups, low=token_group_mask(low, mask, "low"), high=token_group_mask(low, mask, "high"))
+    variants = {"A": batch, "AR": dict(batch, advantages=reweight_advantages(batch["advantages"], old_logps,
+                                                                             split["alpha"]))}  # fmt: skip
     params = trainable_parameters(model)
     start = [param.detach().clone() for param in params]
-    variants = {"A": batch, "AR": dict(batch, advantages=reweight_advantages(batch["advantages"],
-                                                                             batch["old_per_token_logps"], alpha))}
     results = {}
     try:
         for method in methods:
@@ -325,7 +327,8 @@ def probe(
             logger.info("probe %s done", method)
     finally:
         restore(params, start)
-    return results
+    low_count = int(groups["low"].sum()) if "low" in groups else None
+    return {"optimizer": optimizer, "lr": lr, **split, "low_token_count": low_count, "methods": results}
 
 
 def gradient_step(
@@ -415,10 +418,6 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
     return _dot(a, b) / denominator if denominator > 0 else None
 
 
-def _ratio(numerator: float | None, denominator: float | None) -> float | None:
-    return numerator / denominator if numerator is not None and denominator else None
-
-
 def _stat(values: torch.Tensor, how: str = "mean") -> float | None:
     values = values.double()
     values = values[torch.isfinite(values)]
@@ -426,13 +425,3 @@ def _stat(values: torch.Tensor, how: str = "mean") -> float | None:
         return None
     return float(torch.quantile(values, 0.5) if how == "median" else getattr(values, how)())  # median: mid-point mean
 
-
-def json_safe(value: Any) -> Any:
-    """`value` with tensors as lists and non-finite floats as `None` (JSON refuses NaN)."""
-    if isinstance(value, dict):
-        return {str(key): json_safe(item) for key, item in value.items()}
-    if isinstance(value, torch.Tensor):
-        return json_safe(value.tolist())
-    if isinstance(value, (list, tuple)):
-        return [json_safe(item) for item in value]
-    return None if isinstance(value, float) and not math.isfinite(value) else value
