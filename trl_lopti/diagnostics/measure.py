@@ -200,6 +200,7 @@ def run_token_diagnostics(
         if trainer.beta and "ref_per_token_logps" not in batch:
             raise ValueError("beta > 0: the batch needs ref_per_token_logps (TRL adds them), or pass a ref_model")
         mask, old_logps = loss_mask(batch).bool(), batch["old_per_token_logps"]
+        split = probe_split(trainer, old_logps, mask, probe_methods) if probe_methods else None
         d_logps, d_entropies = trl_loss_gradients(trainer, batch, *values)
         d_no_kl = trl_loss_gradients(trainer, batch, *values, without_kl=True)[0] if trainer.beta else d_logps
         stats = completion_statistics(model, batch, trainer.temperature, micro_batch_size, d_logps, d_entropies)
@@ -218,7 +219,7 @@ def run_token_diagnostics(
         report["gradients"]["kl_reference"] = kl_reference
         report["time_s"] = {"gradients": time.perf_counter() - started}
         if probe_methods:
-            report["probe"] = probe(trainer, model, batch, values, groups, stats, probe_methods, lr, optimizer,
+            report["probe"] = probe(trainer, model, batch, values, groups, stats, split, probe_methods, lr, optimizer,
                                     micro_batch_size)  # fmt: skip
             report["time_s"]["probe"] = time.perf_counter() - started - report["time_s"]["gradients"]
     return report
@@ -300,11 +301,12 @@ def quartile_table(
 
 def probe(
     trainer: GRPOTrainer, model: torch.nn.Module, batch: dict[str, Any], values: tuple, groups: dict[str, torch.Tensor],
-    stats: dict[str, torch.Tensor], methods: Sequence[str], lr: float, optimizer: str, micro_batch_size: int,
+    stats: dict[str, torch.Tensor], split: dict[str, Any], methods: Sequence[str], lr: float, optimizer: str,
+    micro_batch_size: int,
 ) -> dict[str, Any]:
-    """One update of the model per method, the shift of every token's probability, then the parameters restored."""
+    """One update of the model per method (AR's alpha and Lopti's eta from `probe_split`), the shift of every token's
+    probability, then the parameters restored."""
     mask, old_logps = groups["all"], batch["old_per_token_logps"]
-    split = probe_split(trainer, old_logps, mask, methods)
     if split["eta"] is not None:
         low = low_probability_token_mask(old_logps, mask, split["eta"])
         groups = dict(groups, low=token_group_mask(low, mask, "low"), high=token_group_mask(low, mask, "high"))
