@@ -19,8 +19,9 @@ Lopti modify. The probe applies AR and Lopti itself (`trl_lopti.core_algos`).
 What is measured, per quartile of pi_old (the batch's `old_per_token_logps`, else TRL's forward at the current
 parameters, which is what TRL itself uses on-policy): Q1 = `[min, e1)` ... Q4 = `[e3, max]`, edges reported.
 
-- `w_t = -N * d L / d log pi_t` (N: the batch's loss tokens), with and without KL: for `dapo` and `bnpo` exactly each
-  token's weight (`ratio * A * 1[not clipped]` plus the KL part), for the other loss types with their normaliser in.
+- `w_t = -N * d L / d log pi_t` (N: the batch's loss tokens), with and without KL: for `dapo` and `bnpo` (one process)
+  exactly each token's weight (`ratio * A * 1[not clipped]` plus the KL part), for other loss types with their
+  normaliser in.
   "Without KL" is TRL's loss at `beta = 0` on the same batch (beta touches only the KL term, so that is exactly the loss
   without it). Also `|N * d L / d H_t|` (the entropy bonus) and the share of tokens with a non-zero advantage whose
   weight without KL is zero (clipped, or masked).

@@ -112,7 +112,7 @@ def plot_report(report: dict[str, Any], output_dir: str | os.PathLike) -> list[s
     probe = report.get("probe")
     if probe and probe.get("methods"):
         panels = []
-        titles = {"share_in_direction": "share of {} tokens moved their way", "mean_delta_prob": "mean Δπ of {}"}
+        titles = {"share_in_direction": "share of {} tokens moved their way", "mean_delta_prob": "mean Δπ, {} tokens"}
         for key, title in titles.items():
             for sign in SIGNS:
                 series = {method: (positions, [result["groups"][f"q{j}"][sign][key] or 0.0 for j in positions])
