@@ -1,93 +1,84 @@
-"""Token-probability diagnostics: measure whether low-probability tokens dominate a GRPO update in *your* run.
+"""Token-probability diagnostics: do low-probability tokens dominate the update of *your* run, under TRL's own loss?
 
 arXiv 2505.12929 argues from a measurement: group the completion tokens of a batch by the probability of the sampled
-token, and the low-probability groups produce larger gradients (Fig. 1d), move the high-probability tokens more than
-these tokens' own update does (Fig. 1e/f), and AR/Lopti raise the share of tokens whose probability moves in the
-direction of their advantage (Fig. 3). This module measures those quantities, and the ones its reviewers asked for,
-on any causal LM and any batch in the format of TRL's `GRPOTrainer` (`inputs` of `_generate_and_score_completions`).
+token, and the low-probability groups get larger gradients (Fig. 1) while AR and Lopti raise the share of tokens whose
+probability moves in the direction of their advantage (Fig. 3). This package measures those figures, and the ones its
+reviewers asked for, on a batch of a TRL `GRPOTrainer` (or `LoptiGRPOTrainer`), for the loss that trainer trains.
 
-Conventions (all exact, see `grpo_token_weights`):
+The method is TRL's loss, by autograd. TRL's forward (`GRPOTrainer._get_per_token_logps_and_entropies`) gives each
+token's log-probability `log pi_t` and entropy `H_t`; TRL's `GRPOTrainer._compute_loss` is then run on the batch with
+that forward replaced by one returning these values as leaf tensors, and `torch.autograd.grad` gives `d L / d log pi_t`
+and `d L / d H_t` (`trl_loss_gradients`). Every loss type (`grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo`),
+`importance_sampling_level="sequence"`, `delta`, entropy masking, the entropy bonus, the off-policy mask and vLLM
+importance sampling are thus measured as TRL computes them; nothing is refused. The loss is taken in TRL's evaluation
+branch (`trainer.model.eval()`: no dropout, no gradient-accumulation factor, no adaptive-entropy update), over the
+whole batch; whatever TRL logs to `trainer._metrics` meanwhile is discarded. A `LoptiGRPOTrainer` is measured under
+TRL's loss with the batch's own advantages (TRL's group-relative ones, or REINFORCE++'s): the GRPO update that AR and
+Lopti modify. The probe applies AR and Lopti itself (`trl_lopti.core_algos`).
 
-- Per-token loss of TRL's clipped surrogate, token-level ratio `r = pi / pi_old`:
-  `loss_t = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A) + beta * k3_t`, `k3 = pi_ref/pi - log(pi_ref/pi) - 1`
-  (times `r` with `use_bias_correction_kl=True`, TRL's default and ours). The loss of a batch is
-  `sum_t c_t * loss_t`, with `c_t` the normaliser of `loss_type` (`dapo`/`bnpo`: one over the number of completion
-  tokens).
-- The token weight `w_t` is defined by `d loss_t / d log pi_t = -w_t`, so a positive `w` pushes the token's probability
-  up. "Without KL" is `w_pg = r * A * 1[not clipped]`; "with KL" is `w = w_pg + w_kl`, where
-  `w_kl = beta * (pi_ref / pi - 1)` for the plain k3 term and `w_kl = beta * r * (pi_ref / pi - 1 - k3)` with the
-  bias correction. At the behaviour policy `r = 1` and nothing is clipped; at the reference policy `w_kl = 0`.
-- Because `d log pi_t / d logits_t = (e_k - p_t) / temperature`, the gradient of `loss_t` w.r.t. the last hidden
-  state (the input of the LM head, `logits = h @ W.T`) is `-w_t * W.T @ (e_k - p_t) / temperature` at position t and
-  zero at every other position. This module computes its norm in closed form from the logits and `W`, for all tokens
-  at once. Its ratio to `|w| * (1 - pi)` lies in `[0, sqrt(2) * sigma_max(W) / temperature]` because
-  `(1 - pi) <= ||e_k - p|| <= sqrt(2) * (1 - pi)`.
-- Tokens are grouped by `pi_old` (the behaviour-policy probability: `inputs["old_per_token_logps"]` when present,
-  otherwise the model's own probability, which is what TRL uses on-policy) into quartiles over the batch's completion
-  tokens: Q1 = `[min, e1)`, Q2 = `[e1, e2)`, Q3 = `[e2, e3)`, Q4 = `[e3, max]`, with the edges `e1, e2, e3` reported.
-- Summed parameter gradients are those of `sum_{t in quartile} c_t * loss_t`; they add up exactly to the full
-  gradient. They are accumulated into one flat float32 buffer per quartile (memory: 4 x number of trainable
-  parameters x 4 bytes, independent of the number of tokens); per-token parameter gradients are never formed.
+What is measured, per quartile of pi_old (the batch's `old_per_token_logps`, else TRL's forward at the current
+parameters, which is what TRL itself uses on-policy): Q1 = `[min, e1)` ... Q4 = `[e3, max]`, edges reported.
 
-Modules: `measure` (pure per-token and per-quartile figures), `batch` (the batch, its forward passes and the summed
-gradients, with the one settings dataclass `DiagnosticsSettings`), `probe` (the entry points: `measure_token_gradients`
-(quartile table), `probability_shift_probe` (one-update probe), `run_token_diagnostics` (both, sharing the gradient
-computation), `advance_policy_on_batch` (measure at a later inner iteration, where ratios, clipping and the KL part are
-active)), `sampling` (`sample_generation_batch`: a batch generated and scored by the trainer itself), `callback`
-(`TokenDiagnosticsCallback`, during training) and `report` (Markdown tables and plots). The `trl-lopti diagnose`
-command is `trl_lopti.cli.diagnose`.
+- `w_t = -N * d L / d log pi_t` (N: the batch's loss tokens), with and without KL: for `dapo` and `bnpo` (one process)
+  exactly each token's weight (`ratio * A * 1[not clipped]` plus the KL part), for other loss types with their
+  normaliser in.
+  "Without KL" is TRL's loss at `beta = 0` on the same batch (beta touches only the KL term, so that is exactly the loss
+  without it). Also `|N * d L / d H_t|` (the entropy bonus) and the share of tokens with a non-zero advantage whose
+  weight without KL is zero (clipped, or masked).
+- `||d L / d h_t||` (times N) at the last hidden state `h_t` (the LM head's input), in closed form from the logits and
+  the LM head weight (`hidden_state_gradient_norms`, both channels), and `||d log pi_t / d h_t|| / (1 - pi_t)` with its
+  bound `sqrt(2) sigma_max(W) / temperature`.
+- Each quartile's summed parameter gradient, exact: `d L / d log pi` and `d L / d H` times the quartile's mask, pushed
+  back through TRL's forward with grad (`summed_parameter_gradients`); the four add up to the gradient of TRL's loss.
+  Their norms, cosines with the full gradient and with each other, and share of it.
+- The Fig.-3 probe (`probe_methods`): one update of the model (`grpo`: TRL's loss; `ar`: TRL's loss with AR's
+  advantages; `lopti`/`lopti_ar`: the low tokens' part of that gradient, then at the new parameters the high tokens'
+  part, ratios against the same pi_old, the same optimizer; `lowest_quartile_only`/`highest_quartile_only`), then, per
+  quartile and advantage sign, the share of tokens whose probability moved in the direction of their advantage and the
+  mean change of probability (float64 log-probabilities from the logits). The model's parameters are restored after.
 
-Loss coverage: the token weights model TRL's token-level clipped surrogate with its KL term for `loss_type` `dapo`,
-`bnpo`, `grpo` and `dr_grpo` (equal to the gradient of TRL's own loss w.r.t. the per-token log-probabilities, tested);
-`DiagnosticsSettings.from_trainer` (hence the callback and the command) refuses, by name, a trainer whose loss is
-another one (`cispo`, `sapo`, `luspo`, `vespo`, `importance_sampling_level="sequence"`, `delta`,
-`top_entropy_quantile < 1`, an entropy bonus, `off_policy_mask_threshold`, vLLM importance-sampling correction).
+TRL private names this package touches: `_compute_loss` and `_get_per_token_logps_and_entropies` (called as
+`GRPOTrainer`'s; the second shadowed on the instance for the loss call only), `_metrics` (restored after the loss call;
+the callback appends its figures), `_buffered_inputs` (the callback's batch), `_generate_and_score_completions` and
+`_logs` (`sample_generation_batch`). Before this rewrite: `_generate_and_score_completions`, `_logs`,
+`_buffered_inputs`, `_metrics`, and a hand-derived copy of TRL's loss for 4 of its 8 loss types.
+
+Modules: `loss` (the batch and the oracle), `measure` (the tables, the probe, `advance_policy_on_batch`), `callback`
+(`TokenDiagnosticsCallback`), `report` (Markdown and plots) and `plots` (the package's one plotting helper). The
+`trl-lopti diagnose` command is `trl_lopti.cli.diagnose`.
 """
 
-from .batch import DiagnosticsSettings, check_loss_is_modelled, completion_log_probs, unmodelled_loss_settings
 from .callback import TokenDiagnosticsCallback, flatten_report
+from .loss import generation_batch, sample_generation_batch, summed_parameter_gradients, trl_batch, trl_loss_gradients
 from .measure import (
-    QUARTILE_LABELS,
-    SUPPORTED_LOSS_TYPES,
-    grpo_token_weights,
-    hidden_state_gradient_norms,
-    lm_head_spectral_norm,
-    loss_normalizer,
-    probability_quartiles,
-)
-from .probe import (
     DEFAULT_PROBE_METHODS,
     PROBE_METHODS,
+    QUARTILE_LABELS,
     advance_policy_on_batch,
-    measure_token_gradients,
-    probability_shift_probe,
+    completion_log_probs,
+    hidden_state_gradient_norms,
+    probability_quartiles,
     run_token_diagnostics,
 )
 from .report import format_tables, plot_report
-from .sampling import sample_generation_batch
 
 
 __all__ = [
     "DEFAULT_PROBE_METHODS",
     "PROBE_METHODS",
     "QUARTILE_LABELS",
-    "SUPPORTED_LOSS_TYPES",
-    "DiagnosticsSettings",
     "TokenDiagnosticsCallback",
     "advance_policy_on_batch",
-    "check_loss_is_modelled",
     "completion_log_probs",
     "flatten_report",
     "format_tables",
-    "grpo_token_weights",
+    "generation_batch",
     "hidden_state_gradient_norms",
-    "lm_head_spectral_norm",
-    "loss_normalizer",
-    "measure_token_gradients",
     "plot_report",
     "probability_quartiles",
-    "probability_shift_probe",
     "run_token_diagnostics",
     "sample_generation_batch",
-    "unmodelled_loss_settings",
+    "summed_parameter_gradients",
+    "trl_batch",
+    "trl_loss_gradients",
 ]

@@ -1,380 +1,429 @@
-"""Pure per-token and per-quartile figures of a GRPO batch (see the conventions in `trl_lopti.diagnostics`).
-
-Everything here is a function of tensors: token weights of TRL's clipped surrogate, loss normalisers, probability
-quartiles, the closed-form norm of a token's hidden-state gradient, and the tables built from them.
-"""
+"""What the diagnostics measure on one batch: the quartile table, the probability-shift probe and inner steps."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import logging
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from trl import GRPOTrainer
 
-from ..core_algos import token_level_advantages
+from ..config import LoptiGRPOConfig
+from ..core_algos import lopti_batch_threshold, low_probability_token_mask, reweight_advantages, token_group_mask
+from .loss import (
+    loss_mask,
+    summed_parameter_gradients,
+    trainable_parameters,
+    trl_batch,
+    trl_forward,
+    trl_loss_gradients,
+)
 
+
+logger = logging.getLogger(__name__)
 
 QUARTILE_LABELS = ("Q1 (lowest)", "Q2", "Q3", "Q4 (highest)")
-SUPPORTED_LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
-
-
-def grpo_token_weights(
-    per_token_logps: torch.Tensor,
-    old_per_token_logps: torch.Tensor,
-    advantages: torch.Tensor,
-    ref_per_token_logps: torch.Tensor | None = None,
-    beta: float = 0.0,
-    epsilon_low: float = 0.2,
-    epsilon_high: float | None = None,
-    use_bias_correction_kl: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """
-    Token weights of TRL's clipped GRPO surrogate, split into the policy-gradient part and the KL part.
-
-    The weight is defined by `d loss_t / d log pi_t = -(w_pg + w_kl)`: a positive weight raises the token's
-    probability under gradient descent. `w_pg = r * A * 1[not clipped]` with `r = exp(logp - old_logp)`;
-    `w_kl = beta * (pi_ref / pi - 1)` for TRL's k3 estimator, or `-beta * r * (k3 + 1 - pi_ref / pi)` when the KL
-    term is multiplied by the importance ratio (`use_bias_correction_kl=True`).
-
-    Args:
-        per_token_logps (`torch.Tensor`):
-            Log-probabilities of the sampled tokens under the current policy, shape (B, T).
-        old_per_token_logps (`torch.Tensor`):
-            Log-probabilities under the behaviour policy, shape (B, T).
-        advantages (`torch.Tensor`):
-            Advantages, shape (B,) or (B, T).
-        ref_per_token_logps (`torch.Tensor` or `None`, *optional*):
-            Log-probabilities under the reference policy, shape (B, T). `None` makes the KL part zero.
-        beta (`float`, *optional*, defaults to `0.0`):
-            KL coefficient.
-        epsilon_low (`float`, *optional*, defaults to `0.2`):
-            Lower clipping range.
-        epsilon_high (`float` or `None`, *optional*):
-            Upper clipping range; defaults to `epsilon_low`.
-        use_bias_correction_kl (`bool`, *optional*, defaults to `True`):
-            Whether the KL term is multiplied by the (differentiable) importance ratio, as TRL's
-            `use_bias_correction_kl`.
-
-    Returns:
-        `tuple[torch.Tensor, torch.Tensor]`: `(w_pg, w_kl)`, each of shape (B, T), detached, float32.
-    """
-    logps = per_token_logps.detach().float()
-    old = old_per_token_logps.detach().float()
-    adv = token_level_advantages(advantages.detach().float(), logps.size(1))
-    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
-    ratio = torch.exp(logps - old)
-    clipped = ((adv > 0) & (ratio > 1 + epsilon_high)) | ((adv < 0) & (ratio < 1 - epsilon_low))
-    w_pg = torch.where(clipped, torch.zeros_like(ratio), ratio * adv)
-    if ref_per_token_logps is None or beta == 0.0:
-        return w_pg, torch.zeros_like(w_pg)
-    delta = ref_per_token_logps.detach().float() - logps  # log(pi_ref / pi)
-    dk3_dlogp = 1.0 - torch.exp(delta)
-    if use_bias_correction_kl:
-        k3 = torch.exp(delta) - delta - 1.0
-        dkl_dlogp = ratio * (k3 + dk3_dlogp)
-    else:
-        dkl_dlogp = dk3_dlogp
-    return w_pg, -beta * dkl_dlogp
-
-
-def loss_normalizer(
-    completion_mask: torch.Tensor, loss_type: str = "dapo", max_completion_length: int | None = None
-) -> torch.Tensor:
-    """
-    The factor `c_t` with which each token's loss enters the batch loss `sum_t c_t * loss_t`.
-
-    Args:
-        completion_mask (`torch.Tensor`):
-            Completion-token mask, shape (B, T).
-        loss_type (`str`, *optional*, defaults to `"dapo"`):
-            `"dapo"` or `"bnpo"` (one over all completion tokens of the batch), `"grpo"` (one over `B` times the
-            completion's length) or `"dr_grpo"` (one over `B * max_completion_length`).
-        max_completion_length (`int` or `None`, *optional*):
-            For `"dr_grpo"`; defaults to `T`.
-
-    Returns:
-        `torch.Tensor`: Shape (B, T), zero on padding.
-    """
-    mask = completion_mask.float()
-    if loss_type in ("dapo", "bnpo"):
-        return mask / mask.sum().clamp(min=1.0)
-    if loss_type == "grpo":
-        return mask / (mask.sum(-1, keepdim=True).clamp(min=1.0) * mask.size(0))
-    if loss_type == "dr_grpo":
-        return mask / (mask.size(0) * (max_completion_length or mask.size(1)))
-    raise ValueError(f"loss_type must be one of {SUPPORTED_LOSS_TYPES}, got {loss_type!r}")
+PROBE_METHODS = ("grpo", "ar", "lopti", "lopti_ar", "lowest_quartile_only", "highest_quartile_only")
+DEFAULT_PROBE_METHODS = ("grpo", "ar", "lopti", "lowest_quartile_only", "highest_quartile_only")
+FIRST_UPDATE = {  # probe method -> (advantages, active tokens) of its first update; Lopti's second updates "high"
+    "grpo": ("A", "all"), "ar": ("AR", "all"), "lopti": ("A", "low"), "lopti_ar": ("AR", "low"),
+    "lowest_quartile_only": ("A", "q0"), "highest_quartile_only": ("A", "q3"),
+}  # fmt: skip
+LOPTI_DEFAULTS = {field.name: field.default for field in dataclasses.fields(LoptiGRPOConfig)}
+LOSS_SETTINGS = ("loss_type", "importance_sampling_level", "beta", "epsilon", "epsilon_high", "delta", "temperature",
+                 "use_bias_correction_kl", "top_entropy_quantile", "entropy_coef", "use_adaptive_entropy",
+                 "off_policy_mask_threshold", "use_vllm", "vllm_importance_sampling_correction")  # fmt: skip
 
 
 def probability_quartiles(
     probs: torch.Tensor, mask: torch.Tensor, quantiles: Sequence[float] = (0.25, 0.5, 0.75)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """
-    Assigns every masked token to a probability group by the batch's quantiles of `probs`.
-
-    Args:
-        probs (`torch.Tensor`):
-            Probabilities, shape (B, T).
-        mask (`torch.Tensor`):
-            Tokens to group, shape (B, T).
-        quantiles (`Sequence[float]`, *optional*, defaults to `(0.25, 0.5, 0.75)`):
-            Quantile levels of the edges.
+    Groups the tokens of `mask` by the batch's quantiles of `probs` (B, T), at the levels `quantiles`.
 
     Returns:
-        `tuple[torch.Tensor, torch.Tensor]`: `(edges, group)`: the edges (len(quantiles),) and the group index (B, T)
-        in `[0, len(quantiles)]`, `-1` outside the mask. Group `j` is `[edge_{j-1}, edge_j)`; the last group includes
-        its upper end.
+        `tuple[torch.Tensor, torch.Tensor]`: The edges (float64, on the CPU) and the group of every token (B, T) in
+        `[0, len(quantiles)]`, `-1` outside the mask. Group `j` is `[edge_{j-1}, edge_j)`; the last includes its top.
     """
     mask = mask.bool()
-    values = probs.detach().double()[mask]
-    if values.numel() == 0:
-        edges = torch.full((len(quantiles),), float("nan"), dtype=torch.float64)
-        return edges, torch.full_like(mask, -1, dtype=torch.long)
-    levels = torch.tensor(list(quantiles), dtype=torch.float64)
-    edges = torch.quantile(values, levels) if values.numel() <= 16_000_000 else _sorted_quantiles(values, levels)
-    group = torch.bucketize(probs.detach().double(), edges.to(probs.device), right=True)
+    probs = probs.detach().double()
+    if not mask.any():
+        return torch.full((len(quantiles),), math.nan, dtype=torch.float64), torch.full_like(mask, -1, dtype=torch.long)
+    edges = torch.quantile(probs[mask], torch.tensor(quantiles, dtype=torch.float64, device=probs.device))
+    group = torch.bucketize(probs, edges, right=True)
     return edges.cpu(), torch.where(mask, group, torch.full_like(group, -1))
 
 
-def _sorted_quantiles(values: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    ordered = values.sort().values
-    positions = levels * (ordered.numel() - 1)
-    low, high = positions.floor().long(), positions.ceil().long()
-    return ordered[low] + (ordered[high] - ordered[low]) * (positions - low)
-
-
 def hidden_state_gradient_norms(
-    logits: torch.Tensor, token_ids: torch.Tensor, lm_head_weight: torch.Tensor, temperature: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor, token_ids: torch.Tensor, lm_head_weight: torch.Tensor, temperature: float = 1.0,
+    d_logps: torch.Tensor | None = None, d_entropies: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """
-    Closed-form norm of `d log pi_t / d h_t`, the gradient of a token's log-probability w.r.t. the LM head's input.
+    Closed-form norms of gradients w.r.t. the last hidden state `h_t` (the LM head's input, `logits = h @ W.T + b`).
 
-    With `logits = h @ W.T` and `log pi_t = log_softmax(logits / temperature)[k_t]`, the gradient is
-    `W.T @ (e_k - p_t) / temperature`. Multiply by `|w_t|` for the gradient of the token's loss. The entry `1 - p_k`
-    of `e_k - p` is formed as the sum of the other tokens' probabilities, which stays precise when `p_k` is within
-    float32 rounding of one (where `1 - exp(log p_k)` would be zero).
+    With `z = logits / temperature`, `p = softmax(z)` and `k` the sampled token: `d log pi_t / d h_t = W.T (e_k - p)
+    / temperature` and `d H_t / d h_t = -W.T (p * (log p + H_t)) / temperature`; `h_t` reaches no other token's
+    log-probability or entropy. `1 - pi` is formed as the sum of the other tokens' probabilities (precise at pi ~ 1).
 
     Args:
-        logits (`torch.Tensor`):
-            Raw logits (before temperature) of the positions that predict the tokens, shape (B, T, V).
-        token_ids (`torch.Tensor`):
-            The sampled tokens, shape (B, T).
-        lm_head_weight (`torch.Tensor`):
-            `W`, shape (V, H).
-        temperature (`float`, *optional*, defaults to `1.0`):
-            Sampling temperature the log-probabilities are computed with.
+        logits (`torch.Tensor`), token_ids (`torch.Tensor`):
+            Raw logits (B, T, V) of the positions that predict the sampled tokens (B, T).
+        lm_head_weight (`torch.Tensor`), temperature (`float`, *optional*, defaults to `1.0`):
+            `W` (V, H), and the temperature of the log-probabilities.
+        d_logps (`torch.Tensor`, *optional*), d_entropies (`torch.Tensor`, *optional*):
+            `d L / d log pi_t` and `d L / d H_t` of a loss `L` (B, T), for the norm of `d L / d h_t`.
 
     Returns:
-        `tuple[torch.Tensor, torch.Tensor, torch.Tensor]`: `(norms, logps, one_minus_p)`, each (B, T):
-        `||d log pi_t / d h_t||`, `log pi_t` (computed in float64) and `1 - pi_t`.
+        `dict[str, torch.Tensor]`: (B, T) each: `one_minus_p`, `unit` (`||d log pi_t / d h_t||`) and, with
+        `d_logps`, `loss` (`||d L / d h_t||`).
     """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
     index = token_ids.long().unsqueeze(-1)
-    logps = precise_logps(logits, index, temperature)
-    logp_all = torch.log_softmax(logits.detach().float() / temperature, dim=-1)
-    direction = logp_all.exp_().neg_()  # -p, then e_k - p, in place of the log-probabilities to save memory
-    direction.scatter_(-1, index, 0.0)
-    one_minus_p = -direction.sum(-1)
-    direction.scatter_(-1, index, one_minus_p.unsqueeze(-1))
-    weight = lm_head_weight.detach().float()
-    norms = torch.linalg.vector_norm(direction @ weight, dim=-1) / temperature
-    return norms, logps, one_minus_p
+    log_p = torch.log_softmax(logits.detach().to(dtype) / temperature, dim=-1)
+    p = log_p.exp()
+    weight = lm_head_weight.detach().to(dtype)
+
+    def norm_at_hidden(direction: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(direction @ weight, dim=-1) / temperature
+
+    e_minus_p = (-p).scatter_(-1, index, 0.0)
+    one_minus_p = -e_minus_p.sum(-1)
+    e_minus_p.scatter_(-1, index, one_minus_p.unsqueeze(-1))
+    norms = {"one_minus_p": one_minus_p, "unit": norm_at_hidden(e_minus_p)}
+    if d_logps is not None:
+        direction = d_logps.to(dtype).unsqueeze(-1) * e_minus_p
+        if d_entropies is not None and bool(d_entropies.any()):
+            entropy = -(p * log_p).sum(-1, keepdim=True)
+            direction -= d_entropies.to(dtype).unsqueeze(-1) * p * (log_p + entropy)
+        norms["loss"] = norm_at_hidden(direction)
+    return norms
 
 
-def precise_logps(logits: torch.Tensor, index: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log pi of the tokens `index` (B, T, 1), with the log-sum-exp in float64 (probe shifts can be ~1e-6)."""
-    scaled = logits.detach().double() / temperature
-    return scaled.gather(-1, index).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+@torch.no_grad()
+def completion_statistics(
+    model: torch.nn.Module, inputs: dict[str, Any], temperature: float, micro_batch_size: int = 4,
+    d_logps: torch.Tensor | None = None, d_entropies: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """`logps` (float64) and, with `d_logps`, `hidden_state_gradient_norms` of every completion token, from the
+    model's plain forward (no gradient), 0 on padding."""
+    num_tokens = inputs["completion_ids"].size(1)
+    stats: dict[str, torch.Tensor] = {}
+    for start in range(0, inputs["completion_ids"].size(0), micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        input_ids = torch.cat([inputs["prompt_ids"][rows], inputs["completion_ids"][rows]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"][rows], inputs["completion_mask"][rows]], dim=1)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=num_tokens + 1).logits
+        ids, scaled = inputs["completion_ids"][rows], logits[:, :-1].double() / temperature
+        norms = {"logps": scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)}
+        if d_logps is not None:
+            norms.update(hidden_state_gradient_norms(logits[:, :-1], ids, lm_head_weight(model), temperature,
+                                                     d_logps[rows], d_entropies[rows]))  # fmt: skip
+        for key, value in norms.items():
+            stats.setdefault(key, []).append(value.double())
+    mask = loss_mask(inputs).bool()
+    return {key: torch.cat(values).masked_fill(~mask, 0.0) for key, values in stats.items()}
 
 
-def lm_head_spectral_norm(lm_head_weight: torch.Tensor) -> float:
-    """
-    Largest singular value of the LM head weight `W` (V, H), via the (H, H) Gram matrix.
-
-    Args:
-        lm_head_weight (`torch.Tensor`):
-            `W`, shape (V, H).
-
-    Returns:
-        `float`: `sigma_max(W)`.
-    """
-    weight = lm_head_weight.detach().double()
-    return float(torch.linalg.eigvalsh(weight.T @ weight).max().clamp(min=0.0).sqrt())
+def completion_log_probs(
+    model: torch.nn.Module, inputs: dict[str, Any], temperature: float, micro_batch_size: int = 64
+) -> torch.Tensor:
+    """Log-probabilities under `model` (float64 from its logits over `temperature`, no gradient, 0 on padding) of the
+    completion tokens of a TRL batch (`prompt_ids`, `prompt_mask`, `completion_ids`, `completion_mask`)."""
+    inputs = trl_batch([inputs], next(model.parameters()).device)
+    return completion_statistics(model, inputs, temperature, micro_batch_size)["logps"]
 
 
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Vectors, statistics and tables
-# ---------------------------------------------------------------------------------------------------------------------
-def dot(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 22) -> float:
-    """Dot product of two flat vectors accumulated in float64, chunk by chunk (float32 reductions over ~1e8 entries
-    are off by about a percent; converting whole vectors would double their memory)."""
-    return sum(float(a[i : i + chunk].double() @ b[i : i + chunk].double()) for i in range(0, a.numel(), chunk))
+def lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The weight of the model's linear LM head, for the closed form (which soft-capped logits break)."""
+    head, config = model.get_output_embeddings(), model.config.get_text_config()
+    if not isinstance(head, torch.nn.Linear) or getattr(config, "final_logit_softcapping", None):
+        raise ValueError("the hidden-state gradient norms need a linear LM head without logit soft-capping")
+    return head.weight
 
 
-def norm(a: torch.Tensor) -> float:
-    """Euclidean norm of a flat vector, accumulated in float64."""
-    return math.sqrt(max(dot(a, a), 0.0))
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
-    """Cosine of two flat vectors; `None` when one of them is zero."""
-    denominator = norm(a) * norm(b)
-    return dot(a, b) / denominator if denominator > 0 else None
-
-
-
-def _stat(values: torch.Tensor, how: str) -> float | None:
-    values = values.double()
-    values = values[torch.isfinite(values)]
-    if values.numel() == 0:
-        return None
-    if how == "mean":
-        return float(values.double().mean())
-    if how == "median":
-        return float(torch.quantile(values.double(), 0.5))  # the mean of the two middle values for even counts
-    if how == "max":
-        return float(values.max())
-    raise ValueError(how)
-
-
-def _ratio(numerator: float | None, denominator: float | None) -> float | None:
-    if numerator is None or denominator is None or denominator == 0:
-        return None
-    return numerator / denominator
-
-
-
-def quartile_table(
-    batch: Any,
-    context: Any,
-    stats: dict[str, torch.Tensor],
-    settings: Any,
-    quartile_grads: Sequence[torch.Tensor] | None,
-    lm_head_sigma: float,
-    ref_source: str,
+def run_token_diagnostics(
+    trainer: GRPOTrainer,
+    inputs: dict[str, Any],
+    *,
+    summed_gradients: bool = True,
+    probe_methods: Sequence[str] = DEFAULT_PROBE_METHODS,
+    lr: float = 1e-3,
+    optimizer: str = "sgd",
+    micro_batch_size: int = 4,
+    ref_model: torch.nn.Module | None = None,
 ) -> dict[str, Any]:
     """
-    The `gradients` part of a diagnostics report: one row of figures per probability quartile.
+    The token diagnostics of one batch under the loss `trainer` trains (TRL's `_compute_loss`, by autograd).
+
+    Cost: two no-grad forwards (TRL's, and a plain one for the logits); with `summed_gradients`, one forward with grad
+    and four backward passes, and `4 x num_trainable_params` float32; per probe method, one forward with grad and one
+    backward per update and a no-grad forward. The model (`trainer.model`, in eval mode meanwhile) is left as it was.
 
     Args:
-        batch (`trl_lopti.diagnostics.batch.GRPOBatch`):
-            The batch (advantages, reference log-probabilities, size).
-        context (`trl_lopti.diagnostics.batch.TokenContext`):
-            Its per-token constants (mask, `pi_old`, quartiles).
-        stats (`dict[str, torch.Tensor]`):
-            `logps`, `hidden_norms` and `one_minus_p` of every completion token at the current parameters.
-        settings ([`~trl_lopti.diagnostics.DiagnosticsSettings`]):
-            Temperature, KL and clipping settings.
-        quartile_grads (`Sequence[torch.Tensor]` or `None`):
-            The four quartiles' summed parameter gradients (flat), or `None` to leave the gradient columns out.
-        lm_head_sigma (`float`):
-            Largest singular value of the LM head weight.
-        ref_source (`str`):
-            Where the reference log-probabilities came from: `"inputs"`, `"ref_model"` or `"none"`.
+        trainer (`trl.GRPOTrainer`):
+            The trainer (TRL's or a `LoptiGRPOTrainer`); its loss settings, temperature and model are used.
+        inputs (`dict[str, Any]`):
+            A batch of TRL's `_generate_and_score_completions` (see `sample_generation_batch`, `generation_batch`).
+        summed_gradients (`bool`, *optional*, defaults to `True`):
+            Compute each quartile's summed parameter gradient.
+        probe_methods (`Sequence[str]`, *optional*):
+            Methods of the probability-shift probe, from `PROBE_METHODS`; empty to skip it.
+        lr (`float`, *optional*, defaults to `1e-3`), optimizer (`str`, *optional*, defaults to `"sgd"`):
+            The probe's update: one step of `"sgd"` or of a fresh `"adam"` (Lopti: one per pass, the same optimizer).
+        micro_batch_size (`int`, *optional*, defaults to `4`):
+            Completions per forward.
+        ref_model (`torch.nn.Module`, *optional*):
+            A reference model for the KL term in place of the batch's `ref_per_token_logps`.
 
     Returns:
-        `dict[str, Any]`: See [`~trl_lopti.diagnostics.run_token_diagnostics`].
+        `dict[str, Any]`: `{"gradients": ..., "probe": ... or None, "time_s": ...}`, JSON-serialisable (see the
+        package docstring).
     """
-    logps = stats["logps"]
-    w_pg, w_kl = grpo_token_weights(
-        logps, context.old_logps, batch.advantages, batch.ref_logps, settings.beta, settings.epsilon_low,
-        settings.epsilon_high, settings.use_bias_correction_kl,
-    )
-    w = w_pg + w_kl
-    nonzero_advantage = batch.advantages != 0
-    clipped = nonzero_advantage & (w_pg == 0)
-    probs = context.old_logps.exp()
-    one_minus_p = stats["one_minus_p"]
-    unit = stats["hidden_norms"]
-    ratio = torch.where(one_minus_p > 0, unit / one_minus_p.clamp(min=1e-38), torch.full_like(unit, float("nan")))
-    full = None
-    if quartile_grads is not None:
-        full = sum(quartile_grads)
-        full_sq = dot(full, full)
-    quartiles = []
-    for j in range(4):
-        group = context.quartile == j
-        row: dict[str, Any] = {
-            "label": QUARTILE_LABELS[j],
-            "count": int(group.sum()),
-            "prob_min": float(probs[group].min()) if bool(group.any()) else None,
-            "prob_max": float(probs[group].max()) if bool(group.any()) else None,
-            "prob_mean": _stat(probs[group], "mean"),
-            "abs_w_mean": _stat(w[group].abs(), "mean"),
-            "abs_w_median": _stat(w[group].abs(), "median"),
-            "abs_w_no_kl_mean": _stat(w_pg[group].abs(), "mean"),
-            "abs_w_no_kl_median": _stat(w_pg[group].abs(), "median"),
-            "abs_w_kl_part_mean": _stat(w_kl[group].abs(), "mean"),
-            "zero_advantage_share": _stat(~nonzero_advantage[group], "mean"),
-            "clipped_share": _stat(clipped[group & nonzero_advantage], "mean"),
-            "hidden_grad_norm_mean": _stat((w.abs() * unit)[group], "mean"),
-            "hidden_grad_norm_no_kl_mean": _stat((w_pg.abs() * unit)[group], "mean"),
-            "unit_hidden_grad_norm_mean": _stat(unit[group], "mean"),
-            "ratio_to_one_minus_p_mean": _stat(ratio[group], "mean"),
-            "ratio_to_one_minus_p_max": _stat(ratio[group], "max"),
-        }
-        if quartile_grads is not None:
-            grad = quartile_grads[j]
-            row["summed_grad_norm"] = norm(grad)
-            row["cos_with_full"] = cosine(grad, full)
-            row["contribution_to_full"] = dot(grad, full) / full_sq if full_sq > 0 else None
-        quartiles.append(row)
-    report: dict[str, Any] = {
-        "num_completions": batch.size,
-        "num_tokens": int(context.mask.sum()),
-        "quartile_edges": [float(edge) for edge in context.edges],
-        "kl_reference": ref_source,
-        "settings": {key: getattr(settings, key) for key in settings.__dataclass_fields__},
-        "quartiles": quartiles,
-        "bound": {
-            "lm_head_spectral_norm": lm_head_sigma,
-            "ratio_to_one_minus_p_upper_bound": math.sqrt(2.0) * lm_head_sigma / settings.temperature,
-        },
-    }
-    if quartile_grads is not None:
-        report["full_grad_norm"] = norm(full)
-        report["summed_grad_cosine"] = [[cosine(a, b) for b in quartile_grads] for a in quartile_grads]
-    lowest, highest = quartiles[0], quartiles[-1]
-    report["lowest_over_highest"] = {
-        key: _ratio(lowest.get(key), highest.get(key))
-        for key in ("hidden_grad_norm_mean", "unit_hidden_grad_norm_mean", "summed_grad_norm", "abs_w_mean",
-                    "abs_w_no_kl_mean")
-    }
+    unknown = [method for method in probe_methods if method not in PROBE_METHODS]
+    if unknown:
+        raise ValueError(f"probe_methods: unknown {unknown}; choose from {list(PROBE_METHODS)}")
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    started = time.perf_counter()
+    with evaluation(trainer):
+        batch = trl_batch([inputs], next(model.parameters()).device)
+        with torch.no_grad():
+            values = trl_forward(trainer, model, batch, micro_batch_size=micro_batch_size)
+        batch.setdefault("old_per_token_logps", values[0])  # what TRL uses on-policy (`per_token_logps.detach()`)
+        if ref_model is not None:
+            ref_logps = completion_log_probs(ref_model, batch, trainer.temperature, micro_batch_size)
+            batch["ref_per_token_logps"] = ref_logps.to(values[0].dtype)
+        if trainer.beta and "ref_per_token_logps" not in batch:
+            raise ValueError("beta > 0: the batch needs ref_per_token_logps (TRL adds them), or pass a ref_model")
+        mask, old_logps = loss_mask(batch).bool(), batch["old_per_token_logps"]
+        split = probe_split(trainer, old_logps, mask, probe_methods) if probe_methods else None
+        d_logps, d_entropies = trl_loss_gradients(trainer, batch, *values)
+        d_no_kl = trl_loss_gradients(trainer, batch, *values, without_kl=True)[0] if trainer.beta else d_logps
+        stats = completion_statistics(model, batch, trainer.temperature, micro_batch_size, d_logps, d_entropies)
+        edges, quartile = probability_quartiles(old_logps.exp(), mask)
+        groups = {"all": mask, **{f"q{j}": quartile == j for j in range(4)}}
+        scale = max(int(mask.sum()), 1)  # w = -N dL/dlog pi: for dapo and bnpo, each token's own weight
+        advantages = batch["advantages"].unsqueeze(1) if batch["advantages"].dim() == 1 else batch["advantages"]
+        stats.update(w=-scale * d_logps, w_no_kl=-scale * d_no_kl, entropy_weight=-scale * d_entropies,
+                     loss=scale * stats["loss"], advantages=advantages.expand_as(mask), pi_old=old_logps.exp())
+        quartile_grads = None
+        if summed_gradients:
+            pairs = [(d_logps * groups[f"q{j}"], d_entropies * groups[f"q{j}"]) for j in range(4)]
+            quartile_grads = summed_parameter_gradients(trainer, model, batch, pairs, micro_batch_size)
+        report = {"gradients": quartile_table(trainer, model, groups, edges, stats, quartile_grads), "probe": None}
+        kl_reference = "ref_model" if ref_model is not None else "inputs" if trainer.beta else None
+        report["gradients"]["kl_reference"] = kl_reference
+        report["time_s"] = {"gradients": time.perf_counter() - started}
+        if probe_methods:
+            report["probe"] = probe(trainer, model, batch, values, groups, stats, split, probe_methods, lr, optimizer,
+                                    micro_batch_size)  # fmt: skip
+            report["time_s"]["probe"] = time.perf_counter() - started - report["time_s"]["gradients"]
     return report
 
 
-def shift_table(
-    context: Any, advantages: torch.Tensor, logps_before: torch.Tensor, logps_after: torch.Tensor
+@contextlib.contextmanager
+def evaluation(trainer: GRPOTrainer) -> Iterator[None]:
+    """`trainer.model` in eval mode for the block: no dropout, and TRL's loss in its evaluation branch."""
+    was_training = trainer.model.training
+    trainer.model.eval()
+    try:
+        yield
+    finally:
+        trainer.model.train(was_training)
+
+
+def probe_split(
+    trainer: GRPOTrainer, old_logps: torch.Tensor, mask: torch.Tensor, methods: Sequence[str]
 ) -> dict[str, Any]:
-    """Per quartile and advantage sign: how the sampled tokens' probabilities moved from `logps_before`."""
-    delta_logp = (logps_after - logps_before).double()
-    delta_p = logps_before.double().exp() * torch.expm1(delta_logp)
-    groups = [("all", context.mask)] + [(f"q{j}", context.quartile == j) for j in range(4)]
-    table: dict[str, Any] = {}
-    for name, group in groups:
+    """The probe's AR alpha and Lopti eta: the trainer's `LoptiGRPOConfig` fields (`LoptiGRPOConfig`'s defaults for
+    a TRL `GRPOConfig`); with `lopti_quantile`, eta is that quantile of the batch's pi_old."""
+    args = trainer.args
+    alpha = getattr(args, "advantage_reweighting_alpha", LOPTI_DEFAULTS["advantage_reweighting_alpha"])
+    quantile = getattr(args, "lopti_quantile", None)
+    eta = getattr(args, "lopti_threshold", LOPTI_DEFAULTS["lopti_threshold"])
+    if quantile is not None:
+        eta = lopti_batch_threshold(old_logps, mask, quantile)
+    if eta is None and any(FIRST_UPDATE[method][1] == "low" for method in methods):
+        raise ValueError("probe_methods: the Lopti probes need Lopti on (a lopti_threshold or a lopti_quantile)")
+    return {"alpha": alpha, "eta": eta, "lopti_quantile": quantile}
+
+
+def quartile_table(
+    trainer: GRPOTrainer, model: torch.nn.Module, groups: dict[str, torch.Tensor], edges: torch.Tensor,
+    stats: dict[str, torch.Tensor], quartile_grads: list[torch.Tensor] | None,
+) -> dict[str, Any]:
+    """The `gradients` part of a report: one row of figures per probability quartile of pi_old."""
+    probs, nonzero = stats["pi_old"], stats["advantages"] != 0
+    ratio = stats["unit"] / stats["one_minus_p"].clamp(min=1e-300)
+    full = sum(quartile_grads) if quartile_grads is not None else None
+    rows = []
+    for j in range(4):
+        group = groups[f"q{j}"]
+        w, w_no_kl = stats["w"][group].abs(), stats["w_no_kl"][group].abs()
+        row = {
+            "label": QUARTILE_LABELS[j], "count": int(group.sum()), "prob_min": _stat(probs[group], "min"),
+            "prob_max": _stat(probs[group], "max"), "prob_mean": _stat(probs[group]),
+            "abs_w_mean": _stat(w), "abs_w_median": _stat(w, "median"), "abs_w_no_kl_mean": _stat(w_no_kl),
+            "abs_w_no_kl_median": _stat(w_no_kl, "median"),
+            "abs_w_kl_part_mean": _stat((stats["w"] - stats["w_no_kl"])[group].abs()),
+            "abs_entropy_weight_mean": _stat(stats["entropy_weight"][group].abs()),
+            "zero_advantage_share": _stat(~nonzero[group]),
+            "no_gradient_share": _stat(stats["w_no_kl"][group & nonzero] == 0),
+            "hidden_grad_norm_mean": _stat(stats["loss"][group]),
+            "unit_hidden_grad_norm_mean": _stat(stats["unit"][group]),
+            "ratio_to_one_minus_p_mean": _stat(ratio[group]), "ratio_to_one_minus_p_max": _stat(ratio[group], "max"),
+        }  # fmt: skip
+        if full is not None:
+            row.update(summed_grad_norm=_norm(quartile_grads[j]), cos_with_full=_cosine(quartile_grads[j], full),
+                       contribution_to_full=_dot(quartile_grads[j], full) / max(_dot(full, full), 1e-300))  # fmt: skip
+        rows.append(row)
+    sigma = float(torch.linalg.matrix_norm(lm_head_weight(model).detach().double(), ord=2))
+    table = {
+        "num_completions": int(groups["all"].size(0)), "num_tokens": int(groups["all"].sum()),
+        "quartile_edges": [edge if math.isfinite(edge) else None for edge in edges.tolist()],
+        "loss": {name: getattr(trainer.args, name, None) for name in LOSS_SETTINGS},
+        "quartiles": rows, "bound": {"lm_head_spectral_norm": sigma,
+                                     "ratio_to_one_minus_p_upper_bound": math.sqrt(2) * sigma / trainer.temperature},
+    }  # fmt: skip
+    if full is not None:
+        table["full_grad_norm"] = _norm(full)
+        table["summed_grad_cosine"] = [[_cosine(a, b) for b in quartile_grads] for a in quartile_grads]
+    keys = ("hidden_grad_norm_mean", "unit_hidden_grad_norm_mean", "summed_grad_norm", "abs_w_mean", "abs_w_no_kl_mean")
+    ratios = [(rows[0].get(key), rows[-1].get(key)) for key in keys]
+    table["lowest_over_highest"] = {key: low / high if low is not None and high else None
+                                    for key, (low, high) in zip(keys, ratios)}  # fmt: skip
+    return table
+
+
+def probe(
+    trainer: GRPOTrainer, model: torch.nn.Module, batch: dict[str, Any], values: tuple, groups: dict[str, torch.Tensor],
+    stats: dict[str, torch.Tensor], split: dict[str, Any], methods: Sequence[str], lr: float, optimizer: str,
+    micro_batch_size: int,
+) -> dict[str, Any]:
+    """One update of the model per method (AR's alpha and Lopti's eta from `probe_split`), the shift of every token's
+    probability, then the parameters restored."""
+    mask, old_logps = groups["all"], batch["old_per_token_logps"]
+    if split["eta"] is not None:
+        low = low_probability_token_mask(old_logps, mask, split["eta"])
+        groups = dict(groups, low=token_group_mask(low, mask, "low"), high=token_group_mask(low, mask, "high"))
+    variants = {"A": batch, "AR": dict(batch, advantages=reweight_advantages(batch["advantages"], old_logps,
+                                                                             split["alpha"]))}  # fmt: skip
+    params = trainable_parameters(model)
+    start = [param.detach().clone() for param in params]
+    results = {}
+    try:
+        for method in methods:
+            advantages, tokens = FIRST_UPDATE[method]
+            update = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer](params, lr=lr)
+            gradient_step(trainer, model, variants[advantages], update, groups[tokens], micro_batch_size, values)
+            if tokens == "low":  # Lopti's high pass: from the new parameters, ratio and clipping against pi_old
+                gradient_step(trainer, model, variants[advantages], update, groups["high"], micro_batch_size)
+            moved = torch.cat([(param.detach() - before).reshape(-1) for param, before in zip(params, start)])
+            after = completion_log_probs(model, batch, trainer.temperature, micro_batch_size)
+            results[method] = {"update_norm": _norm(moved), "groups": shift_table(groups, stats, after)}
+            restore(params, start)
+            logger.info("probe %s done", method)
+    finally:
+        restore(params, start)
+    low_count = int(groups["low"].sum()) if "low" in groups else None
+    return {"optimizer": optimizer, "lr": lr, **split, "low_token_count": low_count, "methods": results}
+
+
+def gradient_step(
+    trainer: GRPOTrainer, model: torch.nn.Module, batch: dict[str, Any], optimizer: torch.optim.Optimizer,
+    tokens: torch.Tensor, micro_batch_size: int, values: tuple | None = None,
+) -> None:
+    """One `optimizer` step with the part of the gradient of TRL's loss on `batch` that flows through `tokens`
+    (`values`: TRL's per-token values at the current parameters, if known); the parameters' `.grad` are kept."""
+    if values is None:
+        with torch.no_grad():
+            values = trl_forward(trainer, model, batch, micro_batch_size=micro_batch_size)
+    pair = tuple(value * tokens for value in trl_loss_gradients(trainer, batch, *values))
+    flat = summed_parameter_gradients(trainer, model, batch, [pair], micro_batch_size)[0]
+    params = trainable_parameters(model)
+    previous, offset = [param.grad for param in params], 0
+    for param in params:
+        param.grad = flat[offset : offset + param.numel()].view_as(param).to(param.dtype)
+        offset += param.numel()
+    optimizer.step()
+    for param, grad in zip(params, previous):
+        param.grad = grad
+
+
+@torch.no_grad()
+def restore(params: list[torch.nn.Parameter], values: list[torch.Tensor]) -> None:
+    """Copies `values` back into `params`, exactly."""
+    for param, value in zip(params, values):
+        param.copy_(value)
+
+
+def shift_table(groups: dict[str, torch.Tensor], stats: dict[str, torch.Tensor], after: torch.Tensor) -> dict:
+    """Per quartile and advantage sign: how the sampled tokens' probabilities moved from `stats["logps"]`."""
+    delta_logp = after - stats["logps"]
+    delta_p = stats["logps"].exp() * torch.expm1(delta_logp)
+    advantages, table = stats["advantages"], {}
+    for name in ("all", "q0", "q1", "q2", "q3"):
         entry: dict[str, Any] = {"label": "all" if name == "all" else QUARTILE_LABELS[int(name[1:])]}
-        for sign, selector, direction in (("positive", advantages > 0, 1.0), ("negative", advantages < 0, -1.0)):
-            tokens = group & selector
-            count = int(tokens.sum())
-            entry[sign] = {
-                "count": count,
-                "share_in_direction": float((delta_logp[tokens] * direction > 0).double().mean()) if count else None,
-                "mean_delta_prob": float(delta_p[tokens].double().mean()) if count else None,
-                "mean_delta_logp": float(delta_logp[tokens].double().mean()) if count else None,
-            }
-        entry["zero_advantage_count"] = int((group & (advantages == 0)).sum())
+        for sign, direction in (("positive", 1.0), ("negative", -1.0)):
+            tokens = groups[name] & (advantages * direction > 0)
+            entry[sign] = {"count": int(tokens.sum()), "share_in_direction": _stat(delta_logp[tokens] * direction > 0),
+                           "mean_delta_prob": _stat(delta_p[tokens]), "mean_delta_logp": _stat(delta_logp[tokens])}
+        entry["zero_advantage_count"] = int((groups[name] & (advantages == 0)).sum())
         table[name] = entry
     return table
 
 
-def json_safe(value: Any) -> Any:
-    """`value` with tensors as lists and non-finite floats as `None` (JSON refuses NaN)."""
-    if isinstance(value, dict):
-        return {str(key): json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(item) for item in value]
-    if isinstance(value, float) and not math.isfinite(value):
+def advance_policy_on_batch(
+    trainer: GRPOTrainer, inputs: dict[str, Any], steps: int, lr: float, micro_batch_size: int = 4
+) -> dict[str, Any]:
+    """
+    Takes `steps` Adam steps (learning rate `lr`) of TRL's loss on the batch `inputs`, updating the trainer's model in
+    place as TRL does with `num_iterations = steps + 1`: the diagnostics then see ratios away from one, clipping and,
+    with `beta > 0`, a KL part. First the batch's log-probabilities under the model (TRL's forward) are stored in
+    `inputs` as `old_per_token_logps` (the behaviour policy) and, with `beta > 0` and none there, `ref_per_token_logps`.
+
+    Returns:
+        `dict[str, Any]`: `{"steps", "lr", "update_norm"}`.
+    """
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    params = trainable_parameters(model)
+    start = [param.detach().clone() for param in params]
+    with evaluation(trainer):
+        batch = trl_batch([inputs], start[0].device)
+        with torch.no_grad():
+            logps, _ = trl_forward(trainer, model, batch, micro_batch_size=micro_batch_size)
+        inputs["old_per_token_logps"] = batch["old_per_token_logps"] = logps
+        if trainer.beta and "ref_per_token_logps" not in batch:
+            inputs["ref_per_token_logps"] = batch["ref_per_token_logps"] = logps
+        update = torch.optim.Adam(params, lr=lr)
+        for _ in range(steps):
+            gradient_step(trainer, model, batch, update, loss_mask(batch), micro_batch_size)
+    moved = torch.cat([(param.detach() - before).reshape(-1) for param, before in zip(params, start)])
+    return {"steps": steps, "lr": lr, "update_norm": _norm(moved)}
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 22) -> float:
+    """Dot product accumulated in float64 chunk by chunk (a float32 sum over ~1e8 entries is off by about 1%)."""
+    return sum(float(a[i : i + chunk].double() @ b[i : i + chunk].double()) for i in range(0, a.numel(), chunk))
+
+
+def _norm(a: torch.Tensor) -> float:
+    return math.sqrt(max(_dot(a, a), 0.0))
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    denominator = _norm(a) * _norm(b)
+    return _dot(a, b) / denominator if denominator > 0 else None
+
+
+def _stat(values: torch.Tensor, how: str = "mean") -> float | None:
+    values = values.double()
+    values = values[torch.isfinite(values)]
+    if values.numel() == 0:
         return None
-    if isinstance(value, torch.Tensor):
-        return json_safe(value.tolist())
-    return value
+    return float(torch.quantile(values, 0.5) if how == "median" else getattr(values, how)())  # median: mid-point mean
+

@@ -1,4 +1,4 @@
-"""Reports of the token diagnostics: Markdown tables and bar charts by probability quartile."""
+"""Reports of the token diagnostics: Markdown tables and bar charts by probability quartile (through `plots`)."""
 
 from __future__ import annotations
 
@@ -7,173 +7,118 @@ from pathlib import Path
 from typing import Any
 
 from .measure import QUARTILE_LABELS
+from .plots import Panel, plot_panels
 
 
-_PROBE_SIGNS = ("positive", "negative")
+SIGNS = ("positive", "negative")
+TABLE_COLUMNS = {
+    "quartile": "label", "n": "count", "mean π_old": "prob_mean", "mean |w| (KL)": "abs_w_mean",
+    "median |w| (KL)": "abs_w_median", "mean |w| (no KL)": "abs_w_no_kl_mean", "median |w| (no KL)":
+    "abs_w_no_kl_median", "mean ‖dL/dh‖": "hidden_grad_norm_mean", "mean ‖dlogπ/dh‖/(1-π)":
+    "ratio_to_one_minus_p_mean", "max ratio": "ratio_to_one_minus_p_max", "‖Σ grad‖": "summed_grad_norm",
+    "cos(full)": "cos_with_full", "share of full": "contribution_to_full",
+}  # fmt: skip
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def format_tables(report: dict[str, Any]) -> str:
+    """
+    Renders the main figures of a `run_token_diagnostics` report as Markdown tables.
+
+    Args:
+        report (`dict[str, Any]`):
+            Output of `run_token_diagnostics` (an `inner_steps` entry, from `advance_policy_on_batch`, is shown).
+
+    Returns:
+        `str`: Markdown text.
+    """
+    gradients, lines = report["gradients"], []
+    if report.get("inner_steps"):
+        inner = report["inner_steps"]
+        lines += [f"Measured after {inner['steps']} Adam step(s) (lr {_fmt(inner['lr'])}, ‖Δθ‖ "
+                  f"{_fmt(inner['update_norm'])}) of TRL's loss on the batch; π_old = the sampling model.", ""]
+    loss = ", ".join(f"{key} {_fmt(value)}" for key, value in gradients["loss"].items() if value is not None)
+    lines += [
+        f"TRL's loss ({loss}); {gradients['num_tokens']} tokens in {gradients['num_completions']} completions; "
+        "quartile edges of π_old: " + ", ".join(_fmt(edge) for edge in gradients["quartile_edges"]), "",
+        "| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS),
+    ]
+    for row in gradients["quartiles"]:
+        lines.append("| " + " | ".join(_fmt(row.get(key)) for key in TABLE_COLUMNS.values()) + " |")
+    lines += ["", f"Bound on ‖dlogπ/dh‖/(1-π): {_fmt(gradients['bound']['ratio_to_one_minus_p_upper_bound'])}; "
+              f"KL reference: {_fmt(gradients['kl_reference'])}", "Lowest/highest quartile: "
+              + ", ".join(f"{key} {_fmt(value)}" for key, value in gradients["lowest_over_highest"].items())]
+    if gradients.get("summed_grad_cosine"):
+        lines += ["", "Cosine between quartiles' summed gradients:", "", "| | Q1 | Q2 | Q3 | Q4 |", "|---" * 5 + "|"]
+        lines += [f"| Q{j + 1} | " + " | ".join(_fmt(value) for value in row) + " |"
+                  for j, row in enumerate(gradients["summed_grad_cosine"])]  # fmt: skip
+    probe = report.get("probe")
+    if probe and probe.get("methods"):
+        lines += ["", f"Probability shift after one {probe['optimizer']} update (lr {_fmt(probe['lr'])}, alpha "
+                  f"{_fmt(probe['alpha'])}, eta {_fmt(probe['eta'])}): share of tokens moved in the direction of their "
+                  "advantage (mean Δπ)", ""]  # fmt: skip
+        for sign in SIGNS:
+            count = probe["methods"][next(iter(probe["methods"]))]["groups"]["all"][sign]["count"]
+            lines += [f"{sign} advantages ({count} tokens):", "", "| method | all | Q1 | Q2 | Q3 | Q4 | ‖Δθ‖ |",
+                      "|---|---|---|---|---|---|---|"]  # fmt: skip
+            for method, result in probe["methods"].items():
+                cells = [result["groups"][group][sign] for group in ("all", "q0", "q1", "q2", "q3")]
+                cells = [f"{_fmt(cell['share_in_direction'])} ({_fmt(cell['mean_delta_prob'])})" for cell in cells]
+                lines.append(f"| {method} | " + " | ".join(cells) + f" | {_fmt(result['update_norm'])} |")
+            lines.append("")
+    return "\n".join(lines)
 
 
 def plot_report(report: dict[str, Any], output_dir: str | os.PathLike) -> list[str]:
     """
-    Writes bar charts by probability quartile (as in the paper's Fig. 1 and Fig. 3) for a `run_token_diagnostics`
-    report.
+    Writes bar charts by probability quartile (the paper's Fig. 1 and Fig. 3) of a `run_token_diagnostics` report.
 
     Args:
         report (`dict[str, Any]`):
             Output of `run_token_diagnostics`.
         output_dir (`str` or `os.PathLike`):
-            Folder for the PNG files.
+            Folder for the PNG files (created if missing).
 
     Returns:
-        `list[str]`: Paths of the files written: `gradients.png`, and `probability_shift.png` when the report has a
-        probe.
+        `list[str]`: The files written: `gradients.png`, and `probability_shift.png` when the report has a probe.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    written = []
     gradients = report["gradients"]
     rows = gradients["quartiles"]
-    labels = [f"{row['label']}\n(n={row['count']})" for row in rows]
     positions = list(range(len(rows)))
+    labels = [f"{row['label']}\n(n={row['count']})" for row in rows]
 
-    def values(key: str) -> list[float]:
-        return [row.get(key) if row.get(key) is not None else 0.0 for row in rows]
+    def bars(title: str, **series: str) -> Panel:
+        values = {name: (positions, [row.get(key) or 0.0 for row in rows]) for name, key in series.items()}
+        return Panel(title, values, kind="bar", xticklabels=labels)
 
-    figure, axes = plt.subplots(2, 2, figsize=(12, 8))
-    width = 0.4
-    axes[0, 0].bar([p - width / 2 for p in positions], values("abs_w_mean"), width, label="with KL")
-    axes[0, 0].bar([p + width / 2 for p in positions], values("abs_w_no_kl_mean"), width, label="without KL")
-    axes[0, 0].set_title("mean |w| per token")
-    axes[0, 0].legend()
-    axes[0, 1].bar(positions, values("hidden_grad_norm_mean"))
-    axes[0, 1].set_title("mean per-token ||dL_t/dh_t|| (last hidden state)")
-    axes[1, 0].bar(positions, values("ratio_to_one_minus_p_mean"), label="mean")
-    axes[1, 0].plot(positions, values("ratio_to_one_minus_p_max"), "k^", label="max")
-    bound = gradients["bound"]["ratio_to_one_minus_p_upper_bound"]
-    if bound is not None:
-        axes[1, 0].axhline(bound, color="r", linestyle="--", label="bound sqrt(2)·σmax(W)/T")
-    axes[1, 0].set_title("||dlogπ_t/dh_t|| / (1 - π_t)")
-    axes[1, 0].set_yscale("log")  # the bound is loose: it is often orders of magnitude above the measured ratio
-    axes[1, 0].legend(fontsize=8)
-    if rows and "summed_grad_norm" in rows[0]:
-        axes[1, 1].bar(positions, values("summed_grad_norm"), 0.6, label="||Σ grad||")
-        twin = axes[1, 1].twinx()
-        twin.plot(positions, values("cos_with_full"), "ko-", label="cos with full")
-        twin.set_ylim(-1, 1)
-        twin.set_ylabel("cosine with full gradient")
-        axes[1, 1].set_title("summed parameter gradient per quartile")
-        axes[1, 1].legend(loc="lower left", fontsize=8)
-        twin.legend(loc="lower right", fontsize=8)
-    else:
-        axes[1, 1].set_axis_off()
-    edges = ", ".join(f"{edge:.3g}" for edge in gradients["quartile_edges"] if edge is not None)
-    for axis in axes.flat:
-        if axis.axison:
-            axis.set_xticks(positions)
-            axis.set_xticklabels(labels, fontsize=8)
-    figure.suptitle(f"Token diagnostics by π_old quartile (edges {edges})")
-    figure.subplots_adjust(left=0.06, right=0.94, bottom=0.08, top=0.9, hspace=0.4, wspace=0.3)
-    path = output_dir / "gradients.png"
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    written.append(str(path))
-
+    ratio = bars("‖dlogπ_t/dh_t‖ / (1 - π_t)", mean="ratio_to_one_minus_p_mean", max="ratio_to_one_minus_p_max")
+    ratio.hlines = {"bound √2·σmax(W)/T": gradients["bound"]["ratio_to_one_minus_p_upper_bound"]}
+    ratio.yscale = "log"  # the bound is loose: often orders of magnitude above the measured ratio
+    panels = [bars("mean |w| per token", **{"with KL": "abs_w_mean", "without KL": "abs_w_no_kl_mean"}),
+              bars("mean ‖dL/dh_t‖ (last hidden state)", mean="hidden_grad_norm_mean"), ratio]  # fmt: skip
+    if "summed_grad_norm" in rows[0]:
+        panels += [bars("‖summed parameter gradient‖", norm="summed_grad_norm"),
+                   bars("cosine with the full gradient", cosine="cos_with_full")]  # fmt: skip
+    edges = ", ".join(_fmt(edge) for edge in gradients["quartile_edges"])
+    title = f"Token diagnostics by π_old quartile (edges {edges})"
+    written = [plot_panels(output_dir / "gradients.png", panels, title)]
     probe = report.get("probe")
     if probe and probe.get("methods"):
-        methods = list(probe["methods"])
-        figure, axes = plt.subplots(2, 2, figsize=(13, 8))
-        width = 0.8 / len(methods)
-        for col, sign in enumerate(_PROBE_SIGNS):
-            for index, method in enumerate(methods):
-                groups = probe["methods"][method]["groups"]
-                shares = [groups[f"q{j}"][sign]["share_in_direction"] for j in range(4)]
-                deltas = [groups[f"q{j}"][sign]["mean_delta_prob"] for j in range(4)]
-                offsets = [p - 0.4 + width * (index + 0.5) for p in positions]
-                axes[0, col].bar(offsets, [s if s is not None else 0.0 for s in shares], width, label=method)
-                axes[1, col].bar(offsets, [d if d is not None else 0.0 for d in deltas], width, label=method)
-            axes[0, col].set_title(f"share of {sign}-advantage tokens moved in their direction")
-            axes[0, col].set_ylim(0, 1)
-            axes[1, col].set_title(f"mean Δπ of {sign}-advantage tokens")
-            for row in range(2):
-                axes[row, col].set_xticks(positions)
-                axes[row, col].set_xticklabels(QUARTILE_LABELS, fontsize=8)
-        axes[0, 0].legend(fontsize=8)
-        figure.suptitle(
-            f"One {probe['optimizer']} step (lr={probe['lr']:g}, α={probe['alpha']:g}, η={probe['eta']:g})"
-        )
-        figure.subplots_adjust(left=0.06, right=0.98, bottom=0.08, top=0.9, hspace=0.35, wspace=0.2)
-        path = output_dir / "probability_shift.png"
-        figure.savefig(path, dpi=110)
-        plt.close(figure)
-        written.append(str(path))
+        panels = []
+        titles = {"share_in_direction": "share of {} tokens moved their way", "mean_delta_prob": "mean Δπ, {} tokens"}
+        for key, title in titles.items():
+            for sign in SIGNS:
+                series = {method: (positions, [result["groups"][f"q{j}"][sign][key] or 0.0 for j in positions])
+                          for method, result in probe["methods"].items()}  # fmt: skip
+                panels.append(Panel(title.format(f"{sign}-advantage"), series, kind="bar", xticklabels=QUARTILE_LABELS,
+                                    ylim=(0, 1) if key == "share_in_direction" else None))  # fmt: skip
+        title = f"One {probe['optimizer']} update (lr={probe['lr']:g}, α={probe['alpha']:g}, η={_fmt(probe['eta'])})"
+        written.append(plot_panels(output_dir / "probability_shift.png", panels, title))
     return written
-
-
-def format_tables(report: dict[str, Any]) -> str:
-    """
-    Renders the main numbers of a `run_token_diagnostics` report as Markdown tables.
-
-    Args:
-        report (`dict[str, Any]`):
-            Output of `run_token_diagnostics`.
-
-    Returns:
-        `str`: Markdown text.
-    """
-
-    def fmt(value: Any) -> str:
-        if value is None:
-            return "-"
-        if isinstance(value, float):
-            return f"{value:.4g}"
-        return str(value)
-
-    gradients = report["gradients"]
-    lines = []
-    if report.get("inner_steps"):
-        inner = report["inner_steps"]
-        lines += [f"Measured after {inner['steps']} Adam step(s) (lr {fmt(inner['lr'])}, ‖Δθ‖ "
-                  f"{fmt(inner['update_norm'])}) of GRPO on the batch; reference and π_old = the sampling model.", ""]
-    lines += [
-        f"Tokens: {gradients['num_tokens']} in {gradients['num_completions']} completions; quartile edges of π_old: "
-        + ", ".join(fmt(edge) for edge in gradients["quartile_edges"]),
-        "",
-        "| quartile | n | mean π | mean |w| (KL) | median |w| (KL) | mean |w| (no KL) | median |w| (no KL) "
-        "| mean ‖dL_t/dh‖ | mean ‖dlogπ/dh‖/(1-π) | max ratio | ‖Σ grad‖ | cos(full) | share of full |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in gradients["quartiles"]:
-        lines.append("| " + " | ".join(fmt(row.get(key)) for key in (
-            "label", "count", "prob_mean", "abs_w_mean", "abs_w_median", "abs_w_no_kl_mean", "abs_w_no_kl_median",
-            "hidden_grad_norm_mean", "ratio_to_one_minus_p_mean", "ratio_to_one_minus_p_max", "summed_grad_norm",
-            "cos_with_full", "contribution_to_full")) + " |")
-    lines.append("")
-    lines.append(f"Bound on ‖dlogπ/dh‖/(1-π): {fmt(gradients['bound']['ratio_to_one_minus_p_upper_bound'])}; "
-                 f"KL reference: {gradients['kl_reference']}")
-    lines.append("Lowest/highest quartile: " + ", ".join(
-        f"{key} {fmt(value)}" for key, value in gradients["lowest_over_highest"].items()))
-    if gradients.get("summed_grad_cosine"):
-        lines += ["", "Cosine between quartiles' summed gradients:", "", "| | Q1 | Q2 | Q3 | Q4 |",
-                  "|---|---|---|---|---|"]
-        for j, row in enumerate(gradients["summed_grad_cosine"]):
-            lines.append(f"| Q{j + 1} | " + " | ".join(fmt(value) for value in row) + " |")
-    probe = report.get("probe")
-    if probe and probe.get("methods"):
-        lines += ["", f"Probability shift after one {probe['optimizer']} step (lr {fmt(probe['lr'])}, alpha "
-                      f"{fmt(probe['alpha'])}, eta {fmt(probe['eta'])}): share moved in the direction of the "
-                      "advantage (mean Δπ)", ""]
-        for sign in _PROBE_SIGNS:
-            lines += [f"{sign} advantages ({probe['token_counts'][sign]} tokens):", "",
-                      "| method | all | Q1 | Q2 | Q3 | Q4 | ‖Δθ‖ |", "|---|---|---|---|---|---|---|"]
-            for method, result in probe["methods"].items():
-                cells = []
-                for group in ("all", "q0", "q1", "q2", "q3"):
-                    entry = result["groups"][group][sign]
-                    cells.append(f"{fmt(entry['share_in_direction'])} ({fmt(entry['mean_delta_prob'])})")
-                lines.append(f"| {method} | " + " | ".join(cells) + f" | {fmt(result['update_norm'])} |")
-            lines.append("")
-    return "\n".join(lines)

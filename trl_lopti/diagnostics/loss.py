@@ -1,0 +1,192 @@
+"""The oracle: the gradient of TRL's own `GRPOTrainer._compute_loss` w.r.t. each token's log-probability and entropy."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+from ..tasks._text import completion_to_text
+
+
+TRL_BATCH_KEYS = (
+    "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "num_items_in_batch",
+    "old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps", "importance_sampling_ratio", "tool_mask",
+)  # fmt: skip
+"""The keys of a batch of TRL 1.16's `_generate_and_score_completions` that its loss reads (text models)."""
+
+
+def trl_batch(micro_batches: Sequence[dict[str, Any]], device: torch.device | None = None) -> dict[str, Any]:
+    """One batch (on `device`) from batches of `_generate_and_score_completions` or the micro-batches TRL split one
+    into: rows concatenated, TRL's keys only (`TRL_BATCH_KEYS`), a key that some micro-batch lacks left out.
+    `num_items_in_batch` (one scalar for a whole generation batch) is the first one's, or counted."""
+    batch = {}
+    for key in TRL_BATCH_KEYS:
+        values = [micro_batch.get(key) for micro_batch in micro_batches]
+        if all(isinstance(value, torch.Tensor) for value in values):
+            value = values[0] if values[0].dim() == 0 else torch.cat(values)
+            batch[key] = value.to(device) if device is not None else value
+    batch.setdefault("num_items_in_batch", loss_mask(batch).sum())
+    return batch
+
+
+def generation_batch(trainer: GRPOTrainer) -> dict[str, Any] | None:
+    """The generation batch the trainer trains on now (TRL's `trainer._buffered_inputs`, joined), `None` before one."""
+    buffered = getattr(trainer, "_buffered_inputs", None)
+    return trl_batch(buffered) if buffered else None
+
+
+def loss_mask(inputs: dict[str, Any]) -> torch.Tensor:
+    """The tokens TRL's loss sums over: `completion_mask`, times `tool_mask` when present."""
+    mask = inputs["completion_mask"]
+    return mask * inputs["tool_mask"] if inputs.get("tool_mask") is not None else mask
+
+
+def sample_generation_batch(trainer: GRPOTrainer, rows: Sequence[dict[str, Any]]) -> tuple[dict, dict]:
+    """
+    One generation batch of `rows` (dataset rows: a `prompt` and the columns the rewards read), generated, scored and
+    given advantages by the trainer (TRL's or a `LoptiGRPOTrainer`) exactly as in training: each row repeated
+    `num_generations` times, consecutively, as TRL's `RepeatSampler` does, through `_generate_and_score_completions`.
+
+    Returns:
+        `tuple[dict, dict]`: The batch (`trl_batch`) and a summary (rewards, lengths, zero-advantage completions, three
+        sample texts; from TRL's completions log `trainer._logs`).
+    """
+    repeated = [dict(row) for row in rows for _ in range(trainer.num_generations)]
+    was_training = trainer.model.training
+    trainer.model.train()
+    try:
+        inputs = trl_batch([trainer._generate_and_score_completions(repeated)])
+    finally:
+        trainer.model.train(was_training)
+    per_function = torch.tensor([list(values) for values in trainer._logs["rewards"].values()], dtype=torch.float32)
+    rewards = torch.nan_to_num(per_function[:, -len(repeated) :], nan=0.0).sum(0)
+    texts = [completion_to_text(completion) for completion in list(trainer._logs["completion"])[-len(repeated) :]]
+    summary = {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "rewards": rewards.tolist(),
+        "completion_length_mean": float(inputs["completion_mask"].sum(1).float().mean()),
+        "num_completions": int(inputs["completion_ids"].size(0)),
+        "num_zero_advantage_completions": int((inputs["advantages"] == 0).sum()),
+        "sample_completions": texts[:3],
+    }
+    return inputs, summary
+
+
+def trl_forward(
+    trainer: GRPOTrainer, model: torch.nn.Module, inputs: dict[str, Any], rows: slice = slice(None),
+    micro_batch_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probabilities and entropies of the completions of `rows`, by TRL's own forward (its fused LM head,
+    temperature and autocast), with gradient where grad mode is on."""
+    input_ids = torch.cat([inputs["prompt_ids"][rows], inputs["completion_ids"][rows]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"][rows], inputs["completion_mask"][rows]], dim=1)
+    logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+        trainer, model, input_ids, attention_mask, inputs["completion_ids"].size(1), batch_size=micro_batch_size,
+        compute_entropy=True,
+    )
+    return logps, entropies
+
+
+@contextlib.contextmanager
+def shadowed(obj: Any, **values: Any) -> Iterator[None]:
+    """Sets instance attributes of `obj` for the block (shadowing methods of its class), then restores its own."""
+    saved = {name: obj.__dict__[name] for name in values if name in obj.__dict__}
+    obj.__dict__.update(values)
+    try:
+        yield
+    finally:
+        for name in values:
+            del obj.__dict__[name]
+        obj.__dict__.update(saved)
+
+
+@contextlib.contextmanager
+def metrics_kept(trainer: GRPOTrainer) -> Iterator[None]:
+    """Restores `trainer._metrics` after the block: what TRL's loss logs during a diagnostic call never reaches the
+    training logs."""
+    saved = {mode: {key: list(values) for key, values in metrics.items()} for mode, metrics in trainer._metrics.items()}
+    try:
+        yield
+    finally:
+        for mode, metrics in trainer._metrics.items():
+            metrics.clear()
+            metrics.update(saved.get(mode, {}))
+
+
+def trl_loss_gradients(
+    trainer: GRPOTrainer, inputs: dict[str, Any], per_token_logps: torch.Tensor, entropies: torch.Tensor,
+    without_kl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    `d L / d log pi_t` and `d L / d H_t` (B, T) of TRL's loss `L = GRPOTrainer._compute_loss(model, inputs)` at the
+    values `per_token_logps` and `entropies` of TRL's forward on `inputs`: the weight TRL gives each token, for every
+    loss type and option (a `LoptiGRPOTrainer`'s too: TRL's loss, without AR or Lopti).
+
+    The one patch: for this call, the trainer's `_get_per_token_logps_and_entropies` returns these values as leaf
+    tensors (the variables of the derivative). With `trainer.model` in eval mode the loss takes TRL's evaluation branch
+    (no gradient-accumulation factor, no entropy-controller update); what TRL logs meanwhile is discarded.
+
+    Args:
+        without_kl (`bool`, *optional*, defaults to `False`):
+            Differentiate TRL's loss at `beta = 0` on the same batch: `beta` touches nothing but the KL term, so that
+            is exactly the loss without it.
+    """
+    logps = per_token_logps.detach().clone().requires_grad_(True)
+    entropy = entropies.detach().clone().requires_grad_(True)
+    aux_loss = torch.zeros((), device=logps.device) if trainer.aux_loss_enabled else None  # not a token's: left out
+
+    def leaf_forward(*args: Any, **kwargs: Any):
+        return logps, entropy, aux_loss
+
+    beta = 0.0 if without_kl else trainer.beta  # TRL's loss at beta 0: the same loss without its KL term
+    # the one patch: TRL's forward returns the leaves, so that autograd differentiates TRL's loss w.r.t. them
+    with shadowed(trainer, _get_per_token_logps_and_entropies=leaf_forward, beta=beta), metrics_kept(trainer):
+        with torch.enable_grad():
+            loss = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+    grads = torch.autograd.grad(loss, (logps, entropy), allow_unused=True)
+    return tuple(torch.zeros_like(leaf) if grad is None else grad for leaf, grad in zip((logps, entropy), grads))
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters with `requires_grad`, in `model.parameters()` order (the order of the flat gradients)."""
+    return [param for param in model.parameters() if param.requires_grad]
+
+
+def summed_parameter_gradients(
+    trainer: GRPOTrainer, model: torch.nn.Module, inputs: dict[str, Any],
+    token_gradients: Sequence[tuple[torch.Tensor, torch.Tensor]], micro_batch_size: int = 4,
+) -> list[torch.Tensor]:
+    """
+    Flat parameter gradients `sum_t (g_t * d log pi_t / d theta + h_t * d H_t / d theta)`, one per `(g, h)` pair of
+    (B, T) weights in `token_gradients`.
+
+    With `(g, h)` = `trl_loss_gradients` times a token mask, this is exactly the part of the gradient of TRL's loss
+    that flows through those tokens (the chain rule); masks that partition the tokens give gradients that add up to
+    the full one. Per micro-batch of `micro_batch_size` completions: one forward with grad (`trl_forward`) and one
+    backward per pair (`torch.autograd.grad`: `param.grad` is not touched). Float32 buffers (float64 models: float64).
+    """
+    params = trainable_parameters(model)
+    dtype = torch.promote_types(params[0].dtype, torch.float32)
+    sums = [torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device) for _ in token_gradients]
+    for start in range(0, inputs["completion_ids"].size(0), micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        pairs = [(index, g[rows], h[rows]) for index, (g, h) in enumerate(token_gradients)]
+        pairs = [(index, g, h) for index, g, h in pairs if g.any() or h.any()]
+        if not pairs:  # e.g. a group whose rewards are all equal and no KL: no gradient, no forward
+            continue
+        with torch.enable_grad():
+            logps, entropies = trl_forward(trainer, model, inputs, rows)
+        for position, (index, g, h) in enumerate(pairs):
+            outputs, weights = ((logps, entropies), (g, h)) if h.any() else ((logps,), (g,))
+            grads = torch.autograd.grad(outputs, params, weights, retain_graph=position < len(pairs) - 1,
+                                        allow_unused=True)  # fmt: skip
+            sums[index] += torch.cat([
+                (grad if grad is not None else torch.zeros_like(param)).reshape(-1).to(dtype)
+                for grad, param in zip(grads, params)
+            ])  # fmt: skip
+    return sums
