@@ -39,7 +39,7 @@ from .errors import CliError
 logger = logging.getLogger("trl_lopti.diagnostics")
 
 SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct")
-"""`--model_name_or_path` values that mean the offline SmolLM2-135M-Instruct of `trl_lopti.models.get_smollm2`."""
+"""`--model_name_or_path` values that mean the offline SmolLM2-135M-Instruct of `trl_lopti.cli.demo_model.get_smollm2`."""
 
 BUILTIN_REWARDS: dict[str, Callable[..., list[float]]] = {
     "constant": constant_reward,
@@ -131,15 +131,14 @@ def make_parser():
     The parser of `trl-lopti diagnose`: `(DiagnoseArguments, LoptiGRPOConfig, trl.ModelConfig)`, with its defaults.
 
     Returns:
-        [`~trl_lopti.cli.parsing.LoptiTrlParser`]: The parser.
+        [`~trl.TrlParser`]: The parser.
     """
     import torch
-    from trl import ModelConfig
+    from trl import ModelConfig, TrlParser
 
     from ..config import LoptiGRPOConfig
-    from .parsing import LoptiTrlParser
 
-    parser = LoptiTrlParser((DiagnoseArguments, LoptiGRPOConfig, ModelConfig), prog="trl-lopti diagnose")
+    parser = TrlParser((DiagnoseArguments, LoptiGRPOConfig, ModelConfig), prog="trl-lopti diagnose")
     parser.set_defaults(**DIAGNOSE_TRAINING_DEFAULTS, use_cpu=not torch.cuda.is_available())
     return parser
 
@@ -177,12 +176,12 @@ def parse_args(argv: Sequence[str]) -> tuple:
 def resolve_model_path(name_or_path: str) -> str:
     """A model to load: the cached SmolLM2 folder for `smollm2` (see `SMOLLM2_NAMES`), else a local folder or hub id."""
     if name_or_path.lower() in SMOLLM2_NAMES and not Path(name_or_path).exists():
-        from ..models import get_smollm2
+        from .demo_model import get_smollm2
 
         return get_smollm2()
-    from .train_inputs import resolve_model
+    from .parsing import check_model_name_or_path
 
-    return resolve_model(name_or_path)["model_name_or_path"]
+    return check_model_name_or_path(name_or_path)
 
 
 def task_rows(
