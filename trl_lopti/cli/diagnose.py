@@ -39,7 +39,7 @@ from .errors import CliError
 logger = logging.getLogger("trl_lopti.diagnostics")
 
 SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct")
-"""`--model_name_or_path` values that mean the offline SmolLM2-135M-Instruct of `trl_lopti.cli.demo_model.get_smollm2`."""
+"""`--model_name_or_path` values that mean the offline SmolLM2-135M-Instruct (`trl_lopti.cli.demo_model`)."""
 
 BUILTIN_REWARDS: dict[str, Callable[..., list[float]]] = {
     "constant": constant_reward,

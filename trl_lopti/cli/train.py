@@ -73,13 +73,11 @@ class LoptiScriptArguments(ScriptArguments):
         kk_num_eval_samples (`int`, *optional*, defaults to `100`):
             Generated K&K evaluation puzzles, none of them a training puzzle.
         kk_seed (`int`, *optional*, defaults to `0`):
-            Seed of the K&K generator and of the shuffle before `max_train_samples`.
+            Seed of the K&K generator.
         kk_prefill_think (`bool`, *optional*, defaults to `True`):
             End generated and hub K&K prompts with an assistant `"<think>"` to continue (the paper's always do).
         kk_data_dir (`str`, *optional*), math_data_file (`str`, *optional*):
             A local copy of the authors' files: K&K laid out as `{3..7}ppl/{train,test}.parquet`; the math file.
-        max_train_samples (`int`, *optional*):
-            Keep this many training rows, drawn after a shuffle with `kk_seed`.
         dry_run (`bool`, *optional*, defaults to `False`):
             Parse and validate, print the resolved configuration and exit without loading a model or a dataset.
     """
@@ -94,11 +92,10 @@ class LoptiScriptArguments(ScriptArguments):
     kk_num_people: list[int] = field(default_factory=lambda: [3], metadata={"help": "K&K puzzle sizes (2-8)."})
     kk_num_samples: int = field(default=1000, metadata={"help": "Generated K&K training puzzles."})
     kk_num_eval_samples: int = field(default=100, metadata={"help": "Generated K&K evaluation puzzles."})
-    kk_seed: int = field(default=0, metadata={"help": "Seed of the K&K generator and of the max_train_samples draw."})
+    kk_seed: int = field(default=0, metadata={"help": "Seed of the K&K generator."})
     kk_prefill_think: bool = field(default=True, metadata={"help": "End K&K prompts with an assistant '<think>'."})
     kk_data_dir: str | None = field(default=None, metadata={"help": "kk_source 'paper': a local copy of the files."})
     math_data_file: str | None = field(default=None, metadata={"help": "A paper math set: a local copy of its file."})
-    max_train_samples: int | None = field(default=None, metadata={"help": "Keep this many training rows."})
     dry_run: bool = field(default=False, metadata={"help": "Print the resolved configuration; load no model."})
 
     def __post_init__(self):
@@ -132,12 +129,7 @@ def make_parser():
 
 
 def parse_train_args(argv: Sequence[str]) -> tuple:
-    """
-    Parses `trl-lopti train` arguments: `--config FILE.yaml` supplies defaults, flags override them.
-
-    Returns:
-        `tuple[LoptiScriptArguments, LoptiGRPOConfig, trl.ModelConfig]`: The parsed arguments.
-    """
+    """`(LoptiScriptArguments, LoptiGRPOConfig, ModelConfig)` from `--config FILE.yaml` and flags, which override it."""
     import torch
 
     args = list(argv)
@@ -229,13 +221,8 @@ def _any_data(args: LoptiScriptArguments, with_eval: bool) -> tuple:
     return load(args.dataset_train_split), load(args.dataset_test_split) if with_eval else None
 
 
-def build_datasets(script_args: LoptiScriptArguments, training_args):
-    """
-    Loads the training set of the task and, when `eval_strategy` is not `"no"`, its evaluation set.
-
-    Returns:
-        `tuple[datasets.Dataset, datasets.Dataset | None]`: Train and eval datasets, both with a `prompt` column.
-    """
+def build_datasets(script_args: LoptiScriptArguments, training_args) -> tuple:
+    """The task's training set and, when `eval_strategy` is not `"no"`, its evaluation set (else `None`)."""
     task_data = {"knights_knaves": _knights_knaves_data, "math": _math_data, "dataset": _any_data}[script_args.task]
     try:
         train, evaluation = task_data(script_args, training_args.eval_strategy != "no")
@@ -243,9 +230,6 @@ def build_datasets(script_args: LoptiScriptArguments, training_args):
         raise CliError(f"cannot load the {script_args.task} data: {error}") from error
     if "prompt" not in train.column_names:
         raise CliError(f"dataset_name: the training data has no 'prompt' column (columns: {train.column_names})")
-    if script_args.max_train_samples is not None:
-        train = train.shuffle(seed=script_args.kk_seed)
-        train = train.select(range(min(script_args.max_train_samples, len(train))))
     return train, evaluation
 
 
@@ -257,12 +241,7 @@ def policy_model_init_kwargs(training_args, model_args) -> dict[str, Any]:
 
 
 def run_training(script_args, training_args, model_args):
-    """
-    Builds the datasets, the rewards and a [`LoptiGRPOTrainer`], then trains and saves, as `trl grpo` does.
-
-    Returns:
-        [`LoptiGRPOTrainer`]: The trainer after training.
-    """
+    """Builds the datasets, the rewards and a [`LoptiGRPOTrainer`], then trains and saves as `trl grpo` does."""
     from transformers import AutoTokenizer
     from trl import get_peft_config, get_quantization_config
 
