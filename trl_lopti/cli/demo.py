@@ -28,27 +28,19 @@ from .parsing import check_model_name_or_path, parse_with_config
 
 DEMO_TRAINING_DEFAULTS: dict[str, Any] = {
     "output_dir": "outputs/demo",
-    "per_device_train_batch_size": 32,  # 4 prompts x 8 completions per generation batch
-    "gradient_accumulation_steps": 1,
-    "num_generations": 8,
+    "per_device_train_batch_size": 32,  # 4 prompts x 8 completions (num_generations) per generation batch
     "max_completion_length": 4,  # " 15." is 4 tokens; the first number is all the reward reads
     "learning_rate": 2e-5,  # far above the paper's 1e-6: this run is 6 generation batches long
     "lr_scheduler_type": "constant",
-    "warmup_steps": 0,
-    "temperature": 1.0,
-    "top_k": 0,
-    "top_p": 1.0,
-    "beta": 0.0,
     "gradient_checkpointing": False,
     "use_cpu": True,
     "bf16": False,
     "logging_steps": 1,
     "save_strategy": "no",
-    "report_to": "none",
-    "dataloader_num_workers": 0,
     "seed": 0,
 }
-"""Defaults of `trl-lopti demo` for fields of `LoptiGRPOConfig` (flags and `--config` override them)."""
+"""Defaults of `trl-lopti demo` for fields of `LoptiGRPOConfig` (flags and `--config` override them). The others keep
+their `LoptiGRPOConfig` defaults: temperature 1 (top_k 0, top_p 1), beta 0, alpha 0.3, eta 0.5, no `report_to`."""
 
 
 @dataclass
