@@ -139,8 +139,8 @@ def test_bad_flags_name_the_flag(tmp_path, base, run_cli):
 # Datasets
 # ---------------------------------------------------------------------------------------------------------------------
 def test_generated_knights_knaves_with_an_eval_split(tmp_path, base):
-    config = write_yaml(tmp_path / "kk.yaml", {**base, "kk_num_people": [2, 3], "kk_num_samples": 6,
-                                               "kk_num_eval_samples": 3, "eval_strategy": "steps", "eval_steps": 1})  # fmt: skip
+    values = {**base, "kk_num_people": [2, 3], "kk_num_samples": 6, "kk_num_eval_samples": 3, "eval_strategy": "steps"}
+    config = write_yaml(tmp_path / "kk.yaml", values)
     script_args, training_args, _ = parse_train_args(["--config", config])
     train, evaluation = build_datasets(script_args, training_args)
     assert len(train) == 6 and len(evaluation) == 3 and sorted(set(train["num_people"])) == [2, 3]
@@ -168,16 +168,15 @@ def test_local_data_files_folders_and_saved_datasets(tmp_path, base):
         config_path = write_yaml(tmp_path / "d.yaml", {**config, "dataset_name": str(name)})
         train, evaluation = build_datasets(*parse_train_args(["--config", config_path])[:2])
         assert train.to_list() == train_rows and evaluation.to_list() == eval_rows, name
-    script_args, training_args, _ = parse_train_args(["--config", config_path, "--max_train_samples", "2"])
-    train, _ = build_datasets(script_args, training_args)
-    assert len(train) == 2 and set(train["prompt"]) <= {row["prompt"] for row in rows[:4]}
+    # datasets' split slicing keeps part of a split
+    argv = ["--config", config_path, "--dataset_name", str(folder), "--dataset_train_split", "train[:1]"]
+    assert build_datasets(*parse_train_args(argv)[:2])[0].to_list() == rows[:1]
 
-    for dataset_name, message in ((tmp_path / "missing.jsonl", "missing.jsonl"), (tmp_path / "noprompt.jsonl", "prompt")):
-        if dataset_name.name == "noprompt.jsonl":
-            dataset_name.write_text(json.dumps({"question": "x"}) + "\n")
-        script_args, training_args, _ = parse_train_args(["--config", config_path, "--dataset_name", str(dataset_name)])
+    (tmp_path / "noprompt.jsonl").write_text(json.dumps({"question": "x"}) + "\n")
+    for name, message in (("missing.jsonl", "missing.jsonl"), ("noprompt.jsonl", "prompt")):
+        argv = ["--config", config_path, "--dataset_name", str(tmp_path / name)]
         with pytest.raises(CliError, match=message):
-            build_datasets(script_args, training_args)
+            build_datasets(*parse_train_args(argv)[:2])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
