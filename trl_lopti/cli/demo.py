@@ -65,7 +65,7 @@ class DemoArguments:
         if self.rollout_batches < 1 or self.eval_samples < 1:
             raise ValueError("rollout_batches and eval_samples: must be positive integers")
         if not 1 <= self.num_eval_pairs <= 99:
-            raise ValueError(f"num_eval_pairs: must lie in [1, 99] got {self.num_eval_pairs}")
+            raise ValueError(f"num_eval_pairs: must lie in [1, 99], got {self.num_eval_pairs}")
 
 
 def make_parser():
