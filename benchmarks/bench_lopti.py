@@ -325,7 +325,7 @@ def token_parity_reward(completion_ids: list[list[int]], **kwargs) -> list[float
 def prepare_model(size: BenchmarkSize, work_dir: Path, seed: int) -> str:
     """Returns a local model folder for `size` (built or converted offline)."""
     if size.model == "smollm2":
-        from trl_lopti.models import get_smollm2
+        from trl_lopti.cli.demo_model import get_smollm2
 
         return get_smollm2()
     if size.model == "random-qwen2":

@@ -883,7 +883,7 @@ def _resolve_model(args: CompareArguments, scratch: str) -> tuple[str, str]:
         from trl_lopti.models import build_tiny_model
 
         return build_tiny_model(Path(scratch) / "tiny-model", seed=0), "tiny random Qwen2 (trl_lopti.models)"
-    from trl_lopti.models import get_smollm2
+    from trl_lopti.cli.demo_model import get_smollm2
 
     return get_smollm2(), "SmolLM2-135M-Instruct (offline, trl_lopti.models)"
 

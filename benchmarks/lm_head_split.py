@@ -51,7 +51,7 @@ def _load(model: str, tmp: str) -> tuple[Any, int]:
     from transformers import AutoModelForCausalLM
 
     if model == "smollm2":
-        from trl_lopti.models import get_smollm2
+        from trl_lopti.cli.demo_model import get_smollm2
 
         path = get_smollm2()
     else:

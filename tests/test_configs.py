@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from trl_lopti.cli import parse_train_args, resolved_config
+from trl_lopti.cli.train import parse_train_args, resolved_config
 
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -56,7 +56,7 @@ def test_the_presets_of_the_issue_exist():
 @pytest.mark.parametrize("path", TRAINING_PRESETS, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_preset_reproduces_the_authors_script(path, capsys):
     script_args, training_args, model_args = parse_train_args(["--config", str(path), "--dry_run"])
-    resolved = resolved_config(script_args, training_args, model_args)  # validates model, dataset spec and rewards
+    resolved = resolved_config(script_args, training_args, model_args)  # imports the reward functions
     group = path.parent.name
     text = path.read_text()
 
@@ -120,19 +120,16 @@ def test_preset_reproduces_the_authors_script(path, capsys):
     # Data: the paper's split, prompt text and grader.
     if group == "math":
         assert script_args.task == "math" and model_args.model_name_or_path == "Qwen/Qwen2.5-7B"
-        assert resolved["dataset"] == {"task": "math", "source": "paper", "name": "dsr_uniform", "data_file": None}
+        assert script_args.dataset_name == "dsr_uniform" and script_args.math_data_file is None
         assert resolved["reward_funcs"] == ["math_reward"]
     else:
         assert script_args.task == "knights_knaves" and script_args.kk_source == "paper"
-        assert resolved["dataset"] == {
-            "task": "knights_knaves", "num_people": [3, 4, 5, 6, 7], "prefill_think": True, "source": "paper",
-            "data_dir": None, "eval_split": "test",
-        }  # fmt: skip
+        assert script_args.kk_num_people == [3, 4, 5, 6, 7] and script_args.kk_data_dir is None
+        assert training_args.eval_strategy == "steps" and script_args.dataset_test_split == "test"
         assert training_args.eval_steps == SCRIPT["test_freq"] * optimizer_steps_per_pass * passes
         assert resolved["reward_funcs"] == ["knights_knaves_reward"]
         model_slug = path.stem.split("_")[0]
         assert model_args.model_name_or_path.lower() == "qwen/" + model_slug
-    assert resolved["model"]["source"] == "hub"
 
     # Precision and launcher: fp32 master weights with bf16 compute (tests/test_precision.py runs the step), loaded
     # on the CPU for the launcher to shard; the header's launcher is sharded FSDP2 with bf16 mixed precision, with CPU
@@ -228,3 +225,49 @@ def test_accelerate_config_loads_with_accelerate(path):
         gpu_ids = str(config.gpu_ids).split(",")
         assert len(gpu_ids) == config.num_processes and "0" not in gpu_ids  # GPU 0 is left to `vllm serve`
     assert re.search(r"-m trl_lopti train[\s\\#]*--config configs/", path.read_text())  # a shell line may wrap
+
+
+def write_paper_data(folder: Path) -> dict:
+    """Local copies of the authors' files, in their layout and columns: K&K (3 people) and DSR-uniform."""
+    import datasets
+
+    from trl_lopti.tasks import knights_knaves as kk
+
+    def kk_row(puzzle, index):
+        return {**puzzle, "index": index, "prompt": [{"content": kk.paper_prompt(puzzle["quiz"]), "role": "user"}]}
+
+    indices = [100, 101, 102, 103, 1000, 1001]  # the paper's train and test ranges
+    rows = [kk_row(puzzle, index) for puzzle, index in zip(kk.generate_puzzles(3, len(indices), seed=0), indices)]
+    (folder / "3ppl").mkdir(parents=True)
+    datasets.Dataset.from_list(rows[:4]).to_parquet(str(folder / "3ppl" / "train.parquet"))
+    datasets.Dataset.from_list(rows[4:]).to_parquet(str(folder / "3ppl" / "test.parquet"))
+    suffix = "Let's think step by step and output the final answer within \\boxed{}."
+    math_rows = [{"prompt": [{"content": f"What is {i} + {i}? {suffix}", "role": "user"}],
+                  "reward_model": {"ground_truth": str(2 * i), "style": "rule"}} for i in range(4)]  # fmt: skip
+    datasets.Dataset.from_list(math_rows).to_parquet(str(folder / "dsr.parquet"))
+    return {"kk": ["--kk_num_people", "3", "--kk_data_dir", str(folder)],
+            "math": ["--math_data_file", str(folder / "dsr.parquet")]}  # fmt: skip
+
+
+PRESETS_TRAINED = ["kk/qwen2.5-3b-instruct_ar_lopti.yaml", "kk/qwen2.5-3b-instruct_reinforce_pp_ar_lopti.yaml",
+                   "math/qwen2.5-7b_dsr_uniform_lopti.yaml"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PRESETS_TRAINED)
+def test_preset_trains_a_tiny_model_through_the_cli(name, tmp_path, tiny_model_path):
+    """The preset's own loss, KL, estimator, precision and data settings in a real run: only sizes, the model and the
+    data files (local copies of the authors') are overridden."""
+    from trl_lopti.cli.train import run_training
+
+    local_data = write_paper_data(tmp_path / "data")[name.split("/")[0]]
+    argv = ["--config", str(CONFIGS / name), "--model_name_or_path", tiny_model_path, "--output_dir",
+            str(tmp_path / "out"), "--use_cpu", "true", "--report_to", "none", "--max_steps", "2",
+            "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--steps_per_generation", "1",
+            "--num_generations", "4", "--max_completion_length", "8", "--eval_strategy", "no", "--save_strategy", "no",
+            *local_data]  # fmt: skip
+    trainer = run_training(*parse_train_args(argv))
+    assert trainer.state.global_step == 2 and trainer.args.beta == SCRIPT["KL_COEF"] and trainer.ref_model is not None
+    logged = {key for entry in trainer.state.log_history for key in entry}
+    assert {"lopti/loss_low_pass", "lopti/loss_high_pass", "kl"} <= logged  # both Lopti passes ran, with the KL term
+    assert (tmp_path / "out" / "model.safetensors").is_file()

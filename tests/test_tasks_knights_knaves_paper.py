@@ -8,7 +8,6 @@ import re
 
 import pytest
 
-from trl_lopti.tasks import build_task_datasets
 from trl_lopti.tasks import knights_knaves as kk
 
 
@@ -113,36 +112,56 @@ def test_paper_split_rejects_overlapping_splits_and_foreign_prompts(tmp_path):
 
 
 def test_paper_files_are_read_from_the_authors_repository_by_default(monkeypatch):
+    import datasets
+
     read = []
 
-    def fake_load_parquet(sources):
-        read.append(sources)
+    def fake_load_dataset(builder, data_files, split):
+        read.append(data_files)
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(kk.data, "load_parquet", fake_load_parquet)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     with pytest.raises(RuntimeError, match="stop here"):
         kk.load_knights_knaves_dataset(split="test")
     base = "https://raw.githubusercontent.com/zhyang2226/AR-Lopti/cbeb333376decdfe571fa8613bdebcfcc526628d"
     assert read == [[f"{base}/data/kk/instruct/{size}ppl/train.parquet" for size in (3, 4, 5, 6, 7)]]
 
 
-def test_build_task_datasets_and_the_cli_use_the_paper_split(tmp_path):
-    from trl_lopti.cli import build_datasets, parse_train_args
+def cli_datasets(tmp_path, *flags):
+    from trl_lopti.cli.train import build_datasets, parse_train_args
 
-    data_dir = write_authors_layout(tmp_path / "kk")
-    train, evaluation = build_task_datasets("knights_knaves", "paper", with_eval=True, num_people=[3, 4],
-                                            data_dir=str(data_dir))  # fmt: skip
-    assert (len(train), len(evaluation)) == (8, 6)
-    args = ["--task", "knights_knaves", "--kk_source", "paper", "--kk_data_dir", str(data_dir), "--kk_num_people",
-            "3", "4", "--eval_strategy", "steps", "--model_name_or_path", "Qwen/Qwen2.5-3B-Instruct", "--use_cpu",
-            "true", "--output_dir", str(tmp_path / "out")]  # fmt: skip
-    script_args, training_args, _ = parse_train_args(args)
-    cli_train, cli_eval = build_datasets(script_args, training_args)
-    assert cli_train["prompt"] == train["prompt"] and cli_eval["prompt"] == evaluation["prompt"]
-    with pytest.raises(ValueError, match="source: task 'math' takes one of"):
-        build_task_datasets("math", "hub")
-    with pytest.raises(ValueError, match="task: must be one of"):
-        build_task_datasets("countdown", "paper")
+    args = ["--model_name_or_path", "Qwen/Qwen2.5-3B-Instruct", "--use_cpu", "true", "--output_dir", str(tmp_path),
+            "--eval_strategy", "steps", "--kk_num_samples", "4", "--kk_num_eval_samples", "2", *flags]  # fmt: skip
+    return build_datasets(*parse_train_args(args)[:2])
+
+
+def test_the_cli_trains_on_the_paper_split_and_evaluates_on_the_paper_test_set(tmp_path):
+    data_dir = str(write_authors_layout(tmp_path / "kk"))
+    train, evaluation = cli_datasets(tmp_path, "--kk_source", "paper", "--kk_data_dir", data_dir, "--kk_num_people",
+                                     "3", "4", "--kk_prefill_think", "false")  # fmt: skip
+    assert train.to_list() == kk.load_knights_knaves_dataset([3, 4], split="train", data_dir=data_dir).to_list()
+    assert evaluation.to_list() == kk.load_knights_knaves_dataset([3, 4], split="test", data_dir=data_dir).to_list()
+    assert all(prompt.endswith("<think>") for prompt in train["prompt"])  # the paper's prompts always pre-fill it
+
+
+def test_the_cli_kk_source_overrides_the_dataset_name_rule(tmp_path, monkeypatch):
+    import datasets
+
+    generated, _ = cli_datasets(tmp_path)  # no dataset_name: generated puzzles
+    assert len(generated) == 4 and "index" not in generated.column_names
+    generated, _ = cli_datasets(tmp_path, "--dataset_name", "K-and-K/knights-and-knaves", "--kk_source", "generated")
+    assert len(generated) == 4
+    rows = [authors_row(puzzle, 1000 + i) for i, puzzle in enumerate(kk.generate_puzzles(3, 2, seed=0))]
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_list(rows)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    hub, hub_eval = cli_datasets(tmp_path, "--dataset_name", "K-and-K/knights-and-knaves")  # dataset_name: the hub
+    assert calls == [("K-and-K/knights-and-knaves", "train", "3ppl"), ("K-and-K/knights-and-knaves", "test", "3ppl")]
+    assert hub["quiz"] == [row["quiz"] for row in rows] and len(hub_eval) == 2
 
 
 def test_text_prompts_pass_through_the_cli_rendering_unchanged(tiny_model_path):
@@ -193,19 +212,3 @@ def test_generator_uses_the_published_pool_and_templates():
     quizzes = " ".join(row["quiz"] for row in rows)
     assert 'said, "' in quizzes and not re.search(r'(stated|remarked|noted|commented), "[^"]*\."', quizzes)
     assert "that if " not in quizzes
-
-
-def test_cli_kk_source_overrides_the_dataset_name_rule(tmp_path):
-    from trl_lopti.cli import dataset_spec, parse_train_args
-
-    def spec(*extra):
-        args = ["--task", "knights_knaves", "--model_name_or_path", "Qwen/Qwen2.5-3B-Instruct", "--use_cpu", "true",
-                "--output_dir", str(tmp_path), *extra]  # fmt: skip
-        script_args, training_args, _ = parse_train_args(args)
-        return dataset_spec(script_args, training_args)
-
-    assert spec()["source"] == "generated"
-    assert spec("--kk_source", "hub")["path"] == kk.KNIGHTS_KNAVES_HUB_ID
-    assert spec("--dataset_name", "K-and-K/knights-and-knaves")["source"] == "hub"
-    assert spec("--dataset_name", "K-and-K/knights-and-knaves", "--kk_source", "generated")["source"] == "generated"
-    assert spec("--kk_source", "paper")["source"] == "paper"

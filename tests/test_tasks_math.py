@@ -1,6 +1,7 @@
-"""Math: the paper's grading and the lenient one (equivalent forms, wrong answers, garbage, the first `</think>`,
-the required box, time limits in and outside the main thread) and the loaders (the authors' DSR-uniform file in their
-verl format, written here; local files in each Hub set's format)."""
+"""Math: the paper's grading (garbage, the first `</think>`, the required box, time limits in and outside the main
+thread), the lenient one (TRL's `accuracy_reward` behind an adapter: equivalent forms, references that are bare LaTeX,
+numbers or lists) and the loaders (the authors' DSR-uniform file in their verl format, written here; local files in
+each Hub set's format)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ SLOW_REFERENCE = "x^2+1"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Equivalent forms and wrong answers (math-verify's equivalence: the lenient grader; the paper's grader is checked
-# against the authors' own output in tests/test_tasks_math_paper.py)
+# Equivalent forms and wrong answers (math-verify's equivalence, through TRL's accuracy_reward: the lenient grader; the
+# paper's grader is checked against the authors' own output in tests/test_tasks_math_paper.py). The references are as
+# datasets hold them (bare LaTeX, numbers, lists), which TRL's reward alone does not parse.
 # ---------------------------------------------------------------------------------------------------------------------
 EQUIVALENT = [
     ("\\frac{1}{2}", "So the answer is $\\boxed{0.5}$."),
@@ -53,7 +55,6 @@ EQUIVALENT = [
     ("\\left( 3, \\frac{\\pi}{2} \\right)", "\\boxed{(3, \\pi/2)}"),
     ("\\text{(C)}", "\\boxed{C}"),
     ("\\boxed{7}", "\\boxed{7}"),
-    ("12", "\\boxed 12"),
 ]
 
 WRONG = [
@@ -90,7 +91,8 @@ def test_last_box_after_thinking_is_the_answer():
         "The answer is \\boxed{7}, and a broken box \\boxed{3",
     ]
     assert math_reward(completions, solution) == [1.0, 0.0, 0.0, 1.0, 0.0]  # the authors': an unclosed last box is 0
-    assert math_reward_lenient(completions, solution) == [1.0, 0.0, 0.0, 1.0, 1.0]
+    # math-verify reads two different boxes as the set {3, 7}; it grades the text after the last </think>
+    assert math_reward_lenient(completions, solution) == [0.0, 0.0, 0.0, 1.0, 1.0]
 
 
 def test_paper_grading_reads_the_text_after_the_first_think_close():
@@ -101,21 +103,15 @@ def test_paper_grading_reads_the_text_after_the_first_think_close():
         "<think>a</think></think>\\boxed{7}",
     ]
     assert math_reward(completions, ["7"] * 3) == [1.0, 0.0, 0.0]
-    assert math_reward_lenient(completions, ["7"] * 3) == [0.0, 1.0, 1.0]
-    assert math_task.final_part("x</think>y</think>z", "paper") == "y"
-    assert math_task.final_part("x</think>y</think>z", "lenient") == "z"
-    assert math_task.final_part("no marker", "paper") == "no marker"
+    assert math_reward_lenient(completions, ["7"] * 3) == [0.0, 1.0, 1.0]  # the text after the last </think>
 
 
 def test_paper_grading_needs_a_box_and_lenient_grading_does_not():
     completions = ["The final answer is $2$.", "<think>2</think> so 2", "\\boxed{2}", "no box, but the answer is $2$"]
     assert math_reward(completions, ["2"] * 4) == [0.0, 0.0, 1.0, 0.0]
-    assert math_reward_lenient(completions, ["2"] * 4) == [1.0, 1.0, 1.0, 1.0]
+    # TRL's reward reads an unboxed answer in $...$ or after "the final answer is", not a bare number
+    assert math_reward_lenient(completions, ["2"] * 4) == [1.0, 0.0, 1.0, 1.0]
     assert math_reward_lenient(["there is no answer here"], ["2"]) == [0.0]
-    with pytest.raises(ValueError, match="mode must be one of"):
-        math_task.verify_answer("\\boxed{2}", "2", mode="strict")
-    with pytest.raises(TypeError, match="boxed_only: math_reward always requires"):
-        math_reward(["\\boxed{2}"], ["2"], boxed_only=False)
 
 
 def test_conversational_completions():
@@ -125,17 +121,6 @@ def test_conversational_completions():
         [{"role": "assistant", "content": "Thus $\\boxed{0.3}$."}],
     ]
     assert math_reward(completions, ["1/4"] * 3) == [1.0, 1.0, 0.0]
-
-
-def test_extract_boxed_answer():
-    extract = math_task.extract_boxed_answer
-    assert extract("a \\boxed{1} b \\boxed{\\frac{2}{3}} c") == "\\frac{2}{3}"
-    assert extract("\\boxed{\\{1, 2\\}}") == "\\{1, 2\\}"
-    assert extract("\\fbox{5}") == "5"
-    assert extract("\\boxed 12$") == "12"
-    assert extract("\\boxed{1} then \\boxed{2") == "1"
-    assert extract("no box") is None
-    assert extract("\\boxed{") is None
 
 
 def test_normalize_reference():
@@ -252,18 +237,18 @@ def test_reward_outside_the_main_thread():
 
 
 def test_worker_process_is_killed_when_stuck_and_restarted(monkeypatch):
-    worker = _time_limit.WorkerProcess(math_task.grading.WORKER_TARGET, ("\\boxed{1}", "1", "paper", None))
+    worker = _time_limit.WorkerProcess(math_task.grading.WORKER_TARGET, ("\\boxed{1}", ["1"], None))
     try:
-        assert worker.call(("\\boxed{0.5}", "\\frac{1}{2}", "paper", 2.0), 2.0) == 1.0
+        assert worker.call(("\\boxed{0.5}", ["\\frac{1}{2}"], 2.0), 2.0) == 1.0
         first_process = worker._process
         # The parent stops waiting before the child's own time limit: the child is killed.
         monkeypatch.setattr(_time_limit, "WORKER_GRACE_SECONDS", -1.7)
         started = time.monotonic()
-        assert worker.call((SLOW_ANSWER, SLOW_REFERENCE, "paper", 2.0), 2.0) is None
+        assert worker.call((SLOW_ANSWER, [SLOW_REFERENCE], 2.0), 2.0) is None
         assert 0.3 <= time.monotonic() - started < 2.0
         assert worker._process is None and first_process.poll() is not None
         monkeypatch.setattr(_time_limit, "WORKER_GRACE_SECONDS", 1.0)
-        assert worker.call(("\\boxed{(1,2]}", "(1, 2]", "paper", 2.0), 2.0) == 1.0  # a new child
+        assert worker.call(("\\boxed{(1,2]}", ["(1, 2]"], 2.0), 2.0) == 1.0  # a new child
         assert worker._process is not first_process
     finally:
         worker.close()
@@ -461,9 +446,11 @@ def test_paper_math_set_errors_and_default_url(tmp_path, monkeypatch):
         math_task.load_paper_math_dataset("aime_dsr", write_parquet(tmp_path / "alt.parquet", alternatives))
     with pytest.raises(ValueError, match="name: unknown paper math set 'minerva_dsr'"):
         math_task.load_paper_math_dataset("minerva_dsr")
+    import datasets
+
     read = []
-    monkeypatch.setattr(math_task.data, "load_parquet", read.append)  # records the source, returns no rows
-    with pytest.raises(AttributeError):
+    monkeypatch.setattr(datasets, "load_dataset", lambda builder, data_files, split: read.append(data_files))
+    with pytest.raises(AttributeError):  # the recorder returns no rows
         math_task.load_paper_math_dataset()
     assert read == [
         "https://raw.githubusercontent.com/zhyang2226/AR-Lopti/cbeb333376decdfe571fa8613bdebcfcc526628d/"
@@ -472,16 +459,13 @@ def test_paper_math_set_errors_and_default_url(tmp_path, monkeypatch):
 
 
 def test_cli_builds_dsr_uniform_from_a_local_copy(tmp_path):
-    from trl_lopti.cli import build_datasets, parse_train_args, resolved_config
+    from trl_lopti.cli.train import build_datasets, parse_train_args
 
     rows = [verl_math_row(f"Problem {i}?", str(i), float(i)) for i in range(5)]
     path = write_parquet(tmp_path / "dsr.parquet", rows)
     args = ["--task", "math", "--dataset_name", "dsr_uniform", "--math_data_file", path, "--model_name_or_path",
             "Qwen/Qwen2.5-7B", "--use_cpu", "true", "--output_dir", str(tmp_path / "out")]  # fmt: skip
-    script_args, training_args, model_args = parse_train_args(args)
-    assert resolved_config(script_args, training_args, model_args)["dataset"] == {
-        "task": "math", "source": "paper", "name": "dsr_uniform", "data_file": path,
-    }
+    script_args, training_args, _ = parse_train_args(args)
     train, evaluation = build_datasets(script_args, training_args)
     assert evaluation is None and train["prompt"] == [f"Problem {i}? {SUFFIX}" for i in range(5)]
 

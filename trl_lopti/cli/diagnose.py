@@ -104,12 +104,12 @@ def parse_args(argv: Sequence[str]) -> tuple:
         `tuple[DiagnoseArguments, LoptiGRPOConfig, trl.ModelConfig]`: The parsed arguments.
     """
     import torch
-    from trl import ModelConfig
+    from trl import ModelConfig, TrlParser
 
     from ..config import LoptiGRPOConfig
-    from .parsing import LoptiTrlParser, parse_with_config
+    from .parsing import parse_with_config
 
-    parser = LoptiTrlParser((DiagnoseArguments, LoptiGRPOConfig, ModelConfig), prog="trl-lopti diagnose")
+    parser = TrlParser((DiagnoseArguments, LoptiGRPOConfig, ModelConfig), prog="trl-lopti diagnose")
     parser.set_defaults(**DIAGNOSE_TRAINING_DEFAULTS, use_cpu=not torch.cuda.is_available())
     diagnose_args, training_args, model_args = parse_with_config(parser, argv)
     if not model_args.model_name_or_path:
@@ -125,12 +125,12 @@ def parse_args(argv: Sequence[str]) -> tuple:
 def resolve_model_path(name_or_path: str) -> str:
     """A model to load: the cached SmolLM2 folder for `smollm2`, else a local folder or hub id."""
     if name_or_path.lower() in ("smollm2", "smollm2-135m-instruct") and not Path(name_or_path).exists():
-        from ..models import get_smollm2
+        from .demo_model import get_smollm2
 
         return get_smollm2()
-    from .train_inputs import resolve_model
+    from .parsing import check_model_name_or_path
 
-    return resolve_model(name_or_path)["model_name_or_path"]
+    return check_model_name_or_path(name_or_path)
 
 
 def task_rows(diagnose_args: DiagnoseArguments, num_prompts: int, seed: int) -> tuple[list[dict], Callable]:

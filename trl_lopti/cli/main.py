@@ -1,54 +1,25 @@
-"""The `trl-lopti` command line: argparse subcommands `train`, `demo` and `diagnose`, as TRL's own `trl` command.
+"""`trl-lopti` (also `python -m trl_lopti`): Advantage Reweighting and Lopti (arXiv 2505.12929) for TRL's
+GRPOTrainer. Each command parses its arguments with TRL's `TrlParser` and exits with code 2 on a usage or
+configuration error.
 
-```bash
-trl-lopti train --config configs/kk/qwen2.5-3b-instruct_ar_lopti.yaml   # like `trl grpo`, with AR and Lopti
-trl-lopti demo                        # SmolLM2-135M-Instruct, offline, on CPU, with a before/after table
-trl-lopti diagnose --help             # token-gradient diagnostics (see trl_lopti.diagnostics)
-```
-
-Each subcommand parses its own arguments (with TRL's `TrlParser`) in its module: `trl_lopti.cli.train`,
-`trl_lopti.cli.demo`, `trl_lopti.cli.diagnose`, each with a `main(argv) -> int`.
+commands:
+  train     train with GRPO + AR + Lopti from a YAML config and/or flags, like `trl grpo`
+  demo      the offline demo: SmolLM2-135M-Instruct trained on CPU, a before/after table and a curve
+  diagnose  measure per-token gradients by probability quartile (the paper's analysis)
 """
 
 from __future__ import annotations
 
-import difflib
+import argparse
 import importlib
 import sys
-from argparse import ArgumentParser
 from collections.abc import Sequence
 
 from .errors import CliError
 
 
-COMMANDS = {
-    "train": "train with GRPO + AR + Lopti from a YAML config and/or flags (like `trl grpo`)",
-    "demo": "offline demo: SmolLM2-135M-Instruct trained on CPU, before/after table and curve",
-    "diagnose": "measure per-token gradients by probability quartile (the paper's analysis)",
-}
-"""Subcommands: the module `trl_lopti.cli.<name>` runs each, with its help line."""
-
-
-def make_parser() -> ArgumentParser:
-    """
-    Returns the top-level parser: `--version` and one subparser per command (each command parses its own options).
-
-    Returns:
-        `argparse.ArgumentParser`: The parser of `trl-lopti`.
-    """
-    from .. import __version__
-
-    parser = ArgumentParser(
-        prog="trl-lopti",
-        allow_abbrev=False,
-        description="Advantage Reweighting and Lopti (arXiv 2505.12929) for TRL's GRPOTrainer.",
-        epilog="Run `trl-lopti COMMAND --help` for the options of a command.",
-    )
-    parser.add_argument("--version", action="version", version=f"trl-lopti {__version__}")
-    subparsers = parser.add_subparsers(title="commands", dest="command", metavar="{" + ",".join(COMMANDS) + "}")
-    for name, help_text in COMMANDS.items():
-        subparsers.add_parser(name, help=help_text, add_help=False)
-    return parser
+COMMANDS = ("train", "demo", "diagnose")
+"""The commands: the module `trl_lopti.cli.<name>` runs each with its `main(argv) -> int`."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,29 +33,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         `int`: The exit code (0 on success, 2 on a usage or configuration error).
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = make_parser()
-    if argv[:1] == ["help"]:
-        parser.print_help()
-        return 0
-    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
-        close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        print(f"{parser.format_usage()}trl-lopti: error: unknown command {argv[0]!r}{hint}", file=sys.stderr)
-        return 2
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="trl-lopti", description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
+        epilog="Run `trl-lopti COMMAND --help` for the options of a command.",
+    )  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"trl-lopti {__version__}")
+    parser.add_argument("command", choices=COMMANDS)
+    parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     try:
-        args, _ = parser.parse_known_args(argv)
-    except SystemExit as exit_:  # --help, --version, or argparse's own usage error
-        return int(exit_.code or 0)
-    if args.command is None:
-        parser.print_help()
-        return 2
-    command_argv = argv[argv.index(args.command) + 1 :]
-    try:
-        return int(importlib.import_module(f".{args.command}", __package__).main(command_argv) or 0)
+        args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+        return int(importlib.import_module(f".{args.command}", __package__).main(args.args) or 0)
     except CliError as error:
         print(f"trl-lopti {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except SystemExit as exit_:  # --help, --version, or argparse's usage error (exit code 2, naming the flag)
+        return int(exit_.code or 0)
 
 
 if __name__ == "__main__":

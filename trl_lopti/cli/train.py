@@ -1,385 +1,287 @@
-"""`trl-lopti train`: like `trl grpo`, with Advantage Reweighting and Lopti, from a YAML config and/or flags.
+"""`trl-lopti train`: TRL's `trl/scripts/grpo.py` with [`LoptiGRPOTrainer`] and the paper's tasks.
 
 ```bash
 trl-lopti train --config configs/kk/qwen2.5-3b-instruct_ar_lopti.yaml            # a paper preset
-trl-lopti train --config my.yaml --learning_rate 2e-6 --lopti_threshold None     # CLI overrides the YAML
+trl-lopti train --config my.yaml --learning_rate 2e-6 --lopti_threshold None     # flags override the YAML
 trl-lopti train --config my.yaml --dry_run                                       # parse, validate, print; no model
 accelerate launch --config_file configs/accelerate/multi_gpu.yaml -m trl_lopti train --config my.yaml
 ```
 
-Parsing is TRL's [`~trl.TrlParser.parse_args_and_config`], as in `trl/scripts/grpo.py`: the same YAML keys as `trl grpo`
-where they exist, i.e. every field of [`LoptiGRPOConfig`] (TRL's `GRPOConfig` plus `advantage_reweighting_alpha`,
-`lopti_threshold`, `lopti_order`), TRL's [`~trl.ModelConfig`] (`model_name_or_path`, `dtype`, `use_peft`, `lora_r`, ...)
-and [`LoptiScriptArguments`] (the task, the dataset and the reward functions). Its errors are turned into a
-[`~trl_lopti.cli.errors.CliError`] that names the config file or the field.
+The keys are those of `trl grpo` ([`LoptiGRPOConfig`]: TRL's `GRPOConfig` plus the AR and Lopti fields; TRL's
+`ModelConfig`) and of [`LoptiScriptArguments`] (TRL's `ScriptArguments` plus the task and its reward functions).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 from trl import ScriptArguments
 
 from .errors import CliError
-from .parsing import LoptiTrlParser, parse_with_config
-from .train_inputs import REWARD_FUNCS, build_datasets, dataset_spec, resolve_model, resolve_reward_funcs
+from .parsing import check_model_name_or_path, parse_with_config
 
 
 TASKS = ("knights_knaves", "math", "dataset")
-"""Values of `--task`."""
+"""Values of `task`."""
+
+REWARD_FUNCS = {
+    "knights_knaves_reward": "trl_lopti.tasks.knights_knaves.knights_knaves_reward",
+    "knights_knaves_format_reward": "trl_lopti.tasks.knights_knaves.knights_knaves_format_reward",
+    "knights_knaves_answer_reward": "trl_lopti.tasks.knights_knaves.knights_knaves_answer_reward",
+    "math_reward": "trl_lopti.tasks.math.math_reward",
+    "math_reward_lenient": "trl_lopti.tasks.math.math_reward_lenient",
+    "accuracy_reward": "trl.rewards.accuracy_reward",
+    "reasoning_accuracy_reward": "trl.rewards.reasoning_accuracy_reward",
+    "think_format_reward": "trl.rewards.think_format_reward",
+}
+"""Reward functions known by name to `reward_funcs`; any dotted import path (`my_module.my_reward`) works too."""
+
+DEFAULT_REWARD_FUNCS = {"knights_knaves": ["knights_knaves_reward"], "math": ["math_reward"], "dataset": []}
 
 
 @dataclass
 class LoptiScriptArguments(ScriptArguments):
     r"""
-    Script arguments of `trl-lopti train`: which task to train on and how to build its dataset and reward.
+    Script arguments of `trl-lopti train`: TRL's `ScriptArguments` (`dataset_name`, `dataset_config`,
+    `dataset_train_split`, `dataset_test_split`) plus the task and its reward functions. The evaluation set (when
+    `eval_strategy` is not `"no"`) is `dataset_test_split`.
 
     Args:
         task (`str`, *optional*, defaults to `"knights_knaves"`):
-            `"knights_knaves"` (the paper's logic puzzles: generated offline, or the published set when
-            `dataset_name` is given), `"math"` (a math set graded by the authors' rules, `math_reward`) or
-            `"dataset"` (any dataset with a `prompt` column, by hub name or local path, with `reward_funcs`).
-        dataset_name (`str`, *optional*):
-            `knights_knaves`: hub id or local copy of the published K&K data (`K-and-K/knights-and-knaves`); unset:
-            puzzles are generated. `math`: a short name of `trl_lopti.tasks.MATH_DATASETS` (e.g. `"deepscaler"`), a
-            hub id, or a local `.json`/`.jsonl`/`.parquet`/`.csv` file. `dataset`: hub id, local data file, local folder
-            of data files or a folder written by `Dataset.save_to_disk`.
+            `"knights_knaves"` (the paper's logic puzzles, see `kk_source`), `"math"` (`dataset_name` one of
+            `trl_lopti.tasks.math.PAPER_MATH_FILES`, the authors' files such as `"dsr_uniform"`, or of
+            `MATH_DATASETS`, such as `"deepscaler"`; graded by the authors' rules) or `"dataset"` (`dataset_name` a hub
+            id, a data file, a folder of data files or a `save_to_disk` folder, with a `prompt` column).
         reward_funcs (`list[str]`, *optional*):
-            Reward functions: names of [`REWARD_FUNCS`] or dotted import paths. Defaults to the task's reward
-            (`knights_knaves_reward`, `math_reward`); required for `task: dataset`.
+            Names of [`REWARD_FUNCS`] or dotted import paths. Defaults to the task's reward.
+        kk_source (`str`, *optional*):
+            `"paper"` (the authors' puzzles, split and exact prompt text, from `kk_data_dir` or their repository),
+            `"hub"` (`dataset_name`, default `K-and-K/knights-and-knaves`) or `"generated"` (`kk_num_samples` and
+            `kk_num_eval_samples` new puzzles). Unset: `"hub"` when `dataset_name` is set, else `"generated"`.
         kk_num_people (`list[int]`, *optional*, defaults to `[3]`):
-            K&K puzzle sizes (2 to 8); several give a mixture (the paper trains on `[3, 4, 5, 6, 7]`).
+            K&K puzzle sizes (2 to 8; the paper's files hold 3 to 7); several give a mixture.
         kk_num_samples (`int`, *optional*, defaults to `1000`):
-            Number of generated K&K training puzzles (ignored when `dataset_name` is set).
+            Generated K&K training puzzles.
         kk_num_eval_samples (`int`, *optional*, defaults to `100`):
-            Number of generated K&K evaluation puzzles, distinct from the training ones (used when
-            `eval_strategy` is not `"no"`).
+            Generated K&K evaluation puzzles, none of them a training puzzle.
         kk_seed (`int`, *optional*, defaults to `0`):
             Seed of the K&K generator.
         kk_prefill_think (`bool`, *optional*, defaults to `True`):
-            End each K&K prompt with an assistant `"<think>"` that the model continues, as the paper does.
-        kk_source (`str`, *optional*):
-            `"paper"`: the authors' puzzles, split (train 4,500 / test 500) and exact prompt text
-            (`trl_lopti.tasks.knights_knaves.load_knights_knaves_dataset(source="paper")`); evaluation uses
-            `dataset_test_split` (`"test"`). Unset: the published set when `dataset_name` is given, else generated.
-        kk_data_dir (`str`, *optional*):
-            `kk_source: paper`: a local folder laid out as `{3..7}ppl/{train,test}.parquet` (default: the authors'
-            files by URL).
-        math_data_file (`str`, *optional*):
-            `math` with `dataset_name` one of `trl_lopti.tasks.math.PAPER_MATH_FILES` (e.g. `"dsr_uniform"`): a local
-            copy of that file (default: the authors' file by URL).
-        math_problem_column (`str`, *optional*, defaults to `"problem"`):
-            `math` from a hub id or file: column with the problem.
-        math_answer_column (`str`, *optional*, defaults to `"answer"`):
-            `math` from a hub id or file: column with the reference answer.
-        max_train_samples (`int`, *optional*):
-            Keep only the first this many training rows (after shuffling with `kk_seed` for `math`/`dataset`).
+            End generated and hub K&K prompts with an assistant `"<think>"` to continue (the paper's always do).
+        kk_data_dir (`str`, *optional*), math_data_file (`str`, *optional*):
+            A local copy of the authors' files: K&K laid out as `{3..7}ppl/{train,test}.parquet`; the math file.
         dry_run (`bool`, *optional*, defaults to `False`):
-            Parse and validate everything, print the resolved configuration and the dataset spec, and exit without
-            loading a model or a dataset.
+            Parse and validate, print the resolved configuration and exit without loading a model or a dataset.
     """
 
-    task: str = field(
-        default="knights_knaves",
-        metadata={"help": "Task: 'knights_knaves', 'math' or 'dataset'.", "choices": list(TASKS)},
-    )
+    task: str = field(default="knights_knaves", metadata={"help": f"One of {list(TASKS)}."})
     reward_funcs: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": f"Reward functions: any of {sorted(REWARD_FUNCS)} or a dotted import path "
-            "('my_module.my_reward'). Defaults to the task's reward; required for task 'dataset'."
-        },
-    )
-    kk_num_people: list[int] = field(
-        default_factory=lambda: [3],
-        metadata={"help": "Knights & Knaves puzzle sizes (2-8); several give a mixture, e.g. 3 4 5 6 7."},
-    )
-    kk_num_samples: int = field(
-        default=1000, metadata={"help": "Number of generated K&K training puzzles (when dataset_name is unset)."}
-    )
-    kk_num_eval_samples: int = field(
-        default=100, metadata={"help": "Number of generated K&K evaluation puzzles (when evaluation is on)."}
-    )
-    kk_seed: int = field(default=0, metadata={"help": "Seed of the K&K generator and of data shuffling."})
-    kk_prefill_think: bool = field(
-        default=True, metadata={"help": "End each K&K prompt with an assistant '<think>' (as the paper does)."}
+        default=None, metadata={"help": f"Names of {sorted(REWARD_FUNCS)} or dotted import paths; default: the task's."}
     )
     kk_source: str | None = field(
-        default=None,
-        metadata={
-            "help": "K&K data: 'paper' (the authors' split and prompt text), 'hub' or 'generated'; unset: 'hub' when "
-            "dataset_name is set, else 'generated'.",
-            "choices": ["paper", "hub", "generated"],
-        },
+        default=None, metadata={"help": "K&K data: 'paper', 'hub' or 'generated' (unset: 'hub' with a dataset_name)."}
     )
-    kk_data_dir: str | None = field(
-        default=None, metadata={"help": "kk_source 'paper': local folder with {3..7}ppl/{train,test}.parquet."}
-    )
-    math_data_file: str | None = field(
-        default=None, metadata={"help": "Math paper sets (e.g. dataset_name 'dsr_uniform'): a local copy of the file."}
-    )
-    math_problem_column: str = field(
-        default="problem", metadata={"help": "Math from a hub id or a file: column with the problem."}
-    )
-    math_answer_column: str = field(
-        default="answer", metadata={"help": "Math from a hub id or a file: column with the reference answer."}
-    )
-    max_train_samples: int | None = field(
-        default=None, metadata={"help": "Keep only this many training rows (None: all)."}
-    )
-    dry_run: bool = field(
-        default=False,
-        metadata={"help": "Parse and validate, print the resolved configuration and exit without loading a model."},
-    )
+    kk_num_people: list[int] = field(default_factory=lambda: [3], metadata={"help": "K&K puzzle sizes (2-8)."})
+    kk_num_samples: int = field(default=1000, metadata={"help": "Generated K&K training puzzles."})
+    kk_num_eval_samples: int = field(default=100, metadata={"help": "Generated K&K evaluation puzzles."})
+    kk_seed: int = field(default=0, metadata={"help": "Seed of the K&K generator."})
+    kk_prefill_think: bool = field(default=True, metadata={"help": "End K&K prompts with an assistant '<think>'."})
+    kk_data_dir: str | None = field(default=None, metadata={"help": "kk_source 'paper': a local copy of the files."})
+    math_data_file: str | None = field(default=None, metadata={"help": "A paper math set: a local copy of its file."})
+    dry_run: bool = field(default=False, metadata={"help": "Print the resolved configuration; load no model."})
 
     def __post_init__(self):
+        self.reward_funcs = [self.reward_funcs] if isinstance(self.reward_funcs, str) else self.reward_funcs
+        self.kk_num_people = [self.kk_num_people] if isinstance(self.kk_num_people, int) else self.kk_num_people
         if self.task not in TASKS:
-            raise CliError(f"task: unknown task {self.task!r}; choose one of {list(TASKS)}")
-        if isinstance(self.kk_num_people, int):
-            self.kk_num_people = [self.kk_num_people]
-        bad = [n for n in self.kk_num_people if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= 8]
-        if bad or not self.kk_num_people:
-            raise CliError(f"kk_num_people: every size must be an integer from 2 to 8, got {self.kk_num_people!r}")
-        for name in ("kk_num_samples", "kk_num_eval_samples"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise CliError(f"{name}: must be a positive integer, got {value!r}")
-        if self.max_train_samples is not None and self.max_train_samples < 1:
-            raise CliError(f"max_train_samples: must be a positive integer or None, got {self.max_train_samples!r}")
-        if isinstance(self.reward_funcs, str):
-            self.reward_funcs = [self.reward_funcs]
-        if self.task == "dataset":
-            if not self.dataset_name:
-                raise CliError("dataset_name: required for task 'dataset' (a hub id or a local path)")
-            if not self.reward_funcs:
-                raise CliError(
-                    f"reward_funcs: required for task 'dataset' (names from {sorted(REWARD_FUNCS)} or dotted paths)"
-                )
+            raise ValueError(f"task: must be one of {list(TASKS)}, got {self.task!r}")
         if self.kk_source not in (None, "paper", "hub", "generated"):
-            raise CliError(f"kk_source: must be 'paper', 'hub', 'generated' or unset, got {self.kk_source!r}")
-        if self.task == "math" and not self.dataset_name:
-            raise CliError(
-                "dataset_name: required for task 'math' (e.g. 'deepscaler', a hub id, or a local .jsonl/.parquet file)"
-            )
+            raise ValueError(f"kk_source: must be 'paper', 'hub', 'generated' or unset, got {self.kk_source!r}")
+        if not self.kk_num_people or not all(isinstance(n, int) and 2 <= n <= 8 for n in self.kk_num_people):
+            raise ValueError(f"kk_num_people: every size must be an integer from 2 to 8, got {self.kk_num_people!r}")
+        from ..tasks.math import MATH_DATASETS, PAPER_MATH_FILES
+
+        if self.task == "math" and self.dataset_name not in {**PAPER_MATH_FILES, **MATH_DATASETS}:
+            raise ValueError(f"dataset_name: task 'math' takes one of {[*PAPER_MATH_FILES, *MATH_DATASETS]}")
+        if self.task == "dataset" and not self.dataset_name:
+            raise ValueError("dataset_name: required for task 'dataset' (a hub id or a local path)")
+        if self.task == "dataset" and not self.reward_funcs:
+            raise ValueError("reward_funcs: required for task 'dataset'")
         if self.dataset_streaming:
-            raise CliError("dataset_streaming: streaming datasets are not supported by trl-lopti train")
+            raise ValueError("dataset_streaming: trl-lopti train does not stream datasets")
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Parsing
-# ---------------------------------------------------------------------------------------------------------------------
-def make_parser(prog: str | None = "trl-lopti train") -> LoptiTrlParser:
-    """
-    Returns the TRL parser of `trl-lopti train`.
-
-    Args:
-        prog (`str`, *optional*, defaults to `"trl-lopti train"`):
-            Program name shown in `--help`.
-
-    Returns:
-        [`LoptiTrlParser`]: Parses into `(LoptiScriptArguments, LoptiGRPOConfig, trl.ModelConfig)`.
-    """
-    from trl import ModelConfig
+def make_parser():
+    """The parser of `trl-lopti train`: TRL's `TrlParser` of `(LoptiScriptArguments, LoptiGRPOConfig, ModelConfig)`."""
+    from trl import ModelConfig, TrlParser
 
     from ..config import LoptiGRPOConfig
 
-    return LoptiTrlParser((LoptiScriptArguments, LoptiGRPOConfig, ModelConfig), prog=prog)
+    return TrlParser((LoptiScriptArguments, LoptiGRPOConfig, ModelConfig), prog="trl-lopti train")
 
 
-def parse_train_args(argv: Sequence[str]):
-    """
-    Parses `trl-lopti train` arguments with TRL's parser: `--config FILE.yaml` supplies defaults, flags override them.
-
-    Args:
-        argv (`Sequence[str]`):
-            The arguments after `train`.
-
-    Returns:
-        `tuple[LoptiScriptArguments, LoptiGRPOConfig, trl.ModelConfig]`: The parsed arguments; `script_args` also
-        carries `config_path` and `explicit_fields` (the fields set in the file or on the command line).
-    """
-    args = list(argv)
-    if ("--dry_run" in args or "--dry-run" in args) and not ("--use_cpu" in args or "--use-cpu" in args):
-        _prefer_cpu_for_dry_run(args)
-    parser = make_parser()
-    script_args, training_args, model_args = parse_with_config(parser, args)
-    explicit = set(parser.config_fields)
-    explicit |= {arg[2:].split("=", 1)[0].replace("-", "_") for arg in args if arg.startswith("--")}
-    script_args.config_path = args[args.index("--config") + 1] if "--config" in args else None
-    script_args.explicit_fields = sorted(explicit)
-    return script_args, training_args, model_args
-
-
-def _prefer_cpu_for_dry_run(args: list[str]) -> None:
-    """A dry run validates GPU presets on a machine without a GPU: `bf16` needs `use_cpu` there."""
+def parse_train_args(argv: Sequence[str]) -> tuple:
+    """`(LoptiScriptArguments, LoptiGRPOConfig, ModelConfig)` from `--config FILE.yaml` and flags, which override it."""
     import torch
 
-    if not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())):
-        args += ["--use_cpu", "true"]
-        print("trl-lopti: dry run without a GPU: validating with use_cpu=True", file=sys.stderr)
+    args = list(argv)
+    if {"--dry_run", "--dry-run"} & set(args) and "--use_cpu" not in args and not torch.cuda.is_available():
+        args += ["--use_cpu", "true"]  # a dry run validates the GPU presets (bf16) on a machine without a GPU
+    return parse_with_config(make_parser(), args)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Dry run and training
-# ---------------------------------------------------------------------------------------------------------------------
-def _non_default_fields(obj) -> dict[str, Any]:
-    changed = {}
-    for f in fields(obj):
-        if not f.init:
-            continue
-        if f.default is not MISSING:
-            default = f.default
-        elif f.default_factory is not MISSING:  # type: ignore[misc]
-            default = f.default_factory()  # type: ignore[misc]
-        else:
-            default = MISSING
-        value = getattr(obj, f.name, None)
-        if default is MISSING or value != default:
-            changed[f.name] = value
-    return changed
+def resolve_reward_funcs(script_args: LoptiScriptArguments) -> dict[str, Callable]:
+    """The reward functions of a run by name, imported as `trl/scripts/grpo.py` imports them."""
+    funcs = {}
+    for name in script_args.reward_funcs or DEFAULT_REWARD_FUNCS[script_args.task]:
+        module_name, _, attribute = REWARD_FUNCS.get(name, name).rpartition(".")
+        if not module_name:
+            raise CliError(f"reward_funcs: {name!r} is neither one of {sorted(REWARD_FUNCS)} nor a dotted import path")
+        sys.path.insert(0, os.getcwd())
+        try:
+            funcs[name] = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as error:
+            raise CliError(f"reward_funcs: cannot import {name!r}: {error}") from error
+    return funcs
+
+
+def _non_default_fields(arguments) -> dict[str, Any]:
+    values = {}
+    for f in fields(arguments):
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        if f.init and getattr(arguments, f.name) != default:
+            values[f.name] = getattr(arguments, f.name)
+    return values
 
 
 def resolved_config(script_args, training_args, model_args) -> dict[str, Any]:
     """
-    The configuration of a run as a JSON-ready dict: what `--dry_run` prints.
-
-    Returns:
-        `dict[str, Any]`: `config_file`, `task`, `dataset`, `reward_funcs`, `model`, `lopti`, `training` (the
-        `LoptiGRPOConfig` fields set in the config file or on the command line, as resolved) and `derived` (batch
-        sizes the config computes).
+    What `--dry_run` prints: the reward functions, the AR and Lopti settings, and, for the script, model and training
+    arguments, every field whose resolved value differs from its default.
     """
-    from trl import get_peft_config
-
-    model = resolve_model(model_args.model_name_or_path)
-    model.update({k: v for k, v in _non_default_fields(model_args).items() if k != "model_name_or_path"})
-    peft_config = get_peft_config(model_args)
-    if peft_config is not None:
-        model["peft"] = {"type": type(peft_config).__name__, "r": peft_config.r, "lora_alpha": peft_config.lora_alpha}
     from ..config import LOPTI_FIELD_NAMES
 
-    training_field_names = {f.name for f in fields(training_args)}
     return {
-        "config_file": getattr(script_args, "config_path", None),
-        "task": script_args.task,
-        "dataset": dataset_spec(script_args, training_args),
-        "reward_funcs": [name for name, _ in resolve_reward_funcs(script_args)],
-        "model": model,
+        "reward_funcs": list(resolve_reward_funcs(script_args)),
         "lopti": {name: getattr(training_args, name) for name in LOPTI_FIELD_NAMES},
-        "training": {
-            name: getattr(training_args, name)
-            for name in getattr(script_args, "explicit_fields", [])
-            if name in training_field_names
-        },
-        "derived": {
-            name: getattr(training_args, name, None)
-            for name in ("generation_batch_size", "steps_per_generation", "num_generations", "world_size")
-        },
+        "script": _non_default_fields(script_args),
+        "model": _non_default_fields(model_args),
+        "training": _non_default_fields(training_args),
     }
 
 
-def main(argv: Sequence[str]) -> int:
-    """
-    `trl-lopti train`: parse, build the task and train with [`LoptiGRPOTrainer`].
+def _load_split(name: str, config: str | None, split: str):
+    """A split of a hub dataset or local folder of data files, all rows of a data file, or a `save_to_disk` folder."""
+    import datasets
 
-    Args:
-        argv (`Sequence[str]`):
-            Arguments after `train`, e.g. `["--config", "preset.yaml", "--learning_rate", "2e-6"]`.
+    path = Path(name).expanduser()
+    if (path / "dataset_dict.json").is_file() or (path / "dataset_info.json").is_file():
+        saved = datasets.load_from_disk(str(path))
+        return saved[split] if isinstance(saved, datasets.DatasetDict) else saved
+    if path.is_file():  # the builder (json, parquet, csv, ...) follows from the file's extension
+        return datasets.load_dataset(str(path.parent), data_files=path.name, split="train")
+    return datasets.load_dataset(name, config, split=split)
 
-    Returns:
-        `int`: The exit code.
-    """
-    script_args, training_args, model_args = parse_train_args(argv)
-    if script_args.dry_run:
-        print(json.dumps(resolved_config(script_args, training_args, model_args), indent=2, default=str))
-        return 0
-    run_training(script_args, training_args, model_args)
-    return 0
+
+def _knights_knaves_data(args: LoptiScriptArguments, with_eval: bool) -> tuple:
+    from ..tasks.knights_knaves import KNIGHTS_KNAVES_HUB_ID, generate_dataset, load_knights_knaves_dataset
+
+    source = args.kk_source or ("hub" if args.dataset_name else "generated")
+    if source == "generated":
+        total = args.kk_num_samples + (args.kk_num_eval_samples if with_eval else 0)
+        puzzles = generate_dataset(args.kk_num_people, total, seed=args.kk_seed, prefill_think=args.kk_prefill_think)
+        evaluation = puzzles.select(range(args.kk_num_samples, total)) if with_eval else None
+        return puzzles.select(range(args.kk_num_samples)), evaluation
+    options = {"data_dir": args.kk_data_dir} if source == "paper" else {
+        "path": args.dataset_name or KNIGHTS_KNAVES_HUB_ID, "prefill_think": args.kk_prefill_think}  # fmt: skip
+    load = partial(load_knights_knaves_dataset, args.kk_num_people, source=source, **options)
+    return load(split=args.dataset_train_split), load(split=args.dataset_test_split) if with_eval else None
+
+
+def _math_data(args: LoptiScriptArguments, with_eval: bool) -> tuple:
+    from ..tasks import math as math_task
+
+    name, test_split = args.dataset_name, args.dataset_test_split
+    if name in math_task.PAPER_MATH_FILES:  # the authors' files: the evaluation set is another of them
+        evaluation = math_task.load_paper_math_dataset(test_split) if with_eval else None
+        return math_task.load_paper_math_dataset(name, args.math_data_file), evaluation
+    return math_task.load_math_dataset(name), math_task.load_math_dataset(test_split) if with_eval else None
+
+
+def _any_data(args: LoptiScriptArguments, with_eval: bool) -> tuple:
+    load = partial(_load_split, args.dataset_name, args.dataset_config)
+    return load(args.dataset_train_split), load(args.dataset_test_split) if with_eval else None
+
+
+def build_datasets(script_args: LoptiScriptArguments, training_args) -> tuple:
+    """The task's training set and, when `eval_strategy` is not `"no"`, its evaluation set (else `None`)."""
+    task_data = {"knights_knaves": _knights_knaves_data, "math": _math_data, "dataset": _any_data}[script_args.task]
+    try:
+        train, evaluation = task_data(script_args, training_args.eval_strategy != "no")
+    except (OSError, ValueError) as error:
+        raise CliError(f"cannot load the {script_args.task} data: {error}") from error
+    if "prompt" not in train.column_names:
+        raise CliError(f"dataset_name: the training data has no 'prompt' column (columns: {train.column_names})")
+    return train, evaluation
 
 
 def policy_model_init_kwargs(training_args, model_args) -> dict[str, Any]:
-    """
-    The keyword arguments with which TRL loads the policy (and the reference model) from `model_name_or_path`: the
-    model's `dtype`, revision and attention implementation, then the config's own `model_init_kwargs` on top.
-
-    Args:
-        training_args ([`LoptiGRPOConfig`]):
-            Training configuration (`trust_remote_code`, `model_init_kwargs`).
-        model_args (`trl.ModelConfig`):
-            Model settings (`dtype`, `model_revision`, `attn_implementation`).
-
-    Returns:
-        `dict[str, Any]`: What `run_training` sets as `training_args.model_init_kwargs`.
-    """
-    model_init_kwargs = {
-        "revision": model_args.model_revision,
-        "trust_remote_code": training_args.trust_remote_code,
-        "attn_implementation": model_args.attn_implementation,
-        "dtype": model_args.dtype,
-    }
-    model_init_kwargs = {key: value for key, value in model_init_kwargs.items() if value is not None}
-    if training_args.model_init_kwargs is not None:
-        model_init_kwargs.update(training_args.model_init_kwargs)
-    return model_init_kwargs
+    """How TRL loads the policy (and reference model) from the path, as `trl/scripts/grpo.py` sets it."""
+    model_init_kwargs = {"revision": model_args.model_revision, "trust_remote_code": training_args.trust_remote_code,
+                         "attn_implementation": model_args.attn_implementation, "dtype": model_args.dtype}  # fmt: skip
+    return {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
 
 
 def run_training(script_args, training_args, model_args):
-    """
-    Builds the dataset, the rewards and a [`LoptiGRPOTrainer`], then trains and saves, like `trl grpo`.
-
-    Args:
-        script_args ([`LoptiScriptArguments`]):
-            Task, dataset and reward functions.
-        training_args ([`LoptiGRPOConfig`]):
-            Training configuration.
-        model_args (`trl.ModelConfig`):
-            Model, dtype and LoRA settings.
-
-    Returns:
-        [`LoptiGRPOTrainer`]: The trainer after training.
-    """
+    """Builds the datasets, the rewards and a [`LoptiGRPOTrainer`], then trains and saves as `trl grpo` does."""
+    from transformers import AutoTokenizer
     from trl import get_peft_config, get_quantization_config
 
     from .. import LoptiGRPOTrainer
+    from ..tasks.knights_knaves import render_prompts_as_text
 
-    model = resolve_model(model_args.model_name_or_path)
-    reward_funcs = [func for _, func in resolve_reward_funcs(script_args)]
+    reward_funcs = list(resolve_reward_funcs(script_args).values())
     training_args.model_init_kwargs = policy_model_init_kwargs(training_args, model_args)
-
     train_dataset, eval_dataset = build_datasets(script_args, training_args)
     if script_args.task == "knights_knaves" and script_args.kk_prefill_think:
         # GRPOTrainer never continues a final assistant message: give it the "<think>"-prefilled prompts as text.
-        from transformers import AutoTokenizer
-
-        from ..tasks.knights_knaves import render_prompts_as_text
-
-        tokenizer = AutoTokenizer.from_pretrained(
-            model["model_name_or_path"], trust_remote_code=training_args.trust_remote_code
-        )
+        tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
+                                                  trust_remote_code=training_args.trust_remote_code)  # fmt: skip
         train_dataset = render_prompts_as_text(train_dataset, tokenizer)
-        if eval_dataset is not None:
-            eval_dataset = render_prompts_as_text(eval_dataset, tokenizer)
-    kwargs = {}
-    quantization_config = get_quantization_config(model_args)
-    if quantization_config is not None:
-        kwargs["quantization_config"] = quantization_config
+        eval_dataset = render_prompts_as_text(eval_dataset, tokenizer) if eval_dataset is not None else None
     trainer = LoptiGRPOTrainer(
-        model=model["model_name_or_path"],
+        model=model_args.model_name_or_path,
         reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
+        quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
-        **kwargs,
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"trl-lopti: model saved to {training_args.output_dir}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    if hasattr(trainer, "end"):
-        trainer.end()
+    trainer.end()
     return trainer
+
+
+def main(argv: Sequence[str]) -> int:
+    """`trl-lopti train`: parse, check, then print the resolved configuration (`--dry_run`) or train."""
+    script_args, training_args, model_args = parse_train_args(argv)
+    check_model_name_or_path(model_args.model_name_or_path)
+    resolved = resolved_config(script_args, training_args, model_args)  # imports the reward functions
+    if script_args.dry_run:
+        print(json.dumps(resolved, indent=2, default=str))
+        return 0
+    run_training(script_args, training_args, model_args)
+    return 0

@@ -4,9 +4,8 @@
   [`load_knights_knaves_dataset`] (the authors' split and exact prompt text, or the Hub set), [`generate_dataset`],
   [`knights_knaves_reward`] (and its parts [`knights_knaves_format_reward`], [`knights_knaves_answer_reward`]).
 - Math (`trl_lopti.tasks.math`): [`load_paper_math_dataset`] (the authors' DSR-uniform and evaluation files),
-  [`load_math_dataset`] (Hub sets), [`math_reward`] (the paper's grading) and [`math_reward_lenient`] (needs
-  `pip install "trl_lopti[math]"`).
-- [`build_task_datasets`]: train/eval datasets of a task from plain options (what `trl-lopti train` calls).
+  [`load_math_dataset`] (Hub sets), [`math_reward`] (the paper's grading) and [`math_reward_lenient`] (TRL's
+  math-verify reward); both need `pip install "trl_lopti[math]"`.
 
 Example:
 
@@ -25,7 +24,6 @@ trainer = GRPOTrainer(
 """
 
 from ._text import completion_to_text
-from .build import TASK_SOURCES, build_task_datasets
 from .knights_knaves import (
     KNIGHTS_KNAVES_HUB_ID,
     generate_dataset,
@@ -47,25 +45,3 @@ from .math import (
     math_reward_lenient,
 )
 
-
-__all__ = [
-    "KNIGHTS_KNAVES_HUB_ID",
-    "MATH_DATASETS",
-    "PAPER_MATH_FILES",
-    "TASK_SOURCES",
-    "MathDatasetSpec",
-    "build_task_datasets",
-    "completion_to_text",
-    "generate_dataset",
-    "knights_knaves_answer_reward",
-    "knights_knaves_format_reward",
-    "knights_knaves_reward",
-    "load_knights_knaves_dataset",
-    "load_math_dataset",
-    "load_paper_math_dataset",
-    "math_reward",
-    "math_reward_lenient",
-    "paper_prompt",
-    "prepare_knights_knaves_dataset",
-    "render_prompts_as_text",
-]

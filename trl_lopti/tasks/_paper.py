@@ -12,18 +12,3 @@ AUTHORS_COMMIT = "cbeb333376decdfe571fa8613bdebcfcc526628d"
 AUTHORS_DATA_URL = f"https://raw.githubusercontent.com/{AUTHORS_REPOSITORY}/{AUTHORS_COMMIT}"
 """Base URL of the files of [`AUTHORS_REPOSITORY`] at [`AUTHORS_COMMIT`]."""
 
-
-def load_parquet(sources: str | list[str]):
-    """
-    Reads parquet files (local paths or URLs) into one `datasets.Dataset`, in the given order.
-
-    Args:
-        sources (`str` or `list[str]`):
-            Paths or URLs.
-
-    Returns:
-        `datasets.Dataset`: The rows.
-    """
-    import datasets
-
-    return datasets.load_dataset("parquet", data_files=sources, split="train")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .._paper import AUTHORS_DATA_URL, load_parquet
+from .._paper import AUTHORS_DATA_URL
 from .puzzles import MAX_PEOPLE, MIN_PEOPLE, _validate_num_people, generate_puzzles, parse_statements, puzzle_record
 from .rewards import THINK_PREFILL
 
@@ -239,7 +239,9 @@ def _paper_files(split: str, sizes: Sequence[int], data_dir: str | None) -> list
 
 
 def _load_paper_split(split: str, sizes: Sequence[int], data_dir: str | None):
-    rows = load_parquet(_paper_files(split, sizes, data_dir))
+    import datasets
+
+    rows = datasets.load_dataset("parquet", data_files=_paper_files(split, sizes, data_dir), split="train")
     indices = PAPER_SPLITS[split]
     rows = rows.filter(lambda index: index in indices, input_columns="index")
     return rows.map(paper_record_to_example, remove_columns=rows.column_names)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._paper import AUTHORS_DATA_URL, load_parquet
+from .._paper import AUTHORS_DATA_URL
 from .grading import normalize_reference
 
 PAPER_MATH_FILES: dict[str, str] = {
@@ -89,8 +89,6 @@ MATH_DATASETS: dict[str, MathDatasetSpec] = {
 `"amc"` is AMC 2022-2023 (83 problems), `"minerva"` Minerva-Math (272), `"olympiadbench"` the 675 open-ended
 English text-only math problems of OlympiadBench. Pass a [`MathDatasetSpec`] to [`load_math_dataset`] for another
 mirror."""
-
-
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -258,7 +256,6 @@ def load_math_dataset(
     ).select_columns(["prompt", "problem", "solution"])
 
 
-
 def paper_math_record_to_example(record: dict[str, Any]) -> dict[str, Any]:
     """
     Maps one row of the authors' verl parquet files (`prompt`: one message whose content is the full prompt text;
@@ -308,5 +305,8 @@ def load_paper_math_dataset(name: str = "dsr_uniform", data_file: str | None = N
     """
     if name not in PAPER_MATH_FILES:
         raise ValueError(f"name: unknown paper math set {name!r}; choose one of {sorted(PAPER_MATH_FILES)}")
-    raw = load_parquet(data_file or f"{AUTHORS_DATA_URL}/{PAPER_MATH_FILES[name]}")
+    import datasets
+
+    source = data_file or f"{AUTHORS_DATA_URL}/{PAPER_MATH_FILES[name]}"
+    raw = datasets.load_dataset("parquet", data_files=source, split="train")
     return raw.map(paper_math_record_to_example, remove_columns=raw.column_names)

@@ -1,18 +1,14 @@
-"""Grading of math answers for TRL: the paper's grading (`math_reward`) and a lenient variant (`math_reward_lenient`).
+"""TRL reward functions for math answers: the paper's grading (`math_reward`) and TRL's own (`math_reward_lenient`).
 
 [`math_reward`] gives the authors' reward (their verl fork, DeepScaleR's `RewardMathFn`): 1 when the last
 `\\boxed{...}` in the text between the first and second `</think>` (the whole response without one) equals a reference
-under their string normaliser or their sympy check, else 0 (rules in [`~trl_lopti.tasks.math.paper_grading`]).
-[`math_reward_lenient`] grades the text after the LAST `</think>` with math-verify (`parse` + `verify`), reads
-`\\boxed 5`, `\\fbox{}` and, without a box, math-verify's own extraction ("the final answer is ...", the last formula
-or number); it is not the paper's grader.
-
-Both run under a wall-clock limit; nothing raises. Optional dependencies: `pip install "trl_lopti[math]"`.
+under their string normaliser or their sympy check, else 0 (rules in [`~trl_lopti.tasks.math.paper_grading`]), under a
+wall-clock limit per completion; nothing raises. [`math_reward_lenient`] is TRL's `accuracy_reward` (math-verify) on
+the text after the last `</think>`; it is not the paper's grader. Dependencies: `pip install "trl_lopti[math]"`.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 from collections.abc import Sequence
@@ -23,100 +19,8 @@ from .._time_limit import DeadlineExceeded, in_main_thread, run_with_time_limit,
 from .paper_grading import paper_is_correct, reference_answers
 
 
-GRADING_MODES = ("paper", "lenient")
-"""`"paper"`: `\\boxed{}` required, text after the first `</think>`. `"lenient"`: text after the last `</think>`,
-unboxed fallback."""
-
 MAX_ANSWER_CHARS = 1_000
-"""Longer extracted answers score 0 without being parsed (a guard against pathological inputs)."""
-
-MAX_FALLBACK_CHARS = 2_000
-"""Without a `\\boxed{}`, only this many final characters of the response are searched for an answer."""
-
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Answer extraction
-# ---------------------------------------------------------------------------------------------------------------------
-def _box_content(text: str, start: int) -> str | None:
-    """Content of the box command starting at `start`, or `None` when its braces do not close."""
-    position = start
-    while position < len(text) and text[position].isalpha():  # skip the command's name
-        position += 1
-    while position < len(text) and text[position] == " ":
-        position += 1
-    if position >= len(text):
-        return None
-    if text[position] != "{":  # `\boxed 5`: the argument runs to the next `$` or whitespace
-        end = position
-        while end < len(text) and not text[end].isspace() and text[end] != "$":
-            end += 1
-        return text[position:end] or None
-    depth = 0
-    for end in range(position, len(text)):
-        if text[end] == "{" and text[end - 1] != "\\":
-            depth += 1
-        elif text[end] == "}" and text[end - 1] != "\\":
-            depth -= 1
-            if depth == 0:
-                return text[position + 1 : end]
-    return None
-
-
-def extract_boxed_answer(text: str) -> str | None:
-    """
-    The content of the last well-formed `\\boxed{...}` (or `\\fbox{...}`) in `text`.
-
-    Nested braces are matched; `\\boxed 5` (no braces) is read up to the next space or `$`. A box whose braces never
-    close is skipped in favour of the one before it.
-
-    Args:
-        text (`str`):
-            A model response.
-
-    Returns:
-        `str` or `None`: The stripped content, `None` when no well-formed box exists.
-    """
-    starts = sorted(
-        index
-        for command in _BOX_COMMANDS
-        for index in _find_all(text, command)
-        if not text[index + len(command) : index + len(command) + 1].isalpha()  # `\boxed`, not `\boxedfoo`
-    )
-    for start in reversed(starts):
-        content = _box_content(text, start + 1)
-        if content is not None:
-            return content.strip()
-    return None
-
-
-def _find_all(text: str, pattern: str) -> list[int]:
-    positions, index = [], text.find(pattern)
-    while index != -1:
-        positions.append(index)
-        index = text.find(pattern, index + 1)
-    return positions
-
-
-def final_part(text: str, mode: str = "paper") -> str:
-    """
-    The part of a response that is graded: the answer section after the thinking.
-
-    Args:
-        text (`str`):
-            The response.
-        mode (`str`, *optional*, defaults to `"paper"`):
-            `"paper"`: the text between the first `</think>` and the next one (the authors split on `</think>` and
-            take item 1); `"lenient"`: the text after the last `</think>`. Without `</think>`: the whole text.
-
-    Returns:
-        `str`: The graded part.
-    """
-    marker = "</think>"
-    if marker not in text:
-        return text
-    return text.split(marker)[1] if mode == "paper" else text.rsplit(marker, 1)[1]
+"""Longer answers get the string check only (no sympy): a guard against pathological inputs."""
 
 
 def normalize_reference(answer: Any) -> str:
@@ -140,44 +44,6 @@ def normalize_reference(answer: Any) -> str:
     if isinstance(answer, (list, tuple)):
         return ", ".join(normalize_reference(part) for part in answer)
     return str(answer).strip().strip("$").strip()
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Verification
-# ---------------------------------------------------------------------------------------------------------------------
-class _DropTimeoutDisabledWarning(logging.Filter):
-    """math-verify warns once that its own (signal-based) timeouts are off: here the caller enforces the limit."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Timeout is disabled")
-
-
-_log_filter_installed = False
-
-
-def _import_grader(mode: str) -> None:
-    """The paper mode needs sympy and pylatexenc, the lenient mode math-verify (all in the `math` extra)."""
-    if mode != "paper":
-        _import_math_verify()
-        return
-    try:
-        import pylatexenc  # noqa: F401
-        import sympy  # noqa: F401
-    except ImportError as error:
-        raise ImportError('math_reward needs sympy and pylatexenc: pip install "trl_lopti[math]"') from error
-
-
-def _import_math_verify():
-    global _log_filter_installed
-    try:
-        import math_verify
-    except ImportError as error:
-        raise ImportError('math_reward needs math-verify: pip install "trl_lopti[math]"') from error
-    if not _log_filter_installed:
-        for name in ("math_verify.parser", "math_verify.grader"):
-            logging.getLogger(name).addFilter(_DropTimeoutDisabledWarning())
-        _log_filter_installed = True
-    return math_verify
 
 
 _HUGE_EXPONENT_DIGITS = 7  # 3^{999999} is exact in well under a second; 3^{12345678} or 10^{10^{10}} are not
@@ -238,101 +104,39 @@ def looks_explosive(answer: str) -> bool:
     return bool(re.search(rf"\d{{{_HUGE_FACTORIAL_DIGITS},}}\s*!", answer))
 
 
-def _paper_sympy_allowed(answer: str) -> bool:
+def _sympy_allowed(answer: str) -> bool:
     return len(answer) <= MAX_ANSWER_CHARS and not looks_explosive(answer)
 
 
-def _is_correct(response: str, reference: Any, mode: str) -> bool:
-    """The paper mode: the authors' rules ([`paper_is_correct`]). The lenient mode: math-verify (its own timeouts off)
-    parses and compares the prediction and the reference."""
-    if mode == "paper":
-        return paper_is_correct(response, reference, allow_sympy=_paper_sympy_allowed)
-    math_verify = _import_math_verify()
-    reference = normalize_reference(reference)
-    graded = final_part(response, mode)
-    boxed = extract_boxed_answer(graded)
-    if boxed is not None:
-        prediction_text = "\\boxed{" + boxed + "}"
-    else:
-        prediction_text = graded[-MAX_FALLBACK_CHARS:]
-    if not reference or len(reference) > MAX_ANSWER_CHARS:
-        return False
-    if (boxed is not None and len(boxed) > MAX_ANSWER_CHARS) or looks_explosive(prediction_text):
-        return False
-    reference_text = reference if "\\boxed" in reference else "\\boxed{" + reference + "}"
-    gold = math_verify.parse(reference_text, parsing_timeout=None)
-    if not gold:
-        return False
-    prediction = math_verify.parse(prediction_text, parsing_timeout=None)
-    if not prediction:
-        return False
-    return bool(math_verify.verify(gold, prediction, timeout_seconds=None))
-
-
-def score_in_process(response: str, reference: Any, mode: str, timeout_seconds: float | None) -> float:
+def score_in_process(response: str, reference: list[str], timeout_seconds: float | None) -> float:
     """
-    Scores a response in this process under [`run_with_time_limit`]: `1.0` or `0.0`, never raises. The function a
-    worker process serves (its arguments and result are JSON).
+    Scores a response by the paper's rules in this process under [`run_with_time_limit`]: `1.0` or `0.0`, never
+    raises. The function a worker process serves (its arguments and result are JSON).
     """
     try:
-        correct = run_with_time_limit(lambda: _is_correct(response, reference, mode), timeout_seconds)
-        return 1.0 if correct else 0.0
+        grade = run_with_time_limit(lambda: paper_is_correct(response, reference, _sympy_allowed), timeout_seconds)
+        return 1.0 if grade else 0.0
     except (Exception, DeadlineExceeded):  # noqa: BLE001 - a bad answer scores 0
         return 0.0
 
 
 WORKER_TARGET = f"{__name__}:score_in_process"
-"""What a worker process serves when [`verify_answer`] is called outside the main thread."""
+"""What a worker process serves when [`math_reward`] is called outside the main thread."""
 
 
-def verify_answer(
-    completion: Any, solution: Any, mode: str = "paper", timeout_seconds: float | None = 3.0
-) -> float:
-    """
-    Scores one completion: 1.0 if its final answer equals the reference, else 0.0. Never raises.
-
-    In the main thread the check runs in this process under a `SIGALRM` time limit. In any other thread it runs in a
-    worker process (started on first use, killed and restarted after a timeout), so that a stuck computation in C
-    code cannot hang the caller.
-
-    Args:
-        completion (`str` or `list[dict]`):
-            The model's response (plain or conversational).
-        solution (`Any`):
-            The reference answer: a string (with or without `\\boxed{}`) or a number. A list is one answer in the
-            lenient mode (see [`normalize_reference`]) and alternatives in the paper mode (any one counts, as the
-            authors' grader reads a list; see [`reference_answers`]).
-        mode (`str`, *optional*, defaults to `"paper"`):
-            One of [`GRADING_MODES`]; see [`final_part`]. `"paper"` scores 0 without a `\\boxed{}` answer.
-        timeout_seconds (`float` or `None`, *optional*, defaults to `3.0`):
-            Wall-clock limit for parsing and comparing; past it the completion scores 0.
-
-    Returns:
-        `float`: `1.0` or `0.0`.
-    """
-    if mode not in GRADING_MODES:
-        raise ValueError(f"mode must be one of {list(GRADING_MODES)}, got {mode!r}")
-    _import_grader(mode)  # the one error that escapes: the grader's library is not installed
+def _score(completion: Any, solution: Any, timeout_seconds: float | None) -> float:
     try:
-        response = completion_to_text(completion)
-        reference = reference_answers(solution) if mode == "paper" else normalize_reference(solution)
-        if not in_main_thread():
-            worker = shared_worker(WORKER_TARGET, warmup_args=("\\boxed{1}", "1", "paper", None))
+        response, reference = completion_to_text(completion), reference_answers(solution)
+        if not in_main_thread():  # a worker process, whose main thread can interrupt sympy and be killed when stuck
+            worker = shared_worker(WORKER_TARGET, warmup_args=("\\boxed{1}", ["1"], None))
             if worker is not None:
                 try:
-                    return float(worker.call((response, reference, mode, timeout_seconds), timeout_seconds) or 0.0)
+                    return float(worker.call((response, reference, timeout_seconds), timeout_seconds) or 0.0)
                 except (OSError, RuntimeError, ValueError):
                     pass  # no worker process here: check in this process
-        return score_in_process(response, reference, mode, timeout_seconds)
+        return score_in_process(response, reference, timeout_seconds)
     except Exception:  # noqa: BLE001 - a bad answer scores 0
         return 0.0
-
-
-def _math_rewards(completions: Sequence[Any], solution: Sequence[Any], mode: str, timeout_seconds: float | None):
-    return [
-        verify_answer(completion, reference, mode, timeout_seconds)
-        for completion, reference in zip(completions, solution, strict=True)
-    ]
 
 
 def math_reward(
@@ -346,19 +150,20 @@ def math_reward(
     last box do not count). It is correct when it equals a reference under the authors' rules
     ([`~trl_lopti.tasks.math.paper_grading`]): the MATH string normaliser, or their sympy check. As theirs, it does
     not accept an unreduced fraction for a reduced one (`\\frac{2}{4}` vs `\\frac{1}{2}`), a non-integer form of an
-    integer (`1.5\\times10^3` vs `1500`), or sets and lists in another order. For math-verify's equivalence and
-    unboxed answers use [`math_reward_lenient`].
+    integer (`1.5\\times10^3` vs `1500`), or sets and lists in another order.
 
-    Malformed LaTeX and unreadable completions score 0; no exception escapes (except `ImportError` when sympy or
-    pylatexenc is not installed). Each completion gets at most `timeout_seconds` of wall-clock time, in the main
-    thread and in any other thread (see [`verify_answer`]), and answers that would make sympy compute astronomically
-    large exact numbers get the string check only (see [`looks_explosive`]): the authors' grader has no limit.
+    Each completion gets at most `timeout_seconds` of wall-clock time, in the main thread (a `SIGALRM` timer) and in
+    any other thread (a worker process, killed and restarted when stuck in C code), and answers that would make sympy
+    compute astronomically large exact numbers get the string check only (see [`looks_explosive`]): the authors'
+    grader has no limit. Malformed LaTeX and unreadable completions score 0; only `ImportError` escapes (sympy or
+    pylatexenc not installed).
 
     Args:
         completions (`Sequence[str]` or `Sequence[list[dict]]`):
             Plain-text or conversational completions.
         solution (`Sequence[Any]`):
-            Reference answer per completion (the dataset's `solution` column).
+            Reference answer per completion (the dataset's `solution` column): a string (with or without
+            `\\boxed{}`), a number, or a list of alternatives (any one counts, as the authors' grader reads a list).
         timeout_seconds (`float` or `None`, *optional*, defaults to `3.0`):
             Time limit per completion.
         **kwargs:
@@ -367,21 +172,23 @@ def math_reward(
     Returns:
         `list[float]`: One score per completion.
     """
-    if "boxed_only" in kwargs:  # the former switch: a silent no-op here would change the grading unnoticed
-        raise TypeError(
-            "boxed_only: math_reward always requires a \\boxed{} answer (the paper's grading); use "
-            "math_reward_lenient for the unboxed fallback"
-        )
-    return _math_rewards(completions, solution, "paper", timeout_seconds)
+    import pylatexenc  # noqa: F401  (the one error that escapes: the grader's libraries are not installed)
+    import sympy  # noqa: F401
+
+    return [_score(c, s, timeout_seconds) for c, s in zip(completions, solution, strict=True)]
 
 
-def math_reward_lenient(
-    completions: Sequence[Any], solution: Sequence[Any], timeout_seconds: float | None = 3.0, **kwargs: Any
-) -> list[float]:
+def math_reward_lenient(completions: Sequence[Any], solution: Sequence[Any], **kwargs: Any) -> list[float | None]:
     """
-    TRL reward function, lenient math grading: like [`math_reward`], but the text after the LAST `</think>` is graded
-    and, without a `\\boxed{}`, math-verify's own extraction ("the final answer is ...", the last formula or number)
-    is the fallback. Not the paper's grader; useful for models that do not box their answers. Arguments and return
-    value: as [`math_reward`].
+    TRL reward function: TRL's `trl.rewards.accuracy_reward` (math-verify: equivalent forms, unboxed answers) on the
+    text after the last `</think>`. An adapter, because TRL's takes conversational completions only and parses a
+    reference as it stands (a bare `x^2+1` or `\\frac12` does not parse): here completions may be text, and each
+    reference is [`normalize_reference`]d and boxed. `None` (TRL: skip the completion) where math-verify cannot parse
+    the reference. Not the paper's grader; its time limits are math-verify's (in the main thread only).
     """
-    return _math_rewards(completions, solution, "lenient", timeout_seconds)
+    from trl.rewards import accuracy_reward
+
+    texts = [completion_to_text(completion).rsplit("</think>", 1)[-1] for completion in completions]
+    references = [normalize_reference(reference) for reference in solution]
+    references = [ref if "\\boxed" in ref else "\\boxed{" + ref + "}" for ref in references]
+    return accuracy_reward([[{"role": "assistant", "content": text}] for text in texts], references, **kwargs)
