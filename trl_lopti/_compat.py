@@ -3,8 +3,8 @@
 `trl_lopti.config` and `trl_lopti.trainer` import this module before they import TRL, so that an unsupported TRL fails
 with the message below rather than somewhere inside TRL; `trl_lopti.tasks` does not import TRL at all.
 
-The trainer relies on four GRPOTrainer facts (the docstring of `trl_lopti/trainer.py`), which hold unchanged in every
-supported release: `.ci/run` runs the contract, exactness, schedule and split tests against the newest patch of each.
+The trainer relies on four GRPOTrainer facts (the docstring of `trl_lopti/trainer.py`), which hold unchanged from 1.10 to
+1.16: `.ci/run` runs the contract, exactness, schedule and split tests against the newest patch of each minor release.
 TRL 1.15 is left out: its fused log-prob head needs Triton on every device (1.16 made it optional), so no test of
 ours can run it on a CPU, and a release we cannot test is refused. A release above the range is refused too: the
 runtime checks catch a changed loss forward, not a changed schedule, so a new release could train the wrong update.
@@ -20,10 +20,11 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 
-SUPPORTED_TRL = SpecifierSet(">=1.11.0,<1.17,!=1.15.*")
-"""The supported TRL releases (as `setup.cfg` declares them)."""
+SUPPORTED_TRL_SPEC = ">=1.10.0,<1.17,!=1.15.*"
+"""The supported TRL releases, as `setup.cfg` declares them."""
+SUPPORTED_TRL = SpecifierSet(SUPPORTED_TRL_SPEC)
 
-TESTED_TRL_RELEASES = ("1.11.0", "1.12.0", "1.13.0", "1.14.2", "1.16.0")
+TESTED_TRL_RELEASES = ("1.10.0", "1.11.0", "1.12.0", "1.13.0", "1.14.2", "1.16.0")
 """The newest patch of each supported minor release: what `.ci/run` tests."""
 
 ALLOW_UNTESTED_TRL = "TRL_LOPTI_ALLOW_UNTESTED_TRL"
@@ -37,13 +38,15 @@ _CONTRACT_TESTS = "tests/test_trl_contract.py tests/test_exactness.py tests/test
 
 def unsupported_trl_message(installed: str) -> str:
     """What a user with TRL `installed` (outside `SUPPORTED_TRL`) is told: the range and what to do."""
-    supported = f"trl_lopti supports TRL {SUPPORTED_TRL} (tested: {', '.join(TESTED_TRL_RELEASES)})"
-    if Version(installed) < Version("1.11.0"):
+    supported = f"trl_lopti supports TRL {SUPPORTED_TRL_SPEC} (tested: {', '.join(TESTED_TRL_RELEASES)})"
+    if Version(installed) < Version("1.10.0"):
         return (f"{supported}, but TRL {installed} is installed: its GRPO losses differ from the ones trl_lopti is "
-                f"exact for. Upgrade: pip install 'trl{SUPPORTED_TRL}'")
+                f"exact for. Upgrade: pip install 'trl{SUPPORTED_TRL_SPEC}'")
+    untested = "its fused log-prob head needs Triton, so no CPU test runs it" if installed.startswith("1.15.") else (
+        "this release was not tested")
     return (f"{supported}, but TRL {installed} is installed: trl_lopti relies on GRPOTrainer internals (see "
-            f"trl_lopti/trainer.py) that this release was not tested for. Install a supported release (pip install "
-            f"'trl{SUPPORTED_TRL}'), or check this one: in a checkout of trl_lopti run {ALLOW_UNTESTED_TRL}=1 "
+            f"trl_lopti/trainer.py) and {untested}. Install a supported release (pip install "
+            f"'trl{SUPPORTED_TRL_SPEC}'), or check this one: in a checkout of trl_lopti run {ALLOW_UNTESTED_TRL}=1 "
             f"python -m pytest {_CONTRACT_TESTS}; if they pass, {ALLOW_UNTESTED_TRL}=1 lets you train with it")
 
 
@@ -57,7 +60,7 @@ def check_trl_version() -> str:
     try:
         installed = version("trl")
     except PackageNotFoundError as error:
-        raise ImportError(f"trl_lopti needs TRL: pip install 'trl{SUPPORTED_TRL}'") from error
+        raise ImportError(f"trl_lopti needs TRL: pip install 'trl{SUPPORTED_TRL_SPEC}'") from error
     if Version(installed) in SUPPORTED_TRL:
         return installed
     if os.environ.get(ALLOW_UNTESTED_TRL) == "1":
