@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import textwrap
 import warnings
 from typing import Any
@@ -43,6 +44,7 @@ from typing import Any
 import torch
 
 from . import _compat  # noqa: F401, I001  (checks the TRL version before TRL is imported)
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 
 from .config import LoptiGRPOConfig, lopti_pass_ends_on_optimizer_step, lopti_schedule_error
@@ -376,6 +378,41 @@ class LoptiGRPOTrainer(GRPOTrainer):
             if self.log_completions:
                 first_micro_batch[COMPLETIONS_LOGGED_KEY] = True
             super().log(logs, start_time)
+
+    # ------------------------------------------------------------------------------------------------ mid-cycle resume
+    # BEGIN mid-cycle resume (branch `launchers`, issue 22; to be ported into the core rewrite as it stands).
+    # A checkpoint inside a generation batch's schedule (e.g. after the low pass, before the high pass) stores this
+    # process's buffered generation batch, and resuming serves it again from the same micro-step. Facts relied on:
+    # - TRL 1.16: GRPOTrainer.__init__ sets `self._step = 0` and `self._buffered_inputs = None`; `_prepare_inputs`
+    #   regenerates when `self._step % (steps_per_generation * num_iterations) == 0` or `_buffered_inputs is None`.
+    # - TRL 1.16: `training_step` adds 1 to `self._step` per micro-step, so at an optimizer step `_step` equals
+    #   `global_step * gradient_accumulation_steps` (no partial accumulation: Lopti's passes end on optimizer steps).
+    # - TRL 1.16 overrides `_save_checkpoint` and `_load_optimizer_and_scheduler` (entropy controller) and calls super.
+    # - transformers 5.24: `_save_checkpoint(model, trial)` runs on every process after the optimizer step and writes
+    #   `<output_dir>/checkpoint-<global_step>`; `train` loads `self.state` from the checkpoint (`_init_training_state`)
+    #   before `_prepare_for_training`, which loads the weights (DeepSpeed: `deepspeed_load_checkpoint`, with optimizer
+    #   and scheduler; FSDP: `_load_from_checkpoint`) and then calls `_load_optimizer_and_scheduler(checkpoint)` on
+    #   every backend, before the first micro-step; `_run_epoch` then skips the dataloader batches already trained.
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        cycle_micro_steps = self.args.lopti_num_passes * self.lopti_pass_micro_steps
+        if self._buffered_inputs is not None and self._step % cycle_micro_steps != 0:
+            checkpoint = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            os.makedirs(checkpoint, exist_ok=True)
+            torch.save(self._buffered_inputs, os.path.join(checkpoint, self._generation_batch_file_name()))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, self._generation_batch_file_name()) if checkpoint is not None else ""
+        if os.path.isfile(path):
+            device = self.accelerator.device  # torch restores no indexed CPU device ("cpu:0")
+            self._buffered_inputs = torch.load(path, map_location="cpu" if device.type == "cpu" else device)
+            self._step = self.state.global_step * self.args.gradient_accumulation_steps
+
+    def _generation_batch_file_name(self) -> str:
+        return f"lopti_generation_batch_rank{self.accelerator.process_index}.pt"
+
+    # END mid-cycle resume
 
 
 def describe_method(config: LoptiGRPOConfig) -> str:

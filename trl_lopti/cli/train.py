@@ -24,6 +24,7 @@ from typing import Any
 
 from trl import ScriptArguments
 
+from . import rehearse
 from .errors import CliError
 from .parsing import LoptiTrlParser, parse_with_config
 from .train_inputs import REWARD_FUNCS, build_datasets, dataset_spec, resolve_model, resolve_reward_funcs
@@ -81,6 +82,9 @@ class LoptiScriptArguments(ScriptArguments):
         dry_run (`bool`, *optional*, defaults to `False`):
             Parse and validate everything, print the resolved configuration and the dataset spec, and exit without
             loading a model or a dataset.
+        rehearse (`bool`, *optional*, defaults to `False`):
+            On the command line: rehearse the run offline with a tiny model, on CPU processes without a GPU
+            (`trl_lopti.cli.rehearse`).
     """
 
     task: str = field(
@@ -134,6 +138,9 @@ class LoptiScriptArguments(ScriptArguments):
     dry_run: bool = field(
         default=False,
         metadata={"help": "Parse and validate, print the resolved configuration and exit without loading a model."},
+    )
+    rehearse: bool = field(
+        default=False, metadata={"help": "Rehearse the run offline: tiny model, one Lopti cycle, save and resume."}
     )
 
     def __post_init__(self):
@@ -292,6 +299,8 @@ def main(argv: Sequence[str]) -> int:
     Returns:
         `int`: The exit code.
     """
+    if any(arg.startswith("--rehearse") for arg in argv):  # before parsing: it sets up the launcher's backend first
+        return rehearse.main(list(argv))
     script_args, training_args, model_args = parse_train_args(argv)
     if script_args.dry_run:
         print(json.dumps(resolved_config(script_args, training_args, model_args), indent=2, default=str))
@@ -326,7 +335,7 @@ def policy_model_init_kwargs(training_args, model_args) -> dict[str, Any]:
     return model_init_kwargs
 
 
-def run_training(script_args, training_args, model_args):
+def run_training(script_args, training_args, model_args, end: bool = True):
     """
     Builds the dataset, the rewards and a [`LoptiGRPOTrainer`], then trains and saves, like `trl grpo`.
 
@@ -337,6 +346,8 @@ def run_training(script_args, training_args, model_args):
             Training configuration.
         model_args (`trl.ModelConfig`):
             Model, dtype and LoRA settings.
+        end (`bool`, *optional*, defaults to `True`):
+            Finish the trackers and the process group (`False`: this process trains again, as `--rehearse` does).
 
     Returns:
         [`LoptiGRPOTrainer`]: The trainer after training.
@@ -380,6 +391,6 @@ def run_training(script_args, training_args, model_args):
     trainer.accelerator.print(f"trl-lopti: model saved to {training_args.output_dir}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    if hasattr(trainer, "end"):
+    if end and hasattr(trainer, "end"):
         trainer.end()
     return trainer
