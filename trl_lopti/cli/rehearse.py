@@ -45,6 +45,7 @@ def main(argv: list[str]) -> int:
         `int`: The exit code.
     """
     import torch
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     from . import cpu_backends
     from .train import parse_train_args, run_training
@@ -57,12 +58,13 @@ def main(argv: list[str]) -> int:
     scale, notes = _scaled_flags(script_args, training_args, model_args, folder)
     for note in notes:
         say(f"rehearse: {note}")
+    unset_hf_deepspeed_config()  # the tiny model is built whole on the main process, not under ZeRO-3's zero.Init
+    with training_args.main_process_first(desc="rehearsal inputs"):
+        _write_inputs(script_args, scale)
     run_argv = [*argv, *(f"--{name}={value}" for name, value in scale.items())]
     script_args, training_args, model_args = parse_train_args(run_argv)
     if cpu_backends.launcher_kind() == "deepspeed" and overrides:  # DeepSpeed's config checks bf16 against it
         training_args.bf16 = training_args.mixed_precision == "bf16"
-    with training_args.main_process_first(desc="rehearsal inputs"):
-        _write_inputs(script_args, model_args, scale, folder)
     trainer = run_training(script_args, training_args, model_args, end=False)
     report = {"backend": cpu_backends.check_backend(trainer.accelerator), "cpu_overrides": overrides,
               "mixed_precision": trainer.accelerator.mixed_precision, **_sharding(trainer), **_passes(trainer)}
@@ -141,28 +143,29 @@ def _rehearsal_model(name: str, folder: Path) -> str:
     return str(folder / f"tiny-{family}")
 
 
-def _write_inputs(script_args, model_args, scale: dict[str, Any], folder: Path) -> None:
+def _write_inputs(script_args, scale: dict[str, Any]) -> None:
     """Writes the tiny model and the local math problems a rehearsal names (once, on the main process first)."""
     from datasets import Dataset
 
     from ..models import build_tiny_model
 
-    model = Path(model_args.model_name_or_path)
+    Path(scale["output_dir"]).parent.mkdir(parents=True, exist_ok=True)
+    model = Path(scale["model_name_or_path"])
     if model.name.startswith("tiny-") and not (model / "config.json").is_file():
         build_tiny_model(model, architecture=model.name.removeprefix("tiny-"))
     problems = [(f"What is {a} + {b}?", str(a + b)) for a in range(3, 7) for b in range(11, 13)]
-    if "math_data_file" in scale and not Path(scale["math_data_file"]).is_file():
+    if "math_data_file" in scale and not scale["math_data_file"].is_file():
         rows = [{"prompt": [{"role": "user", "content": f"{q} Let's think step by step and output the final answer "
                  "within \\boxed{}."}], "reward_model": {"ground_truth": a}} for q, a in problems]  # fmt: skip
         Dataset.from_list(rows).to_parquet(scale["math_data_file"])
-    elif script_args.task == "math" and not Path(script_args.dataset_name).is_file():
+    elif script_args.task == "math" and not scale["dataset_name"].is_file():
         Dataset.from_list([{script_args.math_problem_column: q, script_args.math_answer_column: a}
-                           for q, a in problems]).to_json(script_args.dataset_name)  # fmt: skip
+                           for q, a in problems]).to_json(scale["dataset_name"])  # fmt: skip
 
 
 def _local_numel(tensor) -> int:
-    if hasattr(tensor, "ds_tensor"):  # ZeRO-3: this process's partition
-        return tensor.ds_tensor.numel()
+    if hasattr(tensor, "ds_tensor"):  # ZeRO-3: this process's partition, or all of a "persistent" parameter
+        return tensor.ds_numel if getattr(tensor, "ds_persist", False) else tensor.ds_tensor.numel()
     return tensor.to_local().numel() if hasattr(tensor, "to_local") else tensor.numel()
 
 
@@ -174,7 +177,8 @@ def _sharding(trainer) -> dict[str, Any]:
     optimizer = trainer.optimizer
     while hasattr(optimizer, "optimizer"):  # accelerate's and DeepSpeed's wrappers around the torch optimizer
         optimizer = optimizer.optimizer
-    optimized = [tensor for group in optimizer.param_groups for tensor in group["params"]]
+    # the optimized tensors: its parameter groups' (ZeRO-3 empties them between steps) and those it holds state for
+    optimized = list({id(t): t for t in [*(t for g in optimizer.param_groups for t in g["params"]), *optimizer.state]}.values())
     state = [value for tensor in optimized for value in optimizer.state.get(tensor, {}).values() if value.dim()]
     local = {
         "parameter_types": sorted({type(p).__name__ + ("(ZeRO-3)" if hasattr(p, "ds_tensor") else "") for p in parameters}),
