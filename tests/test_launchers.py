@@ -52,7 +52,9 @@ TEST_SETTINGS = {
 LAUNCH_FLAGS = ["--num_processes", "2", "--mixed_precision", "no"]
 PROMPT_LENGTH, COMPLETION_LENGTH = 4, 8
 EXACT, RESUMED_EXACT = 1e-8, 1e-12
-DEEPSPEED_RELATIVE = 1e-3  # fp32 masters: 2 vs 1 processes to 1e-3 of how far each tensor moved
+# DeepSpeed's fp32 masters (ZeRO-3 casts the float64 model to fp32): 2 vs 1 processes to 1e-3 of how far each tensor
+# moved, plus 2 fp32 rounding steps of a value at 1 (the norm weights start at 1: 2 * 2**-23 = 2.4e-7)
+DEEPSPEED_RELATIVE, DEEPSPEED_ATOL = 1e-3, 2.4e-7
 REPORT = os.environ.get("TRL_LOPTI_LAUNCHER_REPORT")
 
 
@@ -191,7 +193,8 @@ def test_launcher_trains_one_lopti_cycle_as_one_process_and_resumes_mid_cycle(se
     # (b) 2 processes equal 1 process on the same completions
     run, resumed = load_parameters(rehearsal / "run"), load_parameters(rehearsal / "resumed")
     deepspeed = LAUNCHERS[launcher] == "DEEPSPEED"
-    difference, moved = assert_parameters_close(run, setup["reference"], setup["initial"], atol=EXACT,
+    difference, moved = assert_parameters_close(run, setup["reference"], setup["initial"],
+                                                atol=DEEPSPEED_ATOL if deepspeed else EXACT,
                                                 relative_to_move=DEEPSPEED_RELATIVE if deepspeed else 0.0)  # fmt: skip
     assert moved > 1.0  # far more than any tolerance above
     # (d) the checkpoint after the low pass resumes into the high pass of the stored batch, to the same parameters
