@@ -241,3 +241,53 @@ def test_every_shipped_launcher_is_tested_or_excluded_with_a_reason():
     shipped = {path.name for path in (ROOT / "configs/accelerate").glob("*.yaml")}
     assert shipped == set(LAUNCHERS) | set(NOT_RUN)
     assert set(CPU_OVERRIDES) == {"fsdp_or_ddp", "deepspeed"}
+
+
+@pytest.mark.slow
+def test_rehearsal_of_a_3b_preset_under_the_shipped_fsdp2_launcher(tmp_path):
+    """The README's command as is: (c) bf16 mixed precision keeps float32 sharded parameters and AdamW state."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "configs/accelerate/fsdp2.yaml"), "--num_processes", "2", "--main_process_port",
+               str(free_port()), "-m", "trl_lopti", "train", "--config", str(PRESET), "--rehearse"]  # fmt: skip
+    seconds = run(command, tmp_path)
+    report = json.loads((tmp_path / "outputs/kk_qwen2.5-3b-instruct_ar_lopti-rehearsal/rehearsal.json").read_text())
+    assert report["backend"].startswith("FSDP on 2 process") and report["mixed_precision"] == "bf16"
+    assert report["cpu_overrides"] == CPU_OVERRIDES["fsdp_or_ddp"]
+    held = report["per_process"]
+    assert sum(process["parameter_elements"] for process in held) == report["model_elements"]
+    for process in held:
+        assert process["parameters"] == ["DTensor"] and process["parameter_dtype"] == "torch.float32"
+        assert process["optimizer"] == "AdamW" and process["optimizer_dtype"] == "torch.float32"
+        assert process["optimizer_elements"] == process["parameter_elements"] < report["model_elements"]
+        # exp_avg and exp_avg_sq, sharded as the parameters, in float32
+        assert process["optimizer_state_elements"] == 2 * process["parameter_elements"]
+        assert process["optimizer_state_dtype"] == "torch.float32"
+    assert report["steps_of_pass"] == {"low": [1, 2], "high": [3, 4]} and report["eta"] == [0.5]
+    assert {"lopti_generation_batch_rank0.pt", "lopti_generation_batch_rank1.pt"} <= set(report["checkpoint_files"])
+    assert report["resume_max_abs_difference"] == 0.0
+    print(json.dumps({"launcher": "fsdp2.yaml (rehearsal of the preset, shipped bf16)", "ran": True,
+                      "parameter_dtype": held[0]["parameter_dtype"], "optimizer_state_dtype": held[0]["optimizer_state_dtype"],
+                      "resume_difference": report["resume_max_abs_difference"], "seconds": round(seconds, 1)}))  # fmt: skip
+
+
+@pytest.mark.slow
+def test_rehearsal_of_a_math_preset_writes_local_problems_in_the_authors_format(tmp_path):
+    command = [sys.executable, "-m", "trl_lopti", "train", "--config",
+               str(ROOT / "configs/math/qwen2.5-7b_dsr_uniform_lopti.yaml"), "--rehearse"]  # fmt: skip
+    run(command, tmp_path)
+    folder = tmp_path / "outputs/math_qwen2.5-7b_dsr_uniform_lopti-rehearsal"
+    report = json.loads((folder / "rehearsal.json").read_text())
+    assert (folder / "math.parquet").is_file() and (folder / "tiny-qwen2/config.json").is_file()
+    assert report["backend"].startswith("NO on 1 process") and report["steps_of_pass"]["high"] == [3, 4]
+
+
+def test_rehearsal_of_the_vllm_server_preset_says_at_once_what_it_does_not_run(tmp_path):
+    from trl_lopti.cli.rehearse import _scaled_flags
+    from trl_lopti.cli.train import parse_train_args
+
+    preset = ROOT / "configs/vllm/qwen2.5-3b-instruct_ar_lopti_server.yaml"
+    said = []
+    parsed = parse_train_args(["--config", str(preset), "--use_cpu", "true"])
+    flags = _scaled_flags(*parsed, tmp_path, said.append)
+    assert flags["use_vllm"] is False and "NOT rehearsed" in said[0] and "NCCL" in said[0]
+    assert flags["model_name_or_path"] == str(tmp_path / "tiny-qwen2") and flags["kk_source"] == "generated"

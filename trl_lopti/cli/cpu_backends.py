@@ -1,9 +1,10 @@
 """FSDP2 and DeepSpeed on CPU processes (gloo), for `trl-lopti train --rehearse` and the launcher tests.
 
-accelerate runs FSDP and DeepSpeed only on accelerator devices, although torch's `fully_shard` works on a CPU device
-mesh and DeepSpeed has a CPU accelerator (`DS_ACCELERATOR=cpu`). Two wraps of accelerate's private state code lift
-that, each resting on one fact of accelerate 1.15 (`ACCELERATE_FACTS`) and checked where it acts: a wrap that does
-not take effect raises instead of silently running plain DDP or one process.
+accelerate runs FSDP and DeepSpeed only on accelerators, although torch's `fully_shard` works on a CPU device mesh and
+DeepSpeed has a CPU accelerator (`DS_ACCELERATOR=cpu`). Two wraps of accelerate's private state code lift that, each
+resting on one written-down fact (`PRIVATE_FACTS`) and checked where it acts: a wrap that does not take effect raises,
+and `check_backend` raises unless the trainer runs the backend the launcher asked for, instead of silently training
+with plain DDP or one process.
 """
 
 from __future__ import annotations
@@ -12,44 +13,36 @@ import functools
 import os
 
 
-ACCELERATE_FACTS = {
-    "fsdp": "AcceleratorState.__init__(fsdp_plugin=...) keeps the plugin and sets DistributedType.FSDP only for "
-    "accelerator devices; CPU processes (cpu=True) stay MULTI_CPU and drop it. Its __dict__ and PartialState's are "
-    "the class attributes `_shared_state`.",
-    "deepspeed": "PartialState._prepare_backend(cpu, ...) picks gloo and MULTI_CPU only when cpu=True; PartialState "
-    "starts DeepSpeed's process group (and AcceleratorState DistributedType.DEEPSPEED) only when cpu=False and "
-    "ACCELERATE_USE_DEEPSPEED=true.",
-}
-"""The private accelerate behaviour each shim relies on (checked against accelerate 1.15)."""
+PRIVATE_FACTS = {
+    "fsdp": "accelerate 1.15: AcceleratorState.__init__(fsdp_plugin=...) sets DistributedType.FSDP and keeps the plugin "
+    "only for accelerator devices; CPU processes (cpu=True) stay MULTI_CPU and drop it. Its __dict__ and PartialState's "
+    "are the class attributes `_shared_state`.",
+    "deepspeed": "accelerate 1.15: PartialState._prepare_backend(cpu, ...) picks gloo and MULTI_CPU only with cpu=True; "
+    "PartialState starts DeepSpeed's process group, and AcceleratorState sets DistributedType.DEEPSPEED, only with "
+    "cpu=False and ACCELERATE_USE_DEEPSPEED=true.",
+    "shm_comm": "deepspeed 0.19: deepspeed.comm's TorchBackend JIT-builds the C++ op `deepspeed_shm_comm` (g++, minutes) "
+    "unless `deepspeed.ops.__compatible_ops__['deepspeed_shm_comm']` is False; only `inference_all_reduce` uses it.",
+}  # fmt: skip
+"""The private accelerate and DeepSpeed behaviour the shims rely on."""
 
-SHM_COMM_OP = "deepspeed_shm_comm"
-DEEPSPEED_FACT = (
-    "deepspeed.comm's TorchBackend JIT-builds the C++ op `deepspeed_shm_comm` (g++, minutes) unless "
-    "`deepspeed.ops.__compatible_ops__[name]` is False; only `inference_all_reduce` uses it, training runs on gloo."
-)
-"""The private DeepSpeed (0.19) behaviour the DeepSpeed shim relies on."""
-
-CPU_OVERRIDES = {
-    "fsdp_or_ddp": {"use_cpu": True},
-    "deepspeed": {"use_cpu": False, "bf16": False},
-}
-"""The training settings a CPU forces, per launcher kind, and nothing else: `use_cpu` gives gloo processes (MULTI_CPU,
-which the FSDP shim turns into FSDP); DeepSpeed needs `use_cpu=False` (accelerate skips it otherwise), and without
-`use_cpu` transformers refuses `bf16` on a machine without a GPU, so DeepSpeed's precision comes from the launcher's
-`mixed_precision` alone (the shipped zero2/zero3 files: bf16, as the presets)."""
+CPU_OVERRIDES = {"fsdp_or_ddp": {"use_cpu": True}, "deepspeed": {"use_cpu": False, "bf16": False}}
+"""The training settings a CPU forces, per launcher kind, and nothing else. `use_cpu` gives gloo processes (MULTI_CPU,
+which the FSDP shim turns into FSDP). DeepSpeed needs `use_cpu=False` (accelerate skips it otherwise), and transformers
+then refuses `bf16` without a GPU: it is parsed False and set back to the launcher's `mixed_precision` afterwards (the
+value DeepSpeed's config is checked against), so DeepSpeed runs the launcher's precision (shipped files: bf16)."""
 
 
 def launcher_kind() -> str:
-    """`"deepspeed"` or `"fsdp_or_ddp"`, from the environment `accelerate launch` sets for the config file."""
+    """`"deepspeed"` or `"fsdp_or_ddp"`, from the environment `accelerate launch` sets for its config file."""
     return "deepspeed" if _flag("ACCELERATE_USE_DEEPSPEED") else "fsdp_or_ddp"
 
 
 def install() -> dict:
     """
-    Makes this process run the launcher's backend on CPU (idempotent); call it before the training arguments exist.
+    Makes this process run the launcher's backend on CPU (idempotent); call it before any training arguments exist.
 
     Returns:
-        `dict`: The training settings to override (`CPU_OVERRIDES` of this launcher kind).
+        `dict`: The training settings to override (this launcher kind's `CPU_OVERRIDES`).
     """
     from accelerate.state import AcceleratorState, PartialState
 
@@ -61,19 +54,14 @@ def install() -> dict:
         import deepspeed.ops
         from deepspeed.accelerator import get_accelerator
 
-        deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False  # DEEPSPEED_FACT: no C++ build, gloo serves training
-
         if get_accelerator().device_name() != "cpu":
-            raise RuntimeError(f"DeepSpeed picked accelerator {get_accelerator().device_name()!r}, not 'cpu'")
+            raise RuntimeError(f"DeepSpeed picked the accelerator {get_accelerator().device_name()!r}, not 'cpu'")
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # PRIVATE_FACTS["shm_comm"]: gloo serves all
     return dict(CPU_OVERRIDES[launcher_kind()])
 
 
 def _flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() in ("1", "true")
-
-
-def _world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _fsdp_on_cpu(init):
@@ -82,10 +70,10 @@ def _fsdp_on_cpu(init):
         from accelerate.state import DistributedType, PartialState
 
         init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is None or _world_size() < 2 or self.distributed_type == DistributedType.FSDP:
+        if fsdp_plugin is None or self.distributed_type == DistributedType.FSDP:
             return
-        if self.distributed_type != DistributedType.MULTI_CPU:
-            raise RuntimeError(f"FSDP on CPU: {ACCELERATE_FACTS['fsdp']} But the state is {self.distributed_type}.")
+        if self.distributed_type != DistributedType.MULTI_CPU or "distributed_type" not in PartialState._shared_state:
+            raise RuntimeError(f"FSDP on CPU rests on: {PRIVATE_FACTS['fsdp']} But the state is {self.distributed_type}.")
         for state in (self.__dict__, PartialState._shared_state):
             state["distributed_type"] = DistributedType.FSDP
         if self._mixed_precision != "no":
@@ -101,11 +89,11 @@ def _deepspeed_on_cpu(prepare_backend):
     def wrapped(self, cpu=False, *args, **kwargs):
         from accelerate.state import DistributedType
 
-        if not _flag("ACCELERATE_USE_DEEPSPEED") or _world_size() < 2:
+        if not _flag("ACCELERATE_USE_DEEPSPEED"):
             return prepare_backend(self, cpu, *args, **kwargs)
         backend, distributed_type = prepare_backend(self, True, *args, **kwargs)
         if distributed_type != DistributedType.MULTI_CPU:
-            raise RuntimeError(f"DeepSpeed on CPU: {ACCELERATE_FACTS['deepspeed']} But got {distributed_type}.")
+            raise RuntimeError(f"DeepSpeed on CPU rests on: {PRIVATE_FACTS['deepspeed']} But got {distributed_type}.")
         return backend, distributed_type
 
     return wrapped
@@ -113,21 +101,23 @@ def _deepspeed_on_cpu(prepare_backend):
 
 def check_backend(accelerator) -> str:
     """
-    Raises unless the accelerator runs the backend the launcher asked for; returns it in words.
+    Raises unless the accelerator runs the backend and process count the launcher asked for; returns them in words.
 
     Args:
-        accelerator (`accelerate.Accelerator`): The trainer's accelerator, after `install`.
+        accelerator (`accelerate.Accelerator`):
+            The trainer's accelerator.
     """
     from accelerate.state import DistributedType
 
-    expected = DistributedType.NO if _world_size() < 2 else DistributedType.MULTI_CPU
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    expected = {DistributedType.NO} if world_size == 1 else {DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
     if _flag("ACCELERATE_USE_FSDP"):
-        expected = DistributedType.FSDP
+        expected = {DistributedType.FSDP}
     elif launcher_kind() == "deepspeed":
-        expected = DistributedType.DEEPSPEED
-    if accelerator.distributed_type != expected or accelerator.num_processes != _world_size():
+        expected = {DistributedType.DEEPSPEED}
+    if accelerator.distributed_type not in expected or accelerator.num_processes != world_size:
         raise RuntimeError(
-            f"the launcher asked for {expected} on {_world_size()} processes, accelerate runs "
-            f"{accelerator.distributed_type} on {accelerator.num_processes}: see trl_lopti.cli.cpu_backends"
+            f"the launcher asked for {sorted(map(str, expected))} on {world_size} processes, accelerate runs "
+            f"{accelerator.distributed_type} on {accelerator.num_processes} (see trl_lopti.cli.cpu_backends)"
         )
-    return f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es), {accelerator.device}"
+    return f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es) ({accelerator.device})"
