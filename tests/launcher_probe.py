@@ -76,7 +76,8 @@ def offload_policy(model):
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     groups = [fully_shard.state(m)._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
-    return sorted({type(group.offload_policy).__name__ for group in groups if group is not None}) or None
+    policies = {repr(group.offload_policy) for group in groups if group is not None}
+    return sorted(policies) or None
 
 
 def record(trainer, step_at_start: int) -> None:

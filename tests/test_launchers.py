@@ -161,8 +161,9 @@ def assert_backend(launcher: str, ranks: list[dict]) -> str:
         assert sum(params) == total and max(params) < total  # Shard(0): every element on exactly one process
         assert optimizer == params and states == params  # SGD momentum lives on the same shards
         if "offload" in launcher:
-            assert all(facts["offload_policy"] == ["CPUOffloadPolicy"] for facts in ranks)
-        return f"FSDP, DTensor parameters, {params} of {total} elements per process"
+            assert all(facts["offload_policy"] == ["CPUOffloadPolicy(pin_memory=False)"] for facts in ranks)
+        offload = ", offloaded (CPUOffloadPolicy, unpinned)" if "offload" in launcher else ""
+        return f"FSDP, DTensor parameters, {params} of {total} elements per process{offload}"
     if expected == "DEEPSPEED":
         partition = [facts["zero_stage"] for facts in ranks]
         assert max(optimizer) < total <= sum(optimizer) and states == optimizer  # fp32 masters + momentum: partitioned

@@ -78,6 +78,8 @@ def _fsdp_on_cpu(init):
             state["distributed_type"] = DistributedType.FSDP
         if self._mixed_precision != "no":
             fsdp_plugin.set_mixed_precision(self._mixed_precision)
+        if getattr(fsdp_plugin.cpu_offload, "pin_memory", False):  # torch pins offloaded shards only with an accelerator
+            fsdp_plugin.cpu_offload = type(fsdp_plugin.cpu_offload)(pin_memory=False)
         self.fsdp_plugin = fsdp_plugin
 
     wrapped._trl_lopti_cpu = True
@@ -120,4 +122,6 @@ def check_backend(accelerator) -> str:
             f"the launcher asked for {sorted(map(str, expected))} on {world_size} processes, accelerate runs "
             f"{accelerator.distributed_type} on {accelerator.num_processes} (see trl_lopti.cli.cpu_backends)"
         )
-    return f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es) ({accelerator.device})"
+    offload = getattr(getattr(accelerator.state, "fsdp_plugin", None), "cpu_offload", None)
+    offload = f", {type(offload).__name__}(pin_memory={offload.pin_memory})" if hasattr(offload, "pin_memory") else ""
+    return f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es) ({accelerator.device}){offload}"
