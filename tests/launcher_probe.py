@@ -85,11 +85,13 @@ def record(trainer, step_at_start: int) -> None:
     while hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
     # the optimized tensors: its parameter groups' (ZeRO-3 empties them between steps) and those it holds state for
-    optimized = list({id(t): t for t in [*(t for g in optimizer.param_groups for t in g["params"]), *optimizer.state]}.values())
+    optimized = [*(t for group in optimizer.param_groups for t in group["params"]), *optimizer.state]
+    optimized = list({id(t): t for t in optimized}.values())
     states = [value for tensor in optimized for value in optimizer.state.get(tensor, {}).values() if value.dim()]
     parameters = list(trainer.model.parameters())
     facts = {
-        "distributed_type": str(trainer.accelerator.distributed_type), "num_processes": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "num_processes": trainer.accelerator.num_processes,
         "parameter_classes": sorted({type(p).__name__ for p in parameters}),
         "zero3_partitioned": all(hasattr(p, "ds_tensor") and p.numel() == 0 for p in parameters),
         "parameter_dtypes": sorted({str((p.ds_tensor if hasattr(p, "ds_tensor") else p).dtype) for p in parameters}),

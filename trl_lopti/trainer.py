@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import os
 import textwrap
 import warnings
@@ -393,17 +394,23 @@ class LoptiGRPOTrainer(GRPOTrainer):
     #   before `_prepare_for_training`, which loads the weights (DeepSpeed: `deepspeed_load_checkpoint`, with optimizer
     #   and scheduler; FSDP: `_load_from_checkpoint`) and then calls `_load_optimizer_and_scheduler(checkpoint)` on
     #   every backend, before the first micro-step; `_run_epoch` then skips the dataloader batches already trained.
+    # - torch 2.13: `torch.load` defaults to `weights_only=True`, enough for the buffered batch (tensors, scalars).
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         cycle_micro_steps = self.args.lopti_num_passes * self.lopti_pass_micro_steps
         if self._buffered_inputs is not None and self._step % cycle_micro_steps != 0:
-            checkpoint = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            checkpoint = os.path.join(self._get_output_dir(trial=trial), folder)
             os.makedirs(checkpoint, exist_ok=True)
             torch.save(self._buffered_inputs, os.path.join(checkpoint, self._generation_batch_file_name()))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         path = os.path.join(checkpoint, self._generation_batch_file_name()) if checkpoint is not None else ""
+        written = len(glob.glob(os.path.join(checkpoint, "lopti_generation_batch_rank*.pt"))) if checkpoint else 0
+        if written not in (0, self.accelerator.num_processes):
+            raise ValueError(f"{checkpoint} was saved inside a generation batch by {written} processes: resume it with "
+                             f"{written} processes, or from a checkpoint between generation batches")  # fmt: skip
         if os.path.isfile(path):
             device = self.accelerator.device  # torch restores no indexed CPU device ("cpu:0")
             self._buffered_inputs = torch.load(path, map_location="cpu" if device.type == "cpu" else device)

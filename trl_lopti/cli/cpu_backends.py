@@ -1,10 +1,8 @@
 """FSDP2 and DeepSpeed on CPU processes (gloo), for `trl-lopti train --rehearse` and the launcher tests.
 
 accelerate runs FSDP and DeepSpeed only on accelerators, although torch's `fully_shard` works on a CPU device mesh and
-DeepSpeed has a CPU accelerator (`DS_ACCELERATOR=cpu`). Two wraps of accelerate's private state code lift that, each
-resting on one written-down fact (`PRIVATE_FACTS`) and checked where it acts: a wrap that does not take effect raises,
-and `check_backend` raises unless the trainer runs the backend the launcher asked for, instead of silently training
-with plain DDP or one process.
+DeepSpeed has a CPU accelerator. Two wraps of accelerate's state code lift that, each resting on a fact written down
+once (`PRIVATE_FACTS`) and checked where it acts; `check_backend` raises unless the trainer runs the launcher's backend.
 """
 
 from __future__ import annotations
@@ -14,15 +12,16 @@ import os
 
 
 PRIVATE_FACTS = {
-    "fsdp": "accelerate 1.15: AcceleratorState.__init__(fsdp_plugin=...) sets DistributedType.FSDP and keeps the plugin "
-    "only for accelerator devices; CPU processes (cpu=True) stay MULTI_CPU and drop it. Its __dict__ and PartialState's "
-    "are the class attributes `_shared_state`.",
-    "deepspeed": "accelerate 1.15: PartialState._prepare_backend(cpu, ...) picks gloo and MULTI_CPU only with cpu=True; "
-    "PartialState starts DeepSpeed's process group, and AcceleratorState sets DistributedType.DEEPSPEED, only with "
-    "cpu=False and ACCELERATE_USE_DEEPSPEED=true.",
-    "shm_comm": "deepspeed 0.19: deepspeed.comm's TorchBackend JIT-builds the C++ op `deepspeed_shm_comm` (g++, minutes) "
-    "unless `deepspeed.ops.__compatible_ops__['deepspeed_shm_comm']` is False; only `inference_all_reduce` uses it.",
-}  # fmt: skip
+    "fsdp": "accelerate 1.15: AcceleratorState.__init__(fsdp_plugin=...) sets DistributedType.FSDP and keeps the "
+    "plugin only for accelerator devices; CPU processes (cpu=True) stay MULTI_CPU and drop it. Its __dict__ and "
+    "PartialState's are the class attributes `_shared_state`.",
+    "deepspeed": "accelerate 1.15: PartialState._prepare_backend(cpu, ...) picks gloo and MULTI_CPU only with "
+    "cpu=True; PartialState starts DeepSpeed's process group, and AcceleratorState sets DistributedType.DEEPSPEED, "
+    "only with cpu=False and ACCELERATE_USE_DEEPSPEED=true.",
+    "shm_comm": "deepspeed 0.19: deepspeed.comm's TorchBackend JIT-builds the C++ op `deepspeed_shm_comm` (g++, "
+    "minutes) unless `deepspeed.ops.__compatible_ops__['deepspeed_shm_comm']` is False; only DeepSpeed inference's "
+    "`inference_all_reduce` uses it.",
+}
 """The private accelerate and DeepSpeed behaviour the shims rely on."""
 
 CPU_OVERRIDES = {"fsdp_or_ddp": {"use_cpu": True}, "deepspeed": {"use_cpu": False, "bf16": False}}
@@ -56,7 +55,7 @@ def install() -> dict:
 
         if get_accelerator().device_name() != "cpu":
             raise RuntimeError(f"DeepSpeed picked the accelerator {get_accelerator().device_name()!r}, not 'cpu'")
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # PRIVATE_FACTS["shm_comm"]: gloo serves all
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # PRIVATE_FACTS["shm_comm"]: gloo does all
     return dict(CPU_OVERRIDES[launcher_kind()])
 
 
@@ -73,12 +72,12 @@ def _fsdp_on_cpu(init):
         if fsdp_plugin is None or self.distributed_type == DistributedType.FSDP:
             return
         if self.distributed_type != DistributedType.MULTI_CPU or "distributed_type" not in PartialState._shared_state:
-            raise RuntimeError(f"FSDP on CPU rests on: {PRIVATE_FACTS['fsdp']} But the state is {self.distributed_type}.")
+            raise RuntimeError(f"FSDP on CPU rests on: {PRIVATE_FACTS['fsdp']} The state is {self.distributed_type}.")
         for state in (self.__dict__, PartialState._shared_state):
             state["distributed_type"] = DistributedType.FSDP
         if self._mixed_precision != "no":
             fsdp_plugin.set_mixed_precision(self._mixed_precision)
-        if getattr(fsdp_plugin.cpu_offload, "pin_memory", False):  # torch pins offloaded shards only with an accelerator
+        if getattr(fsdp_plugin.cpu_offload, "pin_memory", False):  # torch pins memory only with an accelerator
             fsdp_plugin.cpu_offload = type(fsdp_plugin.cpu_offload)(pin_memory=False)
         self.fsdp_plugin = fsdp_plugin
 
@@ -102,13 +101,7 @@ def _deepspeed_on_cpu(prepare_backend):
 
 
 def check_backend(accelerator) -> str:
-    """
-    Raises unless the accelerator runs the backend and process count the launcher asked for; returns them in words.
-
-    Args:
-        accelerator (`accelerate.Accelerator`):
-            The trainer's accelerator.
-    """
+    """Raises unless `accelerator` runs the backend and process count the launcher asked for; returns them in words."""
     from accelerate.state import DistributedType
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -123,5 +116,6 @@ def check_backend(accelerator) -> str:
             f"{accelerator.distributed_type} on {accelerator.num_processes} (see trl_lopti.cli.cpu_backends)"
         )
     offload = getattr(getattr(accelerator.state, "fsdp_plugin", None), "cpu_offload", None)
-    offload = f", {type(offload).__name__}(pin_memory={offload.pin_memory})" if hasattr(offload, "pin_memory") else ""
-    return f"{accelerator.distributed_type.value} on {accelerator.num_processes} process(es) ({accelerator.device}){offload}"
+    offload = f", {offload!r}" if hasattr(offload, "pin_memory") else ""
+    processes = f"{accelerator.num_processes} process(es), {accelerator.device}"
+    return f"{accelerator.distributed_type.value} on {processes}{offload}"

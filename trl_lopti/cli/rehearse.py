@@ -1,15 +1,11 @@
 """`trl-lopti train --rehearse`: a preset's launch rehearsed on CPU processes, before paying for GPUs.
 
-```bash
-accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 2 -m trl_lopti train \
-    --config configs/kk/qwen2.5-3b-instruct_ar_lopti.yaml --rehearse
-```
-
-Runs the preset's launcher (backend, processes, mixed precision), parser, task, reward and trainer settings offline,
-with a tiny random model of the preset's family (a local model under 100 MB as it is) and a few prompts of its task,
-scaled by `REHEARSAL_SCALE`: one Lopti cycle with a checkpoint after the first pass and the final save, then a resume
-from that checkpoint as `--resume_from_checkpoint` runs it. Prints what it verified; measures no GPU memory or speed.
-Without a GPU the launcher's backend runs on gloo processes (`trl_lopti.cli.cpu_backends`).
+`accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 2 -m trl_lopti train --config
+configs/kk/qwen2.5-3b-instruct_ar_lopti.yaml --rehearse` runs the preset's launcher (backend, processes, mixed
+precision), parser, task, reward and trainer settings offline with a tiny random model of the preset's family (a local
+model under 100 MB as it is) and a few prompts of its task (`REHEARSAL_SCALE`): one Lopti cycle with a checkpoint after
+the first pass and the final save, then a resume from that checkpoint as `--resume_from_checkpoint` runs it. It prints
+what it verified and measures no GPU memory or speed. Without a GPU the backend runs on gloo (`cpu_backends`).
 """
 
 from __future__ import annotations
@@ -25,26 +21,18 @@ from .errors import CliError
 
 REHEARSAL_SCALE = {"rows_per_optimizer_step": 8, "per_device_train_batch_size": 2, "max_completion_length": 16,
                    "prompts": 32, "max_local_model_bytes": 100e6}  # fmt: skip
-"""What a rehearsal shrinks: completions per optimizer step (all processes), the micro-batch, the completion length,
-the prompts, the size of a local model used as it is. The optimizer steps per generation batch, the group size and every
-method, loss, optimizer and precision setting stay the preset's; evaluation, trackers and hub uploads are off."""
+"""What a rehearsal shrinks: completions per optimizer step (all processes), micro-batch, completion length, prompts,
+the size of a local model used as it is. The optimizer steps per generation batch, the group size and every method,
+loss, optimizer and precision setting stay the preset's; evaluation, trackers and hub uploads are off."""
 
 FAMILIES = {"qwen": "qwen2", "llama": "llama", "smollm": "llama"}
 """Tiny model architecture (`trl_lopti.models.build_tiny_model`) by a part of the model's name or `model_type`."""
 
 
 def main(argv: list[str]) -> int:
-    """
-    Rehearses `trl-lopti train ARGV` (ARGV holds `--rehearse`) and prints what it verified.
-
-    Args:
-        argv (`list[str]`):
-            The arguments after `train`.
-
-    Returns:
-        `int`: The exit code.
-    """
+    """Rehearses `trl-lopti train ARGV` (the arguments after `train`, with `--rehearse`); returns the exit code."""
     import torch
+    from safetensors.torch import load_file
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     from . import cpu_backends
@@ -67,13 +55,15 @@ def main(argv: list[str]) -> int:
         _write_inputs(script_args, scale)
     trainer = run_training(*parse(scale), end=False)
     report = {"backend": cpu_backends.check_backend(trainer.accelerator), "cpu_overrides": overrides,
-              "mixed_precision": trainer.accelerator.mixed_precision, **_holdings(trainer), **_passes(trainer)}  # fmt: skip
+              "mixed_precision": trainer.accelerator.mixed_precision, **_holdings(trainer), **_passes(trainer)}
     checkpoint = folder / "run" / f"checkpoint-{scale['save_steps']}"
     report.update(checkpoint=str(checkpoint), checkpoint_files=sorted(path.name for path in checkpoint.iterdir()))
     del trainer
     resumed = run_training(*parse(scale, {"resume_from_checkpoint": checkpoint, "output_dir": folder / "resumed"}))
     if resumed.accelerator.is_main_process:
-        report["resume_max_abs_difference"] = _max_difference(folder / "run", folder / "resumed")
+        run, rerun = (load_file(folder / name / "model.safetensors") for name in ("run", "resumed"))
+        assert run.keys() == rerun.keys(), "rehearse: the resumed model holds other tensors"
+        report["resume_max_abs_difference"] = max(float((run[k].double() - rerun[k].double()).abs().max()) for k in run)
         report["seconds"] = round(time.perf_counter() - start, 1)
         (folder / "rehearsal.json").write_text(json.dumps(report, indent=2, default=str))
         _print_report(report, say)
@@ -86,11 +76,11 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rows, per_device = REHEARSAL_SCALE["rows_per_optimizer_step"], REHEARSAL_SCALE["per_device_train_batch_size"]
     per_device = per_device if rows % (per_device * world) == 0 else 1
-    micro_steps_per_pass = training_args.steps_per_generation * training_args.num_iterations
-    if rows % (per_device * world) or micro_steps_per_pass % training_args.gradient_accumulation_steps:
-        raise CliError(f"rehearse: needs 1, 2, 4 or 8 processes and steps_per_generation * num_iterations a multiple "
-                       f"of gradient_accumulation_steps (got {world} processes)")  # fmt: skip
-    accumulation, steps_per_pass = rows // (per_device * world), micro_steps_per_pass // training_args.gradient_accumulation_steps
+    micro_steps, accumulation = training_args.steps_per_generation * training_args.num_iterations, rows // per_device
+    if rows % (per_device * world) or micro_steps % training_args.gradient_accumulation_steps:
+        raise CliError(f"rehearse: needs 1, 2, 4 or 8 processes (got {world}) and steps_per_generation * "
+                       "num_iterations a multiple of gradient_accumulation_steps")  # fmt: skip
+    accumulation, steps_per_pass = accumulation // world, micro_steps // training_args.gradient_accumulation_steps
     max_steps = training_args.lopti_num_passes * steps_per_pass
     flags = {
         "per_device_train_batch_size": per_device, "gradient_accumulation_steps": accumulation,
@@ -123,7 +113,8 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
 
 def _rehearsal_model(name: str, folder: Path) -> str:
     path = Path(name).expanduser()
-    if path.is_dir() and sum(f.stat().st_size for f in path.glob("*.safetensors")) < REHEARSAL_SCALE["max_local_model_bytes"]:
+    weights = sum(file.stat().st_size for file in path.glob("*.safetensors")) if path.is_dir() else None
+    if weights is not None and weights < REHEARSAL_SCALE["max_local_model_bytes"]:
         return str(path)
     model_type = json.loads((path / "config.json").read_text())["model_type"] if path.is_dir() else name.lower()
     family = next((arch for key, arch in FAMILIES.items() if key in model_type), None)
@@ -152,33 +143,32 @@ def _write_inputs(script_args, scale: dict[str, Any]) -> None:
                            for q, a in problems]).to_json(scale["dataset_name"])  # fmt: skip
 
 
-def _local_numel(tensor) -> int:
-    if hasattr(tensor, "ds_tensor"):  # ZeRO-3: this process's partition, or all of a "persistent" parameter
-        return tensor.ds_numel if getattr(tensor, "ds_persist", False) else tensor.ds_tensor.numel()
-    return tensor.to_local().numel() if hasattr(tensor, "to_local") else tensor.numel()
-
-
 def _holdings(trainer) -> dict[str, Any]:
     """What each process holds of the parameters and of the optimizer's tensors and state (from every process)."""
     from accelerate.utils import gather_object
 
-    parameters = list(trainer.model.parameters())
-    optimizer = trainer.optimizer
+    def local(tensor) -> int:  # ZeRO-3: its partition, or all of a "persistent" parameter; FSDP2: the DTensor shard
+        if hasattr(tensor, "ds_tensor"):
+            return tensor.ds_numel if getattr(tensor, "ds_persist", False) else tensor.ds_tensor.numel()
+        return tensor.to_local().numel() if hasattr(tensor, "to_local") else tensor.numel()
+
+    parameters, optimizer = list(trainer.model.parameters()), trainer.optimizer
     while hasattr(optimizer, "optimizer"):  # accelerate's and DeepSpeed's wrappers around the torch optimizer
         optimizer = optimizer.optimizer
     # its parameter groups' tensors (ZeRO-3 empties them between steps) and those it holds state for
-    optimized = list({id(t): t for t in [*(t for g in optimizer.param_groups for t in g["params"]), *optimizer.state]}.values())
+    optimized = list({id(t): t for t in [*(t for g in optimizer.param_groups for t in g["params"]), *optimizer.state]}
+                     .values())  # fmt: skip
     state = [value for tensor in optimized for value in optimizer.state.get(tensor, {}).values() if value.dim()]
-    local = {
+    held = {
         "parameters": sorted({type(p).__name__ + (" (ZeRO-3)" if hasattr(p, "ds_tensor") else "") for p in parameters}),
         "parameter_dtype": str(getattr(parameters[0], "ds_tensor", parameters[0]).dtype),
-        "parameter_elements": sum(_local_numel(p) for p in parameters), "optimizer": type(optimizer).__name__,
-        "optimizer_elements": sum(_local_numel(t) for t in optimized), "optimizer_dtype": str(optimized[0].dtype),
-        "optimizer_state_elements": sum(_local_numel(s) for s in state),
+        "parameter_elements": sum(map(local, parameters)), "optimizer": type(optimizer).__name__,
+        "optimizer_elements": sum(map(local, optimized)), "optimizer_dtype": str(optimized[0].dtype),
+        "optimizer_state_elements": sum(map(local, state)),
         "optimizer_state_dtype": str(state[0].dtype) if state else None,
     }  # fmt: skip
     total = sum(getattr(p, "ds_numel", p.numel()) for p in parameters)
-    return {"model_elements": total, "per_process": gather_object([local])}
+    return {"model_elements": total, "per_process": gather_object([held])}
 
 
 def _passes(trainer) -> dict[str, Any]:
@@ -195,20 +185,14 @@ def _print_report(report: dict[str, Any], say) -> None:
     for rank, held in enumerate(report["per_process"]):
         say(f"rehearse: process {rank}: parameters {'/'.join(held['parameters'])} {held['parameter_dtype']}, "
             f"{held['parameter_elements']:,} of {report['model_elements']:,} elements; {held['optimizer']} over "
-            f"{held['optimizer_elements']:,} {held['optimizer_dtype']} elements, state {held['optimizer_state_elements']:,}"
-            f" {held['optimizer_state_dtype']}")  # fmt: skip
+            f"{held['optimizer_elements']:,} {held['optimizer_dtype']} elements, state "
+            f"{held['optimizer_state_elements']:,} {held['optimizer_state_dtype']}")  # fmt: skip
     say(f"rehearse: passes: low tokens at optimizer steps {report['steps_of_pass']['low']}, high tokens at "
         f"{report['steps_of_pass']['high']}; eta {report['eta']}; low-token share {report['low_token_share']}")
+    if any(share in (0.0, 1.0) for share in report["low_token_share"]):
+        say("rehearse: one pass had no active token (a random tiny model's probabilities lie on one side of eta): "
+            "it stepped with a zero gradient, as the authors' runs do")  # fmt: skip
     batches = [name for name in report["checkpoint_files"] if name.startswith("lopti_generation_batch")]
     say(f"rehearse: checkpoint {report['checkpoint']} (with {', '.join(batches) or 'no generation batch'}); resumed "
         f"from it to the final step: largest parameter difference to the uninterrupted run "
         f"{report['resume_max_abs_difference']:.3g}; {report['seconds']} s")  # fmt: skip
-
-
-def _max_difference(first: Path, second: Path) -> float:
-    from safetensors.torch import load_file
-
-    one, two = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
-    if one.keys() != two.keys():
-        raise RuntimeError("rehearse: the resumed model holds other tensors than the uninterrupted one")
-    return max(float((one[name].double() - two[name].double()).abs().max()) for name in one)
