@@ -287,3 +287,32 @@ def test_rehearsal_of_the_vllm_server_preset_says_at_once_what_it_does_not_run(t
 
 def test_every_shipped_launcher_is_tested_or_excluded_with_a_reason():
     assert {path.name for path in (ROOT / "configs/accelerate").glob("*.yaml")} == set(LAUNCHERS) | set(NOT_RUN)
+
+
+@pytest.fixture
+def trainer(tiny_model_path, tmp_path):
+    from datasets import Dataset
+
+    from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+
+    config = LoptiGRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2,
+                             gradient_accumulation_steps=2, steps_per_generation=4, report_to="none", use_cpu=True)
+    return LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+                            args=config, train_dataset=Dataset.from_dict({"prompt": ["p"] * 8}))  # fmt: skip
+
+
+def test_a_checkpoint_inside_a_generation_batch_resumes_its_buffered_batch_at_its_micro_step(trainer, tmp_path):
+    batch = [{"completion_mask": torch.ones(2, 3)}, {"completion_mask": torch.zeros(2, 3)}]
+    torch.save(batch, tmp_path / "lopti_generation_batch_rank0.pt")
+    trainer.state.global_step = 3
+    trainer._load_optimizer_and_scheduler(str(tmp_path))
+    assert trainer._step == 3 * 2 and torch.equal(trainer._buffered_inputs[1]["completion_mask"], torch.zeros(2, 3))
+    trainer._load_optimizer_and_scheduler(str(tmp_path.parent))  # a checkpoint between generation batches: nothing
+    assert trainer._step == 6
+
+
+def test_a_checkpoint_inside_a_generation_batch_refuses_another_process_count(trainer, tmp_path):
+    for rank in range(2):
+        torch.save([], tmp_path / f"lopti_generation_batch_rank{rank}.pt")
+    with pytest.raises(ValueError, match="by 2 processes: resume it with 2 processes"):
+        trainer._load_optimizer_and_scheduler(str(tmp_path))

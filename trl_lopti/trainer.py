@@ -405,12 +405,12 @@ class LoptiGRPOTrainer(GRPOTrainer):
             torch.save(self._buffered_inputs, os.path.join(checkpoint, self._generation_batch_file_name()))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
-        path = os.path.join(checkpoint, self._generation_batch_file_name()) if checkpoint is not None else ""
         written = len(glob.glob(os.path.join(checkpoint, "lopti_generation_batch_rank*.pt"))) if checkpoint else 0
         if written not in (0, self.accelerator.num_processes):
             raise ValueError(f"{checkpoint} was saved inside a generation batch by {written} processes: resume it with "
                              f"{written} processes, or from a checkpoint between generation batches")  # fmt: skip
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, self._generation_batch_file_name()) if checkpoint is not None else ""
         if os.path.isfile(path):
             device = self.accelerator.device  # torch restores no indexed CPU device ("cpu:0")
             self._buffered_inputs = torch.load(path, map_location="cpu" if device.type == "cpu" else device)
