@@ -125,7 +125,8 @@ class LoptiGRPOConfig(GRPOConfig):
                 "multi_objective_aggregation must be 'sum_then_normalize' (its normalisation is then not used), got "
                 f"{aggregation!r}"
             )
-        if self.lopti_enabled and not lopti_pass_ends_on_optimizer_step(self):
+        pass_micro_steps = self.steps_per_generation * self.num_iterations  # a pass must end on an optimizer step
+        if self.lopti_enabled and pass_micro_steps % self.gradient_accumulation_steps:
             raise ValueError(lopti_schedule_error(self))
 
     @property
@@ -153,11 +154,6 @@ LOPTI_FIELD_NAMES: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(LoptiGRPOConfig) if f.name not in GRPOConfig.__dataclass_fields__
 )
 """The fields `LoptiGRPOConfig` adds to TRL's `GRPOConfig` (AR, Lopti, the advantage estimator)."""
-
-
-def lopti_pass_ends_on_optimizer_step(config: GRPOConfig) -> bool:
-    """Whether a Lopti pass (`steps_per_generation * num_iterations` micro-steps) ends on an optimizer step."""
-    return (config.steps_per_generation * config.num_iterations) % config.gradient_accumulation_steps == 0
 
 
 def lopti_schedule_error(config: GRPOConfig) -> str:

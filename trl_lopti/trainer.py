@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import os
 import textwrap
 import warnings
@@ -137,8 +138,7 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
     Same constructor and arguments as `GRPOTrainer`. `args` should be a [`LoptiGRPOConfig`]; a plain `GRPOConfig`
     is upgraded with the paper's defaults (`advantage_reweighting_alpha=0.3`, `lopti_threshold=0.5`), with a warning.
 
-    - AR: each completion's advantage `A(i)` becomes `(alpha * pi_old(i, t) + 1 - alpha) * A(i)`; the KL is not
-      reweighted.
+    - AR: each completion's advantage `A(i)` becomes `(alpha * pi_old(i, t) + 1 - alpha) * A(i)` (not the KL).
     - Lopti: the completion tokens of each generation batch are split once by `pi_old < eta` (`lopti_threshold`, or
       the `lopti_quantile` quantile of the batch's pi_old), and the batch is trained once per group, low tokens first,
       the second pass from the first's parameters and against the same pi_old. In a pass every value of the loss is
@@ -148,10 +148,8 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
     - `advantage_estimator="reinforce_plus_plus"`: REINFORCE++ advantages ([`~trl_lopti.reinforce_plus_plus`]).
     - A checkpoint taken between the passes keeps its generation batch; resuming continues the schedule there.
 
-    Metrics, once per generation batch: `lopti/low_token_share` (share of its tokens with `pi_old < eta`; eta 0.5
-    without Lopti), `lopti/ar_weight_mean` (with AR), `lopti/threshold` (with Lopti); once per pass:
-    `lopti/loss_low_pass`, `lopti/loss_high_pass` (TRL's loss at that pass's parameters). Completions
-    (`log_completions`) are logged once per generation batch.
+    Metrics (`lopti/low_token_share`, `ar_weight_mean`, `threshold` per generation batch, `loss_low_pass`,
+    `loss_high_pass` per pass): README, "Metrics". Completions are logged once per generation batch.
     """
 
     _tag_names = ["trl", "grpo", "lopti"]
@@ -182,7 +180,7 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
         return self.args.lopti_num_passes * self.lopti_pass_micro_steps
 
     def lopti_pass_index(self) -> int:
-        """Which pass over its generation batch the current training micro-step belongs to (0 without Lopti)."""
+        """The pass over its generation batch of the current training micro-step (0 without Lopti)."""
         return (self._step % self.lopti_cycle_micro_steps) // self.lopti_pass_micro_steps
 
     def get_train_dataloader(self):
@@ -325,10 +323,15 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
             torch.save(self._buffered_inputs, path)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
+        saved = glob.glob(os.path.join(checkpoint, GENERATION_BATCH_FILE.format("*"))) if checkpoint else []
+        if saved and len(saved) != self.accelerator.num_processes:  # each process resumes its own part of the batch
+            raise ValueError(f"{checkpoint} was saved inside a generation batch by {len(saved)} processes: resume it "
+                             "with as many, or from a checkpoint between generation batches")
         super()._load_optimizer_and_scheduler(checkpoint)
-        path = checkpoint and os.path.join(checkpoint, GENERATION_BATCH_FILE.format(self.accelerator.process_index))
-        if path and os.path.isfile(path):  # resume inside the batch's schedule, at the micro-step it stopped at
-            self._buffered_inputs = torch.load(path, map_location=self.accelerator.device)
+        if saved:  # resume inside the batch's schedule, at the micro-step it stopped at
+            device = self.accelerator.device  # torch.load maps to "cpu", not to an indexed "cpu:0"
+            path = os.path.join(checkpoint, GENERATION_BATCH_FILE.format(self.accelerator.process_index))
+            self._buffered_inputs = torch.load(path, map_location="cpu" if device.type == "cpu" else device)
             self._step = self.state.global_step * self.args.gradient_accumulation_steps
 
 

@@ -80,6 +80,8 @@ class LoptiScriptArguments(ScriptArguments):
             A local copy of the authors' files: K&K laid out as `{3..7}ppl/{train,test}.parquet`; the math file.
         dry_run (`bool`, *optional*, defaults to `False`):
             Parse and validate, print the resolved configuration and exit without loading a model or a dataset.
+        rehearse (`bool`, *optional*, defaults to `False`):
+            Rehearse the run offline with a tiny model, on CPU processes without a GPU (`trl_lopti.cli.rehearse`).
     """
 
     task: str = field(default="knights_knaves", metadata={"help": f"One of {list(TASKS)}."})
@@ -97,6 +99,7 @@ class LoptiScriptArguments(ScriptArguments):
     kk_data_dir: str | None = field(default=None, metadata={"help": "kk_source 'paper': a local copy of the files."})
     math_data_file: str | None = field(default=None, metadata={"help": "A paper math set: a local copy of its file."})
     dry_run: bool = field(default=False, metadata={"help": "Print the resolved configuration; load no model."})
+    rehearse: bool = field(default=False, metadata={"help": "Rehearse offline: tiny model, one Lopti cycle, resume."})
 
     def __post_init__(self):
         self.reward_funcs = [self.reward_funcs] if isinstance(self.reward_funcs, str) else self.reward_funcs
@@ -240,8 +243,9 @@ def policy_model_init_kwargs(training_args, model_args) -> dict[str, Any]:
     return {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
 
 
-def run_training(script_args, training_args, model_args):
-    """Builds the datasets, the rewards and a [`LoptiGRPOTrainer`], then trains and saves as `trl grpo` does."""
+def run_training(script_args, training_args, model_args, end: bool = True):
+    """Builds the datasets, the rewards and a [`LoptiGRPOTrainer`], then trains and saves as `trl grpo` does (`end`:
+    finish the trackers and the process group; a rehearsal trains twice in one process)."""
     from transformers import AutoTokenizer
     from trl import get_peft_config, get_quantization_config
 
@@ -271,12 +275,17 @@ def run_training(script_args, training_args, model_args):
     trainer.accelerator.print(f"trl-lopti: model saved to {training_args.output_dir}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    trainer.end()
+    if end:
+        trainer.end()
     return trainer
 
 
 def main(argv: Sequence[str]) -> int:
     """`trl-lopti train`: parse, check, then print the resolved configuration (`--dry_run`) or train."""
+    if any(arg.startswith("--rehearse") for arg in argv):  # before parsing: it sets up the launcher's backend first
+        from . import rehearse
+
+        return rehearse.main(list(argv))
     script_args, training_args, model_args = parse_train_args(argv)
     check_model_name_or_path(model_args.model_name_or_path)
     resolved = resolved_config(script_args, training_args, model_args)  # imports the reward functions

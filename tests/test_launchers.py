@@ -1,0 +1,318 @@
+"""The shipped accelerate configs, started as users start them, on 2 CPU processes (gloo), and the rehearsal.
+
+Every file of `configs/accelerate/` but `vllm_server.yaml` runs `accelerate launch --config_file <the file>
+--num_processes 2 -m trl_lopti train --config <preset-shaped YAML> --rehearse`. `vllm_server.yaml` is not run: TRL's
+vLLM server mode syncs weights to the server over NCCL, which needs CUDA GPUs. The preset-shaped YAML is
+`configs/kk/qwen2.5-3b-instruct_ar_lopti.yaml` (AR, Lopti, KL, bnpo, clipping, gradient clipping and checkpointing)
+with the changes of `TEST_SETTINGS` and `LAUNCH_FLAGS`; the rehearsal scales it down (`REHEARSAL_SCALE`): one Lopti
+cycle of 2 optimizer steps per pass, a checkpoint after the low pass, the final save, and a resume from the
+checkpoint. What a CPU forces is `trl_lopti.cli.cpu_backends.CPU_OVERRIDES` and nothing else. The test-only
+instrumentation (one fixed generation batch, records of what each process holds) is `tests/launcher_probe.py`, which
+says what it patches and why.
+
+Each launcher asserts (a) its backend, from each process's own objects, (b) that 2 processes train the same parameters
+as 1 process on the same completions (one 1-process reference serves every launcher), (d) that the checkpoint taken
+between the passes resumes into the high pass of the stored batch, to the parameters of the uninterrupted run. The
+rehearsal of the real preset under the shipped `fsdp2.yaml` asserts (c): its bf16 mixed precision keeps float32
+sharded parameters and AdamW state. With `-s` each prints one JSON row (also appended to `$TRL_LOPTI_LAUNCHER_REPORT`).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import assert_parameters_close, threshold_between_values
+from trl_lopti.cli.cpu_backends import CPU_OVERRIDES
+from trl_lopti.cli.rehearse import REHEARSAL_SCALE
+
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESET = ROOT / "configs/kk/qwen2.5-3b-instruct_ar_lopti.yaml"
+LAUNCHERS = {"fsdp2.yaml": "FSDP", "fsdp2_offload.yaml": "FSDP", "zero2.yaml": "DEEPSPEED",
+             "zero3.yaml": "DEEPSPEED", "multi_gpu.yaml": "MULTI_CPU"}  # fmt: skip
+NOT_RUN = {"vllm_server.yaml": "vLLM server mode: weight sync over NCCL needs CUDA GPUs"}
+
+TEST_SETTINGS = {
+    # a float64 model (conftest's) without mixed precision: two correct runs agree to ~1e-15 (see LAUNCH_FLAGS too)
+    "dtype": "auto", "bf16": False,
+    # SGD with momentum and a large step instead of AdamW at 1e-6: the parameters move far and a wrong gradient shows
+    # (AdamW's first step is lr * sign(gradient)); the momentum is optimizer state that the backends must shard
+    "optim": "sgd", "optim_args": "momentum=0.9", "learning_rate": 0.05,
+    # the fixed generation batch of launcher_probe; eta (`lopti_threshold`) lies half-way in a wide gap of its pi_old
+    "reward_funcs": ["launcher_probe.fixed_batch_reward"],
+}  # fmt: skip
+LAUNCH_FLAGS = ["--num_processes", "2", "--mixed_precision", "no"]  # the shipped files say bf16
+PROMPT_LENGTH, COMPLETION_LENGTH = 4, 8
+EXACT, RESUMED_EXACT = 1e-8, 1e-12
+# DeepSpeed keeps fp32 masters (ZeRO-3 casts the float64 model to fp32): 2 vs 1 processes to 1e-3 of how far each
+# tensor moved, plus one fp32 rounding per optimizer step of a value at 1 (norm weights start at 1: 4 * 2**-23)
+DEEPSPEED_RELATIVE, DEEPSPEED_ATOL = 1e-3, 4 * 2**-23
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(command: list[str], cwd: Path, **environment) -> float:
+    """Runs a command offline with the repository and tests/ importable; returns its seconds."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), **environment)  # fmt: skip
+    start = time.perf_counter()
+    completed = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
+    return time.perf_counter() - start
+
+
+def accelerate_launch(launcher_file: Path, *arguments: str, flags: tuple[str, ...] = ("--num_processes", "2")):
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launcher_file), *flags,
+            "--main_process_port", str(free_port()), "-m", "trl_lopti", "train", *arguments, "--rehearse"]  # fmt: skip
+
+
+def load_parameters(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {name: tensor.double() for name, tensor in load_file(folder / "model.safetensors").items()}
+
+
+def report_row(row: dict) -> None:
+    print(json.dumps(row))
+    if os.environ.get("TRL_LOPTI_LAUNCHER_REPORT"):
+        with open(os.environ["TRL_LOPTI_LAUNCHER_REPORT"], "a") as report:
+            report.write(json.dumps(row) + "\n")
+
+
+def fixed_generation_batch(model_path: str, rows: int, temperature: float) -> tuple[dict, float]:
+    """A generation batch as TRL's `_generate_and_score_completions` returns it, and an eta far from its pi_old."""
+    from transformers import AutoModelForCausalLM
+
+    generator = torch.Generator().manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+    completion_mask = torch.ones(rows, COMPLETION_LENGTH, dtype=torch.long)
+    completion_mask[::3, 5:] = 0  # padding in some rows
+    vocab = model.config.vocab_size
+    batch = {
+        "prompt_ids": torch.randint(3, vocab, (rows, PROMPT_LENGTH), generator=generator),
+        "prompt_mask": torch.ones(rows, PROMPT_LENGTH, dtype=torch.long),
+        "completion_ids": torch.randint(3, vocab, (rows, COMPLETION_LENGTH), generator=generator),
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(rows, generator=generator, dtype=torch.float64),
+        "num_items_in_batch": completion_mask.sum(),
+    }
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=torch.cat([batch["prompt_mask"], completion_mask], dim=1)).logits
+    logps = (logits[:, PROMPT_LENGTH - 1 : -1] / temperature).log_softmax(-1)
+    logps = logps.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    return batch, float(torch.tensor(threshold_between_values(logps[completion_mask.bool()])).exp())
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_float64_model_path, tmp_path_factory):
+    """The preset-shaped config, its fixed batch, and the uninterrupted 1-process rehearsal (the reference)."""
+    folder = tmp_path_factory.mktemp("launchers")
+    preset = yaml.safe_load(PRESET.read_text())
+    steps_per_pass = preset["steps_per_generation"] * preset["num_iterations"] // preset["gradient_accumulation_steps"]
+    rows = REHEARSAL_SCALE["rows_per_optimizer_step"] * steps_per_pass
+    batch, eta = fixed_generation_batch(tiny_float64_model_path, rows, preset["temperature"])
+    torch.save(batch, folder / "batch.pt")
+    config = {**preset, **TEST_SETTINGS, "lopti_threshold": eta, "model_name_or_path": tiny_float64_model_path}
+    setup = {"folder": folder, "config": config, "initial": load_parameters(Path(tiny_float64_model_path))}
+    rehearsal, _ = rehearse(setup, "one_process", None)
+    setup["reference"] = load_parameters(rehearsal / "run")
+    resumed = load_parameters(rehearsal / "resumed")  # (d) on one process
+    assert_parameters_close(resumed, setup["reference"], setup["initial"], atol=RESUMED_EXACT)
+    return setup
+
+
+def rehearse(setup: dict, name: str, launcher_file: Path | None) -> tuple[Path, float]:
+    """Rehearses the config under a launcher on 2 processes (None: 1 process, no launcher); returns its folder."""
+    output = setup["folder"] / name
+    (probe := setup["folder"] / f"{name}-probe").mkdir()
+    config = setup["folder"] / f"{name}.yaml"
+    config.write_text(yaml.safe_dump({**setup["config"], "output_dir": str(output)}))
+    if launcher_file is None:
+        command = [sys.executable, "-m", "trl_lopti", "train", "--config", str(config), "--rehearse"]
+    else:
+        command = accelerate_launch(launcher_file, "--config", str(config), flags=tuple(LAUNCH_FLAGS))
+    seconds = run(command, setup["folder"], LAUNCHER_PROBE_BATCH=str(setup["folder"] / "batch.pt"),
+                  LAUNCHER_PROBE_OUT=str(probe))  # fmt: skip
+    return Path(f"{output}-rehearsal"), seconds
+
+
+def assert_backend(launcher: str, ranks: list[dict]) -> str:
+    """(a): what each process's own objects show; returns how it was asserted."""
+    expected, total = LAUNCHERS[launcher], ranks[0]["parameter_elements"]
+    for facts in ranks:
+        assert facts["distributed_type"] == f"DistributedType.{expected}" and facts["num_processes"] == 2, facts
+    params, optimizer, states = ([facts[f"{key}_elements_local"] for facts in ranks]
+                                 for key in ("parameter", "optimizer", "optimizer_state"))  # fmt: skip
+    if expected == "FSDP":
+        assert all(facts["parameter_classes"] == ["DTensor"] for facts in ranks)
+        assert sum(params) == total and max(params) < total  # Shard(0): every element on exactly one process
+        assert optimizer == params and states == params  # the SGD momentum lives on the same shards
+        offload = "offload" in launcher
+        policy = "CPUOffloadPolicy(pin_memory=False)" if offload else "OffloadPolicy()"
+        assert all(facts["offload_policy"] == [policy] for facts in ranks)
+        return f"FSDP, DTensor parameters {params} of {total}" + (", CPUOffloadPolicy" if offload else "")
+    if expected == "DEEPSPEED":
+        stages = [facts["zero_stage"] for facts in ranks]
+        assert max(optimizer) < total <= sum(optimizer) and states == optimizer  # fp32 masters + momentum: partitioned
+        if launcher == "zero3.yaml":
+            assert stages == [3, 3] and all(facts["zero3_partitioned"] for facts in ranks)
+            assert max(params) < total <= sum(params)
+        else:
+            assert stages == [2, 2] and params == [total, total]
+        held = f"parameters partitioned {params}" if launcher == "zero3.yaml" else "parameters replicated"
+        return f"ZeRO-{stages[0]}, fp32 masters and momentum partitioned {optimizer} of {total}, {held}"
+    assert all(facts["wrapped_class"] == "DistributedDataParallel" for facts in ranks) and params == [total, total]
+    return "MULTI_CPU (gloo), DistributedDataParallel, parameters replicated"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_launcher_trains_one_lopti_cycle_as_one_process_and_resumes_mid_cycle(setup, launcher, tmp_path):
+    launcher_file = ROOT / "configs/accelerate" / launcher
+    if launcher == "zero3.yaml":  # the test's copy: a tiny model's parameters would all stay "persistent", unsharded
+        launcher_file = zero3_copy_with_every_parameter_sharded(tmp_path)
+    rehearsal, seconds = rehearse(setup, launcher.removesuffix(".yaml"), launcher_file)
+    probe = rehearsal.parent / f"{launcher.removesuffix('.yaml')}-probe"
+    records = {run: [json.loads((probe / f"{run}_rank{rank}.json").read_text()) for rank in range(2)]
+               for run in ("run", "resumed")}  # fmt: skip
+    backend = assert_backend(launcher, records["run"])
+    report = json.loads((rehearsal / "rehearsal.json").read_text())
+    assert report["steps_of_pass"] == {"low": [1, 2], "high": [3, 4]}
+    assert report["eta"] == [setup["config"]["lopti_threshold"]] and 0.0 < report["low_token_share"][0] < 1.0
+    # (b) 2 processes train the parameters 1 process trains on the same completions
+    run, resumed = load_parameters(rehearsal / "run"), load_parameters(rehearsal / "resumed")
+    deepspeed = LAUNCHERS[launcher] == "DEEPSPEED"
+    difference, moved = assert_parameters_close(run, setup["reference"], setup["initial"],
+                                                atol=DEEPSPEED_ATOL if deepspeed else EXACT,
+                                                relative_to_move=DEEPSPEED_RELATIVE if deepspeed else 0.0)  # fmt: skip
+    assert moved > 1.0  # far above every tolerance
+    # (d) the checkpoint after the low pass resumes into the high pass of the stored batch, to the same parameters
+    assert [facts["generations"] for facts in records["run"]] == [1, 1]
+    assert [facts["generations"] for facts in records["resumed"]] == [0, 0]  # replayed from the checkpoint
+    assert all(facts["step_at_start"] == 2 * facts["micro_steps_per_optimizer_step"] for facts in records["resumed"])
+    assert {f"lopti_generation_batch_rank{rank}.pt" for rank in range(2)} <= set(report["checkpoint_files"])
+    resume_difference, _ = assert_parameters_close(resumed, run, setup["initial"], atol=RESUMED_EXACT)
+    report_row({
+        "launcher": launcher, "ran": True, "backend": backend, "max_2_vs_1_difference": difference,
+        "parameters_moved": moved, "resume_difference": resume_difference,
+        "parameter_dtype": records["run"][0]["parameter_dtypes"],
+        "optimizer_state_dtype": records["run"][0]["optimizer_state_dtypes"], "seconds": round(seconds, 1),
+    })  # fmt: skip
+
+
+def zero3_copy_with_every_parameter_sharded(folder: Path) -> Path:
+    """zero3.yaml with its DeepSpeed settings in a config file that adds `stage3_param_persistence_threshold: 0`."""
+    shipped = yaml.safe_load((ROOT / "configs/accelerate/zero3.yaml").read_text())
+    ds = shipped["deepspeed_config"]
+    zero = {"stage": ds["zero_stage"], "offload_optimizer": {"device": ds["offload_optimizer_device"]},
+            "offload_param": {"device": ds["offload_param_device"]},
+            "stage3_gather_16bit_weights_on_model_save": ds["zero3_save_16bit_model"],
+            "stage3_param_persistence_threshold": 0}  # fmt: skip
+    automatic = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                 "gradient_clipping")
+    deepspeed_config = {"zero_optimization": zero, "bf16": {"enabled": "auto"}, **dict.fromkeys(automatic, "auto")}
+    (folder / "zero3_ds.json").write_text(json.dumps(deepspeed_config))
+    shipped["deepspeed_config"] = {"deepspeed_config_file": str(folder / "zero3_ds.json"),
+                                   "zero3_init_flag": ds["zero3_init_flag"],
+                                   "deepspeed_multinode_launcher": ds["deepspeed_multinode_launcher"]}  # fmt: skip
+    (folder / "zero3.yaml").write_text(yaml.safe_dump(shipped))
+    return folder / "zero3.yaml"
+
+
+@pytest.mark.slow
+def test_rehearsal_of_a_3b_preset_under_the_shipped_fsdp2_launcher(tmp_path):
+    """The README's command as it is: (c) bf16 mixed precision keeps float32 sharded parameters and AdamW state."""
+    seconds = run(accelerate_launch(ROOT / "configs/accelerate/fsdp2.yaml", "--config", str(PRESET)), tmp_path)
+    report = json.loads((tmp_path / "outputs/kk_qwen2.5-3b-instruct_ar_lopti-rehearsal/rehearsal.json").read_text())
+    assert report["backend"].startswith("FSDP on 2 process") and report["mixed_precision"] == "bf16"
+    assert report["cpu_overrides"] == CPU_OVERRIDES["fsdp_or_ddp"]
+    held = report["per_process"]
+    assert sum(process["parameter_elements"] for process in held) == report["model_elements"]
+    for process in held:
+        assert process["parameters"] == ["DTensor"] and process["parameter_dtype"] == "torch.float32"
+        assert process["optimizer"] == "AdamW" and process["optimizer_dtype"] == "torch.float32"
+        assert process["optimizer_elements"] == process["parameter_elements"] < report["model_elements"]
+        assert process["optimizer_state_elements"] == 2 * process["parameter_elements"]  # exp_avg, exp_avg_sq
+        assert process["optimizer_state_dtype"] == "torch.float32"
+    assert report["steps_of_pass"] == {"low": [1, 2], "high": [3, 4]} and report["eta"] == [0.5]
+    assert {"lopti_generation_batch_rank0.pt", "lopti_generation_batch_rank1.pt"} <= set(report["checkpoint_files"])
+    assert report["resume_max_abs_difference"] == 0.0
+    report_row({"launcher": "fsdp2.yaml, the preset as shipped (bf16)", "ran": True, "backend": report["backend"],
+                "parameter_dtype": held[0]["parameter_dtype"], "resume_difference": report["resume_max_abs_difference"],
+                "optimizer_state_dtype": held[0]["optimizer_state_dtype"], "seconds": round(seconds, 1)})  # fmt: skip
+
+
+@pytest.mark.slow
+def test_rehearsal_of_a_math_preset_writes_local_problems_in_the_authors_format(tmp_path, monkeypatch, capsys):
+    from accelerate.state import AcceleratorState, PartialState
+
+    from trl_lopti.cli.main import main
+
+    for cls, name in ((AcceleratorState, "__init__"), (PartialState, "_prepare_backend")):  # undo the shims after
+        monkeypatch.setattr(cls, name, getattr(cls, name))
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", str(ROOT / "configs/math/qwen2.5-7b_dsr_uniform_lopti.yaml"), "--rehearse"]) == 0
+    folder = tmp_path / "outputs/math_qwen2.5-7b_dsr_uniform_lopti-rehearsal"
+    report = json.loads((folder / "rehearsal.json").read_text())
+    assert (folder / "math.parquet").is_file() and (folder / "tiny-qwen2/config.json").is_file()
+    assert report["backend"].startswith("NO on 1 process") and report["steps_of_pass"]["high"] == [3, 4]
+    assert "8 local addition problems" in capsys.readouterr().out
+
+
+def test_rehearsal_of_the_vllm_server_preset_says_at_once_what_it_does_not_run(tmp_path):
+    from trl_lopti.cli.rehearse import _scaled_flags
+    from trl_lopti.cli.train import parse_train_args
+
+    said = []
+    parsed = parse_train_args(["--config", str(ROOT / "configs/vllm/qwen2.5-3b-instruct_ar_lopti_server.yaml"),
+                               "--use_cpu", "true"])  # fmt: skip
+    flags = _scaled_flags(*parsed, tmp_path, said.append)
+    assert flags["use_vllm"] is False and "NOT rehearsed" in said[0] and "NCCL" in said[0]
+    assert flags["model_name_or_path"] == str(tmp_path / "tiny-qwen2") and flags["kk_source"] == "generated"
+
+
+def test_every_shipped_launcher_is_tested_or_excluded_with_a_reason():
+    assert {path.name for path in (ROOT / "configs/accelerate").glob("*.yaml")} == set(LAUNCHERS) | set(NOT_RUN)
+
+
+@pytest.fixture
+def trainer(tiny_model_path, tmp_path):
+    from datasets import Dataset
+
+    from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+
+    config = LoptiGRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2,
+                             gradient_accumulation_steps=2, steps_per_generation=4, report_to="none", use_cpu=True)
+    return LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+                            args=config, train_dataset=Dataset.from_dict({"prompt": ["p"] * 8}))  # fmt: skip
+
+
+def test_a_checkpoint_inside_a_generation_batch_resumes_its_buffered_batch_at_its_micro_step(trainer, tmp_path):
+    batch = [{"completion_mask": torch.ones(2, 3)}, {"completion_mask": torch.zeros(2, 3)}]
+    torch.save(batch, tmp_path / "lopti_generation_batch_rank0.pt")
+    trainer.state.global_step = 3
+    trainer._load_optimizer_and_scheduler(str(tmp_path))
+    assert trainer._step == 3 * 2 and torch.equal(trainer._buffered_inputs[1]["completion_mask"], torch.zeros(2, 3))
+    trainer._load_optimizer_and_scheduler(str(tmp_path.parent))  # a checkpoint between generation batches: nothing
+    assert trainer._step == 6
+
+
+def test_a_checkpoint_inside_a_generation_batch_refuses_another_process_count(trainer, tmp_path):
+    for rank in range(2):
+        torch.save([], tmp_path / f"lopti_generation_batch_rank{rank}.pt")
+    with pytest.raises(ValueError, match="by 2 processes: resume it with 2 processes"):
+        trainer._load_optimizer_and_scheduler(str(tmp_path))
