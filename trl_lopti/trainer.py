@@ -326,7 +326,7 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
         saved = glob.glob(os.path.join(checkpoint, GENERATION_BATCH_FILE.format("*"))) if checkpoint else []
         if saved and len(saved) != self.accelerator.num_processes:  # each process resumes its own part of the batch
             raise ValueError(f"{checkpoint} was saved inside a generation batch by {len(saved)} processes: resume it "
-                             "with as many, or from a checkpoint between generation batches")
+                             f"with {len(saved)} processes, or from a checkpoint between generation batches")
         super()._load_optimizer_and_scheduler(checkpoint)
         if saved:  # resume inside the batch's schedule, at the micro-step it stopped at
             device = self.accelerator.device  # torch.load maps to "cpu", not to an indexed "cpu:0"
