@@ -5,7 +5,6 @@
     python benchmarks/experiments.py compare --size smollm2 --seeds 0 1 2 3 4 --output-dir benchmarks/results
     python benchmarks/experiments.py isolation
     python benchmarks/experiments.py lm-head --low-share 0.24 --repeats 5
-    python benchmarks/experiments.py report run1/bench_smollm2-cpu.json run2/bench_smollm2-cpu.json  # pool two runs
 
 - `cost`: what AR and Lopti cost against TRL's `GRPOTrainer`: every variant of `VARIANTS` on one size of `SIZES`, the
   same model, prompts and seed, one after the other in one process, the same number of generation batches (Lopti's
@@ -47,6 +46,7 @@ import harness  # noqa: E402  (benchmarks/ is on sys.path when this file runs; t
 import report  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers.utils import logging as transformers_logging  # noqa: E402
 
 from trl_lopti.core_algos import low_probability_token_mask, token_group_mask  # noqa: E402
 from trl_lopti.tasks import arithmetic  # noqa: E402
@@ -92,7 +92,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "gpu": {**_SMOLLM2_CPU, "name": "gpu", "model": "random-qwen2", "device": "cuda", "bf16": True, "threads": None,
             "prompts_per_batch": 16, "num_generations": 8, "per_device_train_batch_size": 32,
             "gradient_accumulation_steps": 4, "max_completion_length": 256, "gradient_checkpointing": True,
-            "lopti_threshold": None, "time_budget_s": 360.0,  # no variant starts after 6 min (run_gpu.sh stops at 7m50s)
+            "lopti_threshold": None, "time_budget_s": 360.0,  # no variant starts after 6 min; run_gpu.sh stops at 7m50s
             "model_config": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
             num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1_000_000.0,
             rms_norm_eps=1e-6)},
@@ -102,24 +102,18 @@ SIZES: dict[str, dict[str, Any]] = {
 def cost(size: str = "tiny", variants: list[str] | None = None, output_dir: str = "benchmarks/results",
          seed: int = 42, command: str | None = None, **overrides: Any) -> dict[str, Any]:  # fmt: skip
     """
-    Runs the cost experiment (module docstring) and writes `bench_<size>.json` and `bench_<size>.md`.
+    Runs the cost experiment (module docstring); writes `bench_<size>.json` after every variant, and `bench_<size>.md`.
 
     Args:
         size (`str`, *optional*, defaults to `"tiny"`):
-            A key of `SIZES`.
+            A key of `SIZES`; `**overrides` change its entries (`warmup_batches`, `measured_batches`, `threads`,
+            `time_budget_s`).
         variants (`list[str]`, *optional*):
             Keys of `VARIANTS`, in run order; all by default (`grpo` is needed for ratios).
-        output_dir (`str`, *optional*, defaults to `"benchmarks/results"`):
-            Where the files go.
+        output_dir (`str`, *optional*, defaults to `"benchmarks/results"`), command (`str`, *optional*):
+            Where the files go; the command line, recorded.
         seed (`int`, *optional*, defaults to `42`):
             Seed of the random model, the prompts, the trainers and the sampling.
-        command (`str`, *optional*):
-            The command line, recorded.
-        **overrides:
-            Entries of the size to change (`warmup_batches`, `measured_batches`, `threads`, `time_budget_s`).
-
-    Returns:
-        `dict`: What the JSON holds.
     """
     size = {**SIZES[size], **overrides}
     cuda = size["device"] == "cuda"
@@ -165,29 +159,8 @@ def cost(size: str = "tiny", variants: list[str] | None = None, output_dir: str 
                        medians=report.batch_medians(run["batches"]))  # fmt: skip
             data["runs"].append(run)
             data.update(load_average_at_end=os.getloadavg(), total_wall_s=time.perf_counter() - start)
-            _write_cost(json_path, data)
-    return data
-
-
-def _write_cost(json_path: Path, data: dict[str, Any]) -> None:
-    harness.write_json(json_path, data)
-    json_path.with_suffix(".md").write_text(report.cost_markdown(data))
-
-
-def pool(paths: list[str], output_dir: str) -> dict[str, Any]:
-    """Pools the measured batches of several `cost` runs of one size (e.g. repeated on a noisy machine)."""
-    reports = [json.loads(Path(path).read_text()) for path in paths]
-    if len({r["size"]["name"] for r in reports}) != 1:
-        raise ValueError("pool: the files must hold runs of one size")
-    data = {**reports[0], "pooled_from": len(reports), "command": [r["command"] for r in reports]}
-    for key in ("load_average_at_start", "load_average_at_end"):
-        data[key] = max(r[key] for r in reports)
-    for run in data["runs"]:
-        same = [other for r in reports for other in r["runs"] if other["name"] == run["name"]]
-        run["batches"] = [batch for other in same for batch in other["batches"]]
-        run["medians"] = report.batch_medians(run["batches"])
-        run["peak_memory_mb"] = max(other["peak_memory_mb"] for other in same)
-    _write_cost(Path(output_dir) / f"bench_{data['size']['name']}.json", data)
+            harness.write_json(json_path, data)  # after every variant: a run cut short keeps what it measured
+            json_path.with_suffix(".md").write_text(report.cost_markdown(data))
     return data
 
 
@@ -215,24 +188,18 @@ COMPARE_SIZES: dict[str, dict[str, Any]] = {
 def compare(size: str = "tiny", methods: list[str] | None = None, output_dir: str = "benchmarks/results",
             resume: bool = False, command: str | None = None, **overrides: Any) -> dict[str, Any]:  # fmt: skip
     """
-    Runs the method comparison (module docstring), seeds outermost, and writes `compare_<size>.{json,md,png}`.
+    Runs the method comparison (module docstring), seeds outermost; writes `compare_<size>.json` after every run, then
+    `compare_<size>.md` and `compare_<size>.png`.
 
     Args:
         size (`str`, *optional*, defaults to `"tiny"`):
-            A key of `COMPARE_SIZES`.
+            A key of `COMPARE_SIZES`; `**overrides` change its settings (`seeds`, `rollout_batches`, ...).
         methods (`list[str]`, *optional*):
             Keys of `METHODS`, in run order; all by default.
-        output_dir (`str`, *optional*, defaults to `"benchmarks/results"`):
-            Where the files go.
+        output_dir (`str`, *optional*, defaults to `"benchmarks/results"`), command (`str`, *optional*):
+            Where the files go; the command line, recorded.
         resume (`bool`, *optional*, defaults to `False`):
             Reuse the runs of an existing `compare_<size>.json` made with the same settings.
-        command (`str`, *optional*):
-            The command line, recorded.
-        **overrides:
-            Settings of the size to change (`seeds`, `rollout_batches`, ...).
-
-    Returns:
-        `dict`: What the JSON holds.
     """
     settings = {**COMPARE_SIZES[size], **overrides}
     seeds = settings.pop("seeds")
@@ -288,7 +255,6 @@ def compare(size: str = "tiny", methods: list[str] | None = None, output_dir: st
                 print(f"[compare] {name} seed {seed}: greedy {before['accuracy']:.3f} -> {run['after']['accuracy']:.3f}"
                       f", sampled {before['reward']:.3f} -> {run['after']['reward']:.3f}, {run['optimizer_steps']} "
                       f"optimizer steps / {len(batches)} batches, {run['train_cpu_s']:.0f} s CPU", flush=True)
-                data["load_average_at_end"] = os.getloadavg()
                 harness.write_json(json_path, data)
     data.update(summary=report.compare_summary(data["runs"]), load_average_at_end=os.getloadavg())
     harness.write_json(json_path, data)
@@ -320,12 +286,10 @@ ISOLATION_SETUPS = {
 
 def isolation(output_dir: str = "benchmarks/results", command: str | None = None) -> dict[str, Any]:
     """
-    Summed `|dL/d log p|` over the low (active) and high (inactive) tokens of a low pass, for each loss setup.
-
-    One generation batch of a tiny random Qwen2 (1 prompt x 4 completions of 7 tokens, temperature 0.7, eta =
-    1 / vocab, pi_old from the separate no-grad forward so that both runs split the same values), trained (a) by TRL's
-    `GRPOTrainer` with the advantage of every high token set to 0, and (b) by `LoptiGRPOTrainer` (Lopti alone). The
-    gradient is read at the policy's output log-probabilities of the first training forward. Writes `isolation.json`.
+    Summed `|dL/d log p|` over the low (active) and high (inactive) tokens of a low pass, for each loss setup: one
+    generation batch of a tiny random Qwen2 (4 completions of 7 tokens, eta = 1 / vocab, pi_old from the separate
+    no-grad forward so that both runs split the same values) trained (a) by TRL's `GRPOTrainer` with every high token's
+    advantage set to 0, (b) by `LoptiGRPOTrainer`; read at the policy's output in the first training forward.
     """
     with tempfile.TemporaryDirectory(prefix="isolation-") as tmp:
         model_path = harness.prepare_model("random-qwen2", Path(tmp))
@@ -370,15 +334,13 @@ def lm_head_split(model: str = "smollm2", batch_size: int = 4, prompt_length: in
                   low_share: float = 0.2, repeats: int = 3, seed: int = 0,
                   output_dir: str = "benchmarks/results") -> dict[str, Any]:  # fmt: skip
     """
-    Process CPU time of forward+backward of one micro-batch (median of `repeats`, after one untimed round), four ways.
-
-    In a Lopti pass the gradient reaching the LM head at an inactive position is exactly zero, so an exact scheme could
-    run the head only where a pass needs it. `trl`: TRL's fused LM-head forward as `GRPOTrainer` calls it (on CPU it
-    scores every position, prompt included); `full`: backbone + TRL's chunked log-prob kernel at every completion
-    position (one pass today); `low`: the kernel without gradient at every completion position (the on-policy first
-    pass needs pi_old of all of them to split), then with gradient at a random `low_share` of them; `high`: the kernel
-    at the other positions only. `(low + high) / full` is a split Lopti's loss+backward against one GRPO pass (today
-    2.0). Writes `lm_head_split_<model>.json`.
+    Process CPU time of forward+backward of one micro-batch (median of `repeats`, after one untimed round), four ways:
+    `trl`, TRL's fused LM-head forward as `GRPOTrainer` calls it (on CPU it scores every position, prompt included);
+    `full`, backbone + TRL's chunked log-prob kernel at every completion position (one pass today); `low`, the kernel
+    without gradient at every completion position (the on-policy first pass needs all of pi_old to split), then with
+    gradient at a random `low_share` of them; `high`, the kernel at the other positions only. At an inactive position
+    the gradient reaching the LM head is exactly zero, so `(low + high) / full` is what a split Lopti's loss+backward
+    would cost against one GRPO pass (today 2.0).
     """
     from trl.kernels import ChunkedLogProbFunction
     from trl.trainer.utils import add_fused_lm_head
@@ -441,54 +403,49 @@ def lm_head_split(model: str = "smollm2", batch_size: int = 4, prompt_length: in
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Parses the command line (see the module docstring) and runs one experiment."""
     argv = sys.argv[1:] if argv is None else argv
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--output-dir", default="benchmarks/results")
+    common.add_argument("--threads", type=int, default=None, help="torch threads (default: the size's, else 1)")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output-dir", default="benchmarks/results")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the size's, else 1)")
     experiments = parser.add_subparsers(dest="experiment", required=True)
-    parser_cost = experiments.add_parser("cost", help="cost of AR and Lopti against GRPOTrainer")
+    parser_cost = experiments.add_parser("cost", parents=[common], help="cost of AR and Lopti against GRPOTrainer")
     parser_cost.add_argument("--size", default="tiny", choices=list(SIZES))
     parser_cost.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS))
     parser_cost.add_argument("--seed", type=int, default=42)
-    for option in ("--warmup-batches", "--measured-batches"):
-        parser_cost.add_argument(option, type=int, default=None)
+    parser_cost.add_argument("--warmup-batches", type=int, default=None)
+    parser_cost.add_argument("--measured-batches", type=int, default=None)
     parser_cost.add_argument("--time-budget-s", type=float, default=None)
-    parser_compare = experiments.add_parser("compare", help="GRPO vs AR vs Lopti vs AR + Lopti over seeds")
+    parser_compare = experiments.add_parser("compare", parents=[common], help="GRPO, AR, Lopti, AR + Lopti by seed")
     parser_compare.add_argument("--size", default="tiny", choices=list(COMPARE_SIZES))
     parser_compare.add_argument("--methods", nargs="+", default=None, choices=list(METHODS))
     parser_compare.add_argument("--seeds", nargs="+", type=int, default=None)
     parser_compare.add_argument("--rollout-batches", type=int, default=None)
     parser_compare.add_argument("--resume", action="store_true", help="reuse finished runs of compare_<size>.json")
-    experiments.add_parser("isolation", help="gradient sent to inactive tokens: zeroed advantages vs Lopti")
-    parser_head = experiments.add_parser("lm-head", help="what an LM head run only where a pass needs it saves")
+    experiments.add_parser("isolation", parents=[common], help="gradient to inactive tokens: zeroed A vs Lopti")
+    parser_head = experiments.add_parser("lm-head", parents=[common], help="an LM head only where a pass needs it")
     parser_head.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
     parser_head.add_argument("--low-share", type=float, default=0.2)
     parser_head.add_argument("--repeats", type=int, default=3)
-    parser_report = experiments.add_parser("report", help="rewrite bench_<size>.md, pooling several cost JSONs")
-    parser_report.add_argument("files", nargs="+")
     args = parser.parse_args(argv)
-    command = shlex.join(["python", "benchmarks/experiments.py", *argv])
     given = {key: value for key, value in vars(args).items() if value is not None}
-    size_threads = SIZES[args.size]["threads"] if args.experiment == "cost" else 1
-    threads = args.threads or size_threads
+    threads = args.threads or (SIZES[args.size]["threads"] if args.experiment == "cost" else 1)
     if threads:
         torch.set_num_threads(threads)
-    from transformers.utils import logging as transformers_logging
-
     transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+    command = shlex.join(["python", "benchmarks/experiments.py", *argv])
+    if args.experiment == "isolation":
+        return isolation(args.output_dir, command)
+    if args.experiment == "lm-head":
+        return lm_head_split(args.model, low_share=args.low_share, repeats=args.repeats, output_dir=args.output_dir)
     if args.experiment == "cost":
         overrides = {key: given[key] for key in ("warmup_batches", "measured_batches", "time_budget_s") if key in given}
         data = cost(args.size, args.variants, args.output_dir, args.seed, command, threads=threads, **overrides)
-    elif args.experiment == "compare":
+        print(report.cost_markdown(data))
+    else:
         overrides = {key: given[key] for key in ("seeds", "rollout_batches") if key in given}
         data = compare(args.size, args.methods, args.output_dir, args.resume, command, **overrides)
-    elif args.experiment == "isolation":
-        return isolation(args.output_dir, command)
-    elif args.experiment == "lm-head":
-        return lm_head_split(args.model, low_share=args.low_share, repeats=args.repeats, output_dir=args.output_dir)
-    else:
-        data = pool(args.files, args.output_dir)
-    markdown = report.cost_markdown(data) if data["experiment"] == "cost" else report.compare_markdown(data)
-    print(markdown)
+        print(report.compare_markdown(data))
     return data
 
 

@@ -1,27 +1,17 @@
 """The benchmarks' one harness: trains one trainer configuration and measures it, generation batch by generation batch.
 
 [`measure_training`] builds TRL's `GRPOTrainer` or `LoptiGRPOTrainer`, attaches a [`Probe`] and trains. The probe sees
-the trainer only through surface that TRL and transformers define: a `transformers.TrainerCallback` (optimizer steps,
-logs), TRL's `GRPOTrainer` methods wrapped on the instance (`_generate_and_score_completions`, `_generate`,
-`training_step`, and `compute_loss` when asked), a forward pre-hook on the policy and a post-accumulate-grad hook on
-its input embedding. It names no method of `LoptiGRPOTrainer`, so it measures any `GRPOTrainer` subclass the same way.
+the trainer only through what TRL and transformers define: a `TrainerCallback`, TRL's `GRPOTrainer` methods wrapped on
+the instance (`_generate_and_score_completions`, `_generate`, `training_step`, `compute_loss`), a forward pre-hook on
+the policy and a post-accumulate-grad hook on its input embedding. It names no method of `LoptiGRPOTrainer`.
 
-Per generation batch it records:
-
-- time on two clocks, wall (`time.perf_counter`) and CPU time of the process (`time.process_time`, all threads; on a
-  CPU shared with other processes it measures the work rather than the share of the CPU obtained), CUDA synchronised
-  before every timestamp on GPU: `generation_s` (`_generate`), `scoring_s` (the rest of
-  `_generate_and_score_completions`: rewards, advantages, any no-grad log-prob forward), `loss_backward_optimizer_s`
-  (the rest of every `training_step`, plus clipping, optimizer, scheduler and `zero_grad` up to `on_step_end`),
-  `probe_s` (the Fig.-3 scoring, when asked) and `step_s` (from the end of the previous batch's last optimizer step,
-  or the start of training, to the end of this batch's last one);
-- counts: policy forwards with and without gradient outside generation, `generate` calls and the decoding forwards
-  inside them, backward passes that reach the policy, optimizer steps, prompt and completion tokens, completions;
-- every logged `lopti/*` metric and reward (`on_log`).
-
-Per run: peak memory (RSS of the process on CPU, `torch.cuda.max_memory_allocated` on GPU), wall and CPU time of
-`train()`, and when asked the Fig.-3 counts of every batch and the gradient that reaches the policy's per-token
-log-probabilities in the first training forward.
+Per generation batch, on two clocks (wall, and CPU time of the process, all threads: on a CPU shared with other
+processes it measures the work rather than the share of the CPU obtained; CUDA synchronised on GPU): `generation_s`
+(`_generate`), `scoring_s` (the rest of `_generate_and_score_completions`: rewards, advantages, any no-grad log-prob
+forward), `loss_backward_optimizer_s` (the rest of every `training_step`, plus clipping, optimizer, scheduler and
+`zero_grad`), `probe_s` (Fig.-3 scoring), `step_s` (from the end of the previous batch's last optimizer step to the
+end of this one's); the counts of `COUNTS`; every logged `lopti/*` metric and reward. Per run: peak memory (RSS on CPU,
+`torch.cuda.max_memory_allocated` on GPU), wall and CPU time of `train()`.
 """
 
 from __future__ import annotations
@@ -51,7 +41,8 @@ from trl_lopti.core_algos import lopti_batch_threshold
 
 
 PHASES = ("generation_s", "scoring_s", "loss_backward_optimizer_s", "probe_s", "step_s")
-COUNTS = (
+COUNTS = (  # policy forwards outside generation, generate calls and their decoding forwards, backward passes reaching
+    # the policy (its input embedding), optimizer steps, tokens
     "policy_forwards_grad",
     "policy_forwards_no_grad",
     "generate_calls",
@@ -63,7 +54,7 @@ COUNTS = (
     "completions",
 )
 LOGGED_PREFIXES = ("lopti/", "reward")
-"""Logged metrics kept per generation batch (TRL's `reward`, `reward_std`, `rewards/*`, and this package's `lopti/*`)."""
+"""Logged metrics kept per generation batch: TRL's `reward`, `reward_std`, `rewards/*`, and the trainer's `lopti/*`."""
 
 # Every run: no checkpoints, no reporting, every optimizer step logged, no KL term (no reference model).
 BASE_ARGS = dict(report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1, beta=0.0,
@@ -78,15 +69,14 @@ class Probe(TrainerCallback):
         trainer (`GRPOTrainer`):
             The trainer to observe, before `train()`.
         after_scoring (`Callable[[GRPOTrainer, dict], None]`, *optional*):
-            Called on every training generation batch right after `_generate_and_score_completions` (within
-            `scoring_s`, its forwards counted), e.g. [`add_old_logps_forward`].
+            Called on every training generation batch after `_generate_and_score_completions`, within `scoring_s`
+            (e.g. [`add_old_logps_forward`]).
         fig3 (`bool`, *optional*, defaults to `False`):
-            Score every batch's completion tokens right after generation (`pi_old`) and again after the last optimizer
-            step trained on it, and keep the Fig.-3 counts ([`shift_counts`]) in `fig3_batches`. These forwards are
-            not counted; their time is `probe_s`.
+            Keep in `fig3_batches` the Fig.-3 counts ([`shift_counts`]) of every batch, scored after generation
+            (`pi_old`) and after the last optimizer step trained on it (uncounted forwards, timed as `probe_s`).
         capture_token_gradients (`bool`, *optional*, defaults to `False`):
-            Keep `(micro-batch, per-token log-probabilities with their .grad)` of the first training forward with
-            gradient in `token_gradients`.
+            Keep in `token_gradients` the micro-batch and the per-token log-probabilities (with `.grad`) of the first
+            training forward.
     """
 
     def __init__(self, trainer, after_scoring=None, fig3: bool = False, capture_token_gradients: bool = False):
@@ -96,7 +86,7 @@ class Probe(TrainerCallback):
         self.token_gradients: tuple[dict[str, Any], torch.Tensor] | None = None
         self._cuda = trainer.accelerator.device.type == "cuda"
         self._in_generation = self._uncounted = False
-        self._inside_step = (0.0, 0.0)  # generation, scoring and probe time within the running training_step
+        self._inside_step = (0.0, 0.0)  # generation, scoring and probe time inside the running training_step
         self._last_step_end = self._train_begin = None
         self._pending: dict[str, Any] | None = None  # the last batch and its pi_old, until it is re-scored (Fig. 3)
         self._loss_inputs: dict[str, Any] | None = None
@@ -130,7 +120,7 @@ class Probe(TrainerCallback):
         start = self._now()
         yield
         end = self._add(phase, start)
-        self._inside_step = tuple(total + e - s for total, e, s in zip(self._inside_step, end, start))
+        self._inside_step = tuple(total + e - s for total, e, s in zip(self._inside_step, end, start, strict=True))
 
     # wrappers of TRL's methods ------------------------------------------------------------------------------------
     def _around_generate_and_score(self, original, inputs):
@@ -172,8 +162,9 @@ class Probe(TrainerCallback):
         self._inside_step, start = (0.0, 0.0), self._now()
         output = original(*args, **kwargs)
         end = self._now()
-        if self.batches:
-            self._add("loss_backward_optimizer_s", tuple(s + i for s, i in zip(start, self._inside_step)), end)
+        if self.batches:  # the step's time outside generation, scoring and probe
+            outside = tuple(s + inside for s, inside in zip(start, self._inside_step, strict=True))
+            self._add("loss_backward_optimizer_s", outside, end)
         self._last_step_end = end
         return output
 
@@ -256,18 +247,8 @@ def completion_logps(model, batch: dict[str, Any], temperature: float, chunk: in
     """
     Log-probabilities of a TRL batch's completion tokens from a plain forward of `model`, in float64 (0 on padding).
 
-    Args:
-        model (`PreTrainedModel`):
-            The policy.
-        batch (`dict`):
-            `prompt_ids`, `prompt_mask`, `completion_ids`, `completion_mask` (TRL's generation batch).
-        temperature (`float`):
-            Logits are divided by it, as in TRL's loss.
-        chunk (`int`, *optional*, defaults to `64`):
-            Sequences per forward.
-
-    Returns:
-        `torch.Tensor`: Shape of `completion_ids`.
+    `batch` holds `prompt_ids`, `prompt_mask`, `completion_ids`, `completion_mask`; logits are divided by
+    `temperature`, as in TRL's loss; `chunk` sequences go through one forward.
     """
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
@@ -288,12 +269,10 @@ def shift_counts(logps_before, logps_after, advantages, mask) -> dict[str, Any]:
     `trl_lopti.core_algos.lopti_batch_threshold`); Q1 = `[min, e1)`, ..., Q4 = `[e3, max]`.
 
     Args:
-        logps_before (`torch.Tensor`):
-            Log-probabilities at `pi_old`, shape (B, T).
-        logps_after (`torch.Tensor`):
-            Log-probabilities after the last optimizer step trained on the batch, shape (B, T).
+        logps_before (`torch.Tensor`), logps_after (`torch.Tensor`):
+            Log-probabilities at `pi_old` and after the last optimizer step trained on the batch, shape (B, T).
         advantages (`torch.Tensor`):
-            Advantages, shape (B,) or (B, T) (only the sign counts).
+            Shape (B,) or (B, T) (only the sign counts).
         mask (`torch.Tensor`):
             Completion mask, shape (B, T).
 
@@ -355,12 +334,8 @@ def measure_training(
     Trains one configuration for `generation_batches` generation batches and returns what the [`Probe`] measured.
 
     Args:
-        model_path (`str`):
-            Local model folder.
-        dataset (`datasets.Dataset`):
-            Training prompts.
-        reward_funcs:
-            TRL reward functions.
+        model_path (`str`), dataset (`datasets.Dataset`), reward_funcs, processing_class (*optional*):
+            What the trainer is built with.
         generation_batches (`int`):
             Generation batches to train (`max_steps` is this times `lopti_num_passes`: equal rollouts).
         lopti (`dict`, *optional*):
@@ -369,14 +344,12 @@ def measure_training(
             See [`Probe`].
         after_training (`Callable[[GRPOTrainer], dict]`, *optional*):
             Called after training (hooks removed); its entries join the result.
-        processing_class (*optional*):
-            The tokenizer, passed to the trainer.
         **config_fields:
-            `GRPOConfig` fields (with `BASE_ARGS`).
+            `GRPOConfig` fields, on top of `BASE_ARGS`.
 
     Returns:
-        `dict`: `trainer`, `global_step`, `train_wall_s`, `train_cpu_s`, `peak_memory_mb`, `batches` (every batch, as
-        recorded), and `fig3_batches` / `token_gradients` when asked.
+        `dict`: `trainer`, `global_step`, `train_wall_s`, `train_cpu_s`, `peak_memory_mb`, `batches`, and when asked
+        `fig3_batches`, `token_gradients`.
     """
     cuda = not config_fields.get("use_cpu", True)
     _reset_peak_memory(cuda)
@@ -436,14 +409,12 @@ def _peak_memory_mb(cuda: bool) -> float:
 # Models, prompts, rewards, environment
 # ---------------------------------------------------------------------------------------------------------------------
 def prepare_model(kind: str, work_dir: Path, seed: int = 0, device: str = "cpu", **model_config: Any) -> str:
-    """A local model folder: `"smollm2"` (offline, `trl_lopti.models.get_smollm2`) or `"random-qwen2"` (built)."""
+    """A local model folder: `"smollm2"` (offline, `trl_lopti.models.get_smollm2`), else a random Qwen2 (built)."""
     from trl_lopti import models
 
     if kind == "smollm2":
         return models.get_smollm2()
-    if kind == "random-qwen2":
-        return models.build_tiny_model(work_dir / "model", seed=seed, device=device, **model_config)
-    raise ValueError(f"model kind must be 'smollm2' or 'random-qwen2', got {kind!r}")
+    return models.build_tiny_model(work_dir / "model", seed=seed, device=device, **model_config)
 
 
 def addition_prompts(num_prompts: int, seed: int):

@@ -49,8 +49,9 @@ def test_counted_passes_per_generation_batch(cost):
     runs = {run["name"]: run for run in data["runs"]}
     for name, run in runs.items():
         passes = 2 if name in LOPTI else 1
-        # The extra no-grad forward over the generation batch, in micro-batches (reference style: ours; quantile: TRL's)
-        extra = completions // size["per_device_train_batch_size"] if name in ("lopti-refstyle", "lopti-quantile") else 0
+        # One extra no-grad forward over the generation batch, in micro-batches (reference style: ours; quantile: TRL's)
+        extra_forward = name in ("lopti-refstyle", "lopti-quantile")
+        extra = completions // size["per_device_train_batch_size"] if extra_forward else 0
         assert run["global_step"] == passes * len(run["batches"]), name
         for batch in run["batches"]:
             assert batch["policy_forwards_grad"] == passes * micro_steps, name
