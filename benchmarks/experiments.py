@@ -55,8 +55,7 @@ from trl_lopti.tasks import arithmetic  # noqa: E402
 # ---------------------------------------------------------------------------------------------------------------------
 # cost
 # ---------------------------------------------------------------------------------------------------------------------
-ETA = "eta"
-"""Stands for the size's Lopti threshold in `VARIANTS`."""
+ETA = "eta"  # in VARIANTS: the size's Lopti threshold
 
 VARIANTS: dict[str, tuple[str, dict[str, Any] | None, bool]] = {
     # name: (description, LoptiGRPOConfig fields or None for TRL's GRPOTrainer, separate no-grad pi_old forward)

@@ -255,7 +255,8 @@ def completion_logps(model, batch: dict[str, Any], temperature: float, chunk: in
     num_tokens = batch["completion_ids"].size(1)
     parts = []
     for rows in torch.arange(input_ids.size(0)).split(chunk):
-        logits = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows]).logits[:, -num_tokens - 1 : -1]
+        output = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows], logits_to_keep=num_tokens + 1)
+        logits = output.logits[:, :-1]  # the positions that predict the completion tokens
         log_probs = torch.log_softmax(logits.double() / temperature, dim=-1)
         parts.append(log_probs.gather(-1, batch["completion_ids"][rows].unsqueeze(-1)).squeeze(-1))
     return torch.cat(parts).masked_fill(~batch["completion_mask"].bool(), 0.0)
