@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU benchmark of AR and Lopti against TRL's GRPOTrainer (size `gpu` of benchmarks/bench_lopti.py).
+# GPU benchmark of AR and Lopti against TRL's GRPOTrainer (the `cost` experiment of benchmarks/experiments.py, size
+# `gpu`).
 #
 # Runs on a single CUDA GPU with nothing downloadable: the model is a randomly initialised Qwen2.5-1.5B-shaped Qwen2
 # built from a config, bf16 autocast, plain `transformers` generation (no vLLM). Writes bench_gpu.json and
@@ -8,11 +9,11 @@
 # the benchmark is stopped at 7m50s; the whole run is sized for about 5 minutes on an H200 (an estimate: it has not
 # run on a GPU yet).
 #
-# Python packages: the benchmark needs trl==1.16.0, transformers>=5.24, datasets and psutil. Where the machine lacks
+# Python packages: the benchmark needs trl==1.16.0, transformers>=5.24 and datasets. Where the machine lacks
 # them, carry wheels in a folder (default .whl, see benchmarks/fetch_gpu_wheels.sh) and this script installs them
 # with pip --no-index into /tmp/site first.
 #
-# Usage (repository root):  bash benchmarks/run_gpu.sh [extra bench_lopti.py arguments]
+# Usage (repository root):  bash benchmarks/run_gpu.sh [extra arguments of `experiments.py cost`, e.g. --variants grpo lopti]
 set -euo pipefail
 
 OUT_DIR="${OUT:-benchmarks/results}"
@@ -35,5 +36,5 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OF
 transformers.__version__, 'trl', trl.__version__, 'datasets', datasets.__version__, 'cuda', torch.cuda.is_available())"
 } 2>&1 | tee "$OUT_DIR/gpu_env.txt"
 
-timeout 470 "$PYTHON" benchmarks/bench_lopti.py --size gpu --output-dir "$OUT_DIR" "$@" \
+timeout 470 "$PYTHON" benchmarks/experiments.py cost --size gpu --output-dir "$OUT_DIR" "$@" \
     2>&1 | grep -v -i -E "warn|Loading weights|Writing model" | tee "$OUT_DIR/gpu_log.txt"

@@ -1,165 +1,148 @@
-"""The cost benchmark (`benchmarks/bench_lopti.py`) on its tiny size: a well-formed report and counted invariants.
+"""The benchmarks (`benchmarks/experiments.py` on the harness) at their tiny sizes: counted passes, complete files, and
+the comparison's statistics against scipy.
 
-Timings on a shared CPU are noise; only counted quantities (passes, steps, tokens) and the report's structure are
-checked, never a speed.
+Timings on a shared CPU are noise: only what is counted and written is checked, never a speed.
 """
 
-import dataclasses
 import json
 import math
-from pathlib import Path
 
 import pytest
+import torch
+from scipy import stats
 
 from conftest import load_benchmark_script
 
 
-pytestmark = pytest.mark.slow  # trains five tiny trainers (about 15 s alone on 2 CPUs, under a minute when shared)
+pytestmark = pytest.mark.slow  # trains six tiny trainers and a tiny comparison (about a minute on 2 shared CPUs)
 
 VARIANTS = ["grpo", "ar", "lopti", "ar+lopti", "lopti-refstyle", "lopti-quantile"]
+LOPTI = {"lopti", "ar+lopti", "lopti-refstyle", "lopti-quantile"}
 
 
 @pytest.fixture(scope="module")
-def bench():
-    return load_benchmark_script("bench_lopti")
+def benchmarks():
+    for name in ("harness", "report"):  # experiments.py imports them by name
+        load_benchmark_script(name)
+    return load_benchmark_script("experiments")
 
 
 @pytest.fixture(scope="module")
-def report(bench, tmp_path_factory):
-    # The tiny size with a single generation batch per variant: the test checks structure and counts, not speed.
-    size = dataclasses.replace(bench.SIZES["tiny"], warmup_batches=0, measured_batches=1)
-    output_dir = tmp_path_factory.mktemp("bench")
-    return bench.run_benchmark(size, output_dir, variants=VARIANTS, command="pytest")
+def cost(benchmarks, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("cost")
+    benchmarks.cost("tiny", VARIANTS, str(output_dir), command="pytest", warmup_batches=1, measured_batches=1)
+    return json.loads((output_dir / "bench_tiny.json").read_text()), output_dir
 
 
-def by_name(report) -> dict:
-    return {result["name"]: result for result in report["results"]}
+@pytest.fixture(scope="module")
+def comparison(benchmarks, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("compare")
+    benchmarks.compare("tiny", ["grpo", "lopti"], str(output_dir), command="pytest", seeds=[0, 1])
+    return json.loads((output_dir / "compare_tiny.json").read_text()), output_dir
 
 
-def test_files_written_and_well_formed(report):
-    json_path, markdown_path = Path(report["json_path"]), Path(report["markdown_path"])
-    on_disk = json.loads(json_path.read_text())
-    assert [r["name"] for r in on_disk["results"]] == VARIANTS
-    assert on_disk["skipped"] == []
-    table = markdown_path.read_text()
-    rows = [line for line in table.splitlines() if line.startswith("| ")]
-    assert len(rows) == 2 * (1 + len(VARIANTS))  # wall-clock and CPU-time tables: header + one row per variant
-    assert all(line.count("|") == rows[0].count("|") for line in rows)
-    for name in VARIANTS:
-        assert f"| {name}: " in table
-
-
-def test_every_measurement_is_present_and_finite(report, bench):
-    size = report["size"]
-    for result in report["results"]:
-        assert len(result["batches"]) == size["warmup_batches"] + size["measured_batches"]
-        assert sum(not b["warmup"] for b in result["batches"]) == size["measured_batches"]
-        for median in ("median", "median_cpu"):
-            for key in ("step_s", "generation_s", "scoring_s", "loss_backward_optimizer_s", "completion_tokens_per_s"):
-                value = result[median][key]
-                assert math.isfinite(value) and value > 0, (result["name"], median, key, value)
-        # The parts of a step fit inside its time, on both clocks.
-        for batch in result["batches"]:
-            for clock in ("wall", "cpu"):
-                times = batch[clock]
-                parts = times["generation_s"] + times["scoring_s"] + times["loss_backward_optimizer_s"]
-                assert parts <= times["step_s"] * 1.001 + 1e-3, (result["name"], clock, times)
-                assert times["reward_s"] <= times["scoring_s"] + 1e-3
-                assert times["backward_s"] <= times["train_s"] + 1e-3
-        assert bench.peak_memory_mb(result) > 0
-        assert result["memory"]["peak_rss_mb"] >= result["memory"]["baseline_rss_mb"]
-        if result["name"] == "grpo":
-            assert result["ratios"]["step_s"] == pytest.approx(1.0)
-            assert result["ratios_cpu"]["step_s"] == pytest.approx(1.0)
-        assert set(result["ratios"]) >= {"step_s", "loss_backward_optimizer_s", "peak_memory", "policy_forwards_grad"}
-        assert set(result["ratios_cpu"]) >= {"step_s", "loss_backward_optimizer_s"}
-
-
-def test_same_workload_for_every_variant(report):
-    size = report["size"]
+def test_counted_passes_per_generation_batch(cost):
+    data, _ = cost
+    size = data["size"]
+    micro_steps = size["gradient_accumulation_steps"]  # = steps_per_generation: one GRPO optimizer step per batch
     completions = size["prompts_per_batch"] * size["num_generations"]
-    for result in report["results"]:
-        for batch in result["batches"]:
-            assert batch["generate_calls"] == 1
+    runs = {run["name"]: run for run in data["runs"]}
+    for name, run in runs.items():
+        passes = 2 if name in LOPTI else 1
+        # One extra no-grad forward over the generation batch, in micro-batches (reference style: ours; quantile: TRL's)
+        extra_forward = name in ("lopti-refstyle", "lopti-quantile")
+        extra = completions // size["per_device_train_batch_size"] if extra_forward else 0
+        assert run["global_step"] == passes * len(run["batches"]), name
+        for batch in run["batches"]:
+            assert batch["policy_forwards_grad"] == passes * micro_steps, name
+            assert batch["policy_forwards_no_grad"] == extra, name
+            assert batch["backward_passes"] == passes * micro_steps, name
+            assert batch["optimizer_steps"] == passes, name
+            assert batch["generate_calls"] == 1, name
             assert batch["completions"] == completions
             assert batch["completion_tokens"] == completions * size["max_completion_length"]  # fixed length
-    prompt_tokens = {tuple(b["prompt_tokens"] for b in r["batches"]) for r in report["results"]}
-    assert len(prompt_tokens) == 1  # the same prompts, batch by batch
+    # The same prompts batch by batch, and decoding forwards counted apart, equal for all.
+    assert len({tuple(b["prompt_tokens"] for b in run["batches"]) for run in runs.values()}) == 1
+    assert len({tuple(b["generation_forwards"] for b in run["batches"]) for run in runs.values()}) == 1
+    assert runs["grpo"]["batches"][0]["generation_forwards"] >= size["max_completion_length"]
 
 
-def test_counted_passes(report):
-    results = by_name(report)
-    size = report["size"]
-    grpo = results["grpo"]["counts_per_batch"]
-    micro_steps = size["gradient_accumulation_steps"]  # steps_per_generation * num_iterations (1)
-    # GRPO, on-policy: one forward+backward per micro-batch, no extra forward, one optimizer step.
-    assert grpo["policy_forwards_grad"] == micro_steps
-    assert grpo["policy_forwards_no_grad"] == 0
-    assert grpo["backward_passes"] == micro_steps
-    assert grpo["optimizer_steps"] == 1
-    assert grpo["ref_forwards"] == 0
-    # AR: no pass of its own.
-    for key in ("policy_forwards_grad", "policy_forwards_no_grad", "backward_passes", "optimizer_steps"):
-        assert results["ar"]["counts_per_batch"][key] == grpo[key], key
-    # Lopti: exactly twice GRPO's gradient passes and optimizer steps, and no forward beyond them.
-    for name in ("lopti", "ar+lopti"):
-        counts = results[name]["counts_per_batch"]
-        assert counts["policy_forwards_grad"] == 2 * grpo["policy_forwards_grad"], name
-        assert counts["backward_passes"] == 2 * grpo["backward_passes"], name
-        assert counts["optimizer_steps"] == 2 * grpo["optimizer_steps"], name
-        assert counts["policy_forwards_no_grad"] == 0, name
-        assert results[name]["ratios"]["policy_forwards_grad"] == 2.0
-        share = results[name]["logged"]["lopti/low_token_share"]
-        assert 0.0 < share < 1.0  # both passes had active tokens (none was skipped)
-    # The reference-style emulation spends one no-grad forward per micro-batch on old log-probabilities.
-    refstyle = results["lopti-refstyle"]["counts_per_batch"]
-    assert refstyle["policy_forwards_no_grad"] == micro_steps
-    assert refstyle["policy_forwards_grad"] == 2 * grpo["policy_forwards_grad"]
-    # The quantile split needs pi_old of the whole batch first: one no-grad forward over it (micro-batch chunks).
-    quantile = results["lopti-quantile"]["counts_per_batch"]
-    assert quantile["policy_forwards_no_grad"] == micro_steps
-    assert quantile["policy_forwards_grad"] == 2 * grpo["policy_forwards_grad"]
-    # Generation forwards are counted apart from training forwards, and equal for all variants.
-    assert len({r["counts_per_batch"]["generation_forwards"] for r in report["results"]}) == 1
-    assert grpo["generation_forwards"] >= 1
+def test_json_and_markdown_complete(cost):
+    data, output_dir = cost
+    assert [run["name"] for run in data["runs"]] == VARIANTS and data["skipped"] == []
+    for run in data["runs"]:
+        assert len(run["batches"]) == 2 and [b["warmup"] for b in run["batches"]] == [True, False]
+        assert run["medians"]["measured_batches"] == 1 and run["peak_memory_mb"] > 0
+        for batch in run["batches"]:
+            for clock in ("wall", "cpu"):
+                times = batch[clock]
+                assert all(math.isfinite(v) and v >= 0 for v in times.values()), (run["name"], times)
+                parts = times["generation_s"] + times["scoring_s"] + times["loss_backward_optimizer_s"]
+                assert 0 < parts <= times["step_s"] * 1.001 + 1e-3, (run["name"], clock, times)
+            logged = batch["logged"]
+            assert len(logged["reward"]) == 1  # TRL logs a batch's reward once, at its first optimizer step
+            if run["name"] == "grpo":
+                assert not any(key.startswith("lopti/") for key in logged)
+            if run["name"] == "ar":  # the AR weight alpha * pi_old + 1 - alpha lies in [1 - alpha, 1]
+                assert 0.8 <= logged["lopti/ar_weight_mean"][0] <= 1.0
+            if run["name"] in LOPTI:  # both passes had active tokens, and each logged its loss once
+                assert 0.0 < logged["lopti/low_token_share"][0] < 1.0
+                assert len(logged["lopti/loss_low_pass"]) == len(logged["lopti/loss_high_pass"]) == 1
+    tables = [line for line in (output_dir / "bench_tiny.md").read_text().splitlines() if line.startswith("| ")]
+    assert len(tables) == 2 * (1 + len(VARIANTS))  # wall-clock and CPU time: header and one row per variant
+    for name in VARIANTS:
+        assert sum(line.startswith(f"| {name}: ") for line in tables) == 2
 
 
-def test_own_code_timed_only_for_lopti_trainer(report):
-    results = by_name(report)
-    assert results["grpo"]["median"]["own_code_s"] == 0.0
-    for name in ("ar", "lopti", "ar+lopti", "lopti-refstyle", "lopti-quantile"):
-        assert results[name]["median"]["own_code_s"] > 0.0, name
-        assert results[name]["median"]["own_code_s"] <= results[name]["median"]["train_s"]
+def test_comparison_counts_and_pairing(comparison):
+    data, output_dir = comparison
+    for run in data["runs"]:
+        passes = 2 if run["name"] == "lopti" else 1
+        assert run["generation_batches"] == len(run["fig3_batches"]) == len(run["training_reward"]) == 2
+        assert run["optimizer_steps"] == run["global_step"] == passes * 2
+        for batch in run["fig3_batches"]:  # every completion token is counted once: by sign and quartile, or A = 0
+            counted = sum(batch[sign]["count"][q] for sign in ("positive", "negative") for q in range(4))
+            assert counted + batch["zero_advantage_tokens"] == batch["completion_tokens"]
+    # Same seed: the same first generation batch (before any update) and the same starting evaluation.
+    for seed in (0, 1):
+        runs = [run for run in data["runs"] if run["seed"] == seed]
+        assert len({run["training_reward"][0] for run in runs}) == 1
+        assert len({json.dumps(run["before"], sort_keys=True) for run in runs}) == 1
+    grpo = {run["seed"]: run for run in data["runs"] if run["name"] == "grpo"}
+    differences = [run["after"]["accuracy"] - grpo[run["seed"]]["after"]["accuracy"] for run in data["runs"]
+                   if run["name"] == "lopti"]  # fmt: skip
+    assert data["summary"]["lopti"]["paired"]["heldout_accuracy_after"]["mean"] == pytest.approx(sum(differences) / 2)
+    for suffix in ("md", "png"):
+        assert (output_dir / f"compare_tiny.{suffix}").stat().st_size > 0
 
 
-def test_merge_pools_batches(bench, report):
-    merged = bench.merge_reports([report, report])
-    assert len(merged["merged_from"]) == 2
-    for result, original in zip(merged["results"], report["results"], strict=True):
-        assert result["measured_batches"] == 2 * original["measured_batches"]
-        assert result["median"]["step_s"] == pytest.approx(original["median"]["step_s"])
-        assert result["counts_per_batch"] == original["counts_per_batch"]
-    assert "pooled from 2 runs" in bench.markdown_table(merged)
+def test_statistics_against_scipy(benchmarks):
+    report = benchmarks.report
+    values = [0.61, 0.55, 0.72, 0.58, 0.66]
+    stat = report.t_interval(values)
+    low, high = stats.t.interval(0.95, len(values) - 1, loc=sum(values) / 5, scale=stats.sem(values))
+    assert (stat["low"], stat["high"]) == pytest.approx((low, high), rel=1e-12)
+    assert report.t_interval([0.5]) == {"mean": 0.5, "low": None, "high": None, "sd": None, "n": 1}
+    # Paired by seed: seed 4 has no baseline and seed 3 no value; the others pair up.
+    method = {0: 0.70, 1: 0.52, 2: 0.75, 3: None, 4: 0.9}
+    baseline = {0: 0.61, 1: 0.55, 2: 0.72, 3: 0.58}
+    paired = report.paired_difference(method, baseline)
+    expected = stats.ttest_rel([0.70, 0.52, 0.75], [0.61, 0.55, 0.72]).confidence_interval(0.95)
+    assert paired["n"] == 3
+    assert (paired["low"], paired["high"]) == pytest.approx((expected.low, expected.high), rel=1e-12)
 
 
-def test_markdown_table_from_report(bench, report):
-    table = bench.markdown_table(report)
-    headers = [line for line in table.splitlines() if line.startswith("| configuration | step (s) |")]
-    assert len(headers) == 2  # wall-clock and, on CPU, process CPU time
-    assert "low-token share" in table
-
-
-def test_random_model_of_a_given_shape(tmp_path):
-    """`build_tiny_model`'s config overrides (what the benchmark's random Qwen2 sizes use): the shape is the one asked
-    for, and a vocabulary smaller than the tokenizer's is raised to it."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from trl_lopti.models import build_tiny_model
-
-    path = build_tiny_model(tmp_path / "wide", hidden_size=48, num_hidden_layers=3, intermediate_size=100,
-                            vocab_size=1024, tie_word_embeddings=True, max_position_embeddings=4096)  # fmt: skip
-    config = AutoConfig.from_pretrained(path)
-    assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size,
-            config.tie_word_embeddings, config.max_position_embeddings) == (48, 3, 100, 1024, True, 4096)  # fmt: skip
-    small = AutoConfig.from_pretrained(build_tiny_model(tmp_path / "small", vocab_size=10))
-    assert small.vocab_size == len(AutoTokenizer.from_pretrained(path)) > 10
+def test_fig3_counts_by_hand(benchmarks):
+    harness = benchmarks.harness
+    # 2 completions x 5 tokens, the last two of the second one padding: 8 tokens, no quartile edge on a token.
+    before = torch.log(torch.tensor([[0.1, 0.2, 0.6, 0.9, 0.35], [0.3, 0.5, 0.8, 0.4, 0.4]], dtype=torch.float64))
+    after = torch.log(torch.tensor([[0.2, 0.1, 0.7, 0.9, 0.5], [0.2, 0.6, 0.7, 0.9, 0.9]], dtype=torch.float64))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    counts = harness.shift_counts(before, after, torch.tensor([1.5, -0.5]), mask)
+    # pi_old sorted: 0.1 0.2 0.3 0.35 0.5 0.6 0.8 0.9; linear quantiles at positions 1.75, 3.5, 5.25.
+    assert counts["edges"] == pytest.approx([0.275, 0.425, 0.65])
+    # positive (row 0): 0.1 rose (Q1), 0.2 fell (Q1), 0.35 rose (Q2), 0.6 rose (Q3), 0.9 unchanged (Q4)
+    assert counts["positive"] == {"count": [2, 1, 1, 1], "in_direction": [1, 1, 1, 0]}
+    # negative (row 1): 0.3 fell (Q2), 0.5 rose (Q3), 0.8 fell (Q4); padding not counted
+    assert counts["negative"] == {"count": [0, 1, 1, 1], "in_direction": [0, 1, 0, 1]}
+    assert counts["zero_advantage_tokens"] == 0 and counts["completion_tokens"] == 8

@@ -1,0 +1,462 @@
+"""The benchmarks' one harness: trains one trainer configuration and measures it, generation batch by generation batch.
+
+[`measure_training`] builds TRL's `GRPOTrainer` or `LoptiGRPOTrainer`, attaches a [`Probe`] and trains. The probe sees
+the trainer only through what TRL and transformers define: a `TrainerCallback`, TRL's `GRPOTrainer` methods wrapped on
+the instance (`_generate_and_score_completions`, `_generate`, `training_step`, `compute_loss`), a forward pre-hook on
+the policy and a post-accumulate-grad hook on its input embedding. It names no method of `LoptiGRPOTrainer`.
+
+Per generation batch, on two clocks (wall, and CPU time of the process, all threads: on a CPU shared with other
+processes it measures the work rather than the share of the CPU obtained; CUDA synchronised on GPU): `generation_s`
+(`_generate`), `scoring_s` (the rest of `_generate_and_score_completions`: rewards, advantages, any no-grad log-prob
+forward), `loss_backward_optimizer_s` (the rest of every `training_step`, plus clipping, optimizer, scheduler and
+`zero_grad`), `probe_s` (Fig.-3 scoring), `step_s` (from the end of the previous batch's last optimizer step to the
+end of this one's); the counts of `COUNTS`; every logged `lopti/*` metric and reward. Per run: peak memory (RSS on CPU,
+`torch.cuda.max_memory_allocated` on GPU), wall and CPU time of `train()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import gc
+import json
+import os
+import platform
+import random
+import re
+import resource
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PrinterCallback, TrainerCallback, set_seed
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+from trl_lopti.core_algos import lopti_batch_threshold
+
+
+PHASES = ("generation_s", "scoring_s", "loss_backward_optimizer_s", "probe_s", "step_s")
+COUNTS = (  # policy forwards outside generation, generate calls and their decoding forwards, backward passes reaching
+    # the policy (its input embedding), optimizer steps, tokens
+    "policy_forwards_grad",
+    "policy_forwards_no_grad",
+    "generate_calls",
+    "generation_forwards",
+    "backward_passes",
+    "optimizer_steps",
+    "prompt_tokens",
+    "completion_tokens",
+    "completions",
+)
+LOGGED_PREFIXES = ("lopti/", "reward")
+"""Logged metrics kept per generation batch: TRL's `reward`, `reward_std`, `rewards/*`, and the trainer's `lopti/*`."""
+
+# Every run: no checkpoints, no reporting, every optimizer step logged, no KL term (no reference model).
+BASE_ARGS = dict(report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1, beta=0.0,
+                 dataloader_num_workers=0)  # fmt: skip
+
+
+class Probe(TrainerCallback):
+    """
+    Counts and times what one trainer does per generation batch (see the module docstring).
+
+    Args:
+        trainer (`GRPOTrainer`):
+            The trainer to observe, before `train()`.
+        after_scoring (`Callable[[GRPOTrainer, dict], None]`, *optional*):
+            Called on every training generation batch after `_generate_and_score_completions`, within `scoring_s`
+            (e.g. [`add_old_logps_forward`]).
+        fig3 (`bool`, *optional*, defaults to `False`):
+            Keep in `fig3_batches` the Fig.-3 counts ([`shift_counts`]) of every batch, scored after generation
+            (`pi_old`) and after the last optimizer step trained on it (uncounted forwards, timed as `probe_s`).
+        capture_token_gradients (`bool`, *optional*, defaults to `False`):
+            Keep in `token_gradients` the micro-batch and the per-token log-probabilities (with `.grad`) of the first
+            training forward.
+    """
+
+    def __init__(self, trainer, after_scoring=None, fig3: bool = False, capture_token_gradients: bool = False):
+        self.trainer, self.after_scoring, self.fig3 = trainer, after_scoring, fig3
+        self.batches: list[dict[str, Any]] = []
+        self.fig3_batches: list[dict[str, Any]] = []
+        self.token_gradients: tuple[dict[str, Any], torch.Tensor] | None = None
+        self._cuda = trainer.accelerator.device.type == "cuda"
+        self._in_generation = self._uncounted = False
+        self._inside_step = (0.0, 0.0)  # generation, scoring and probe time inside the running training_step
+        self._last_step_end = self._train_begin = None
+        self._pending: dict[str, Any] | None = None  # the last batch and its pi_old, until it is re-scored (Fig. 3)
+        self._loss_inputs: dict[str, Any] | None = None
+        trainer.remove_callback(PrinterCallback)
+        trainer.add_callback(self)
+        for name, around in (("_generate_and_score_completions", self._around_generate_and_score),
+                             ("_generate", self._around_generate), ("training_step", self._around_training_step)):
+            setattr(trainer, name, functools.partial(around, getattr(trainer, name)))  # on the instance only
+        model = trainer.model
+        self._handles = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True),
+                         model.get_input_embeddings().weight.register_post_accumulate_grad_hook(self._on_backward)]
+        if capture_token_gradients:
+            trainer.compute_loss = functools.partial(self._around_compute_loss, trainer.compute_loss)
+            self._handles.append(model.register_forward_hook(self._keep_log_prob_gradient, with_kwargs=True))
+
+    # clocks -------------------------------------------------------------------------------------------------------
+    def _now(self) -> tuple[float, float]:
+        if self._cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter(), time.process_time()
+
+    def _add(self, phase: str, start: tuple[float, float], end: tuple[float, float] | None = None):
+        """Adds `end - start` (default: until now) to `phase` of the current batch; returns `end`."""
+        end = end or self._now()
+        for clock, index in (("wall", 0), ("cpu", 1)):
+            self.batches[-1][clock][phase] += end[index] - start[index]
+        return end
+
+    @contextlib.contextmanager
+    def _inside_training_step(self, phase: str):
+        start = self._now()
+        yield
+        end = self._add(phase, start)
+        self._inside_step = tuple(total + e - s for total, e, s in zip(self._inside_step, end, start, strict=True))
+
+    # wrappers of TRL's methods ------------------------------------------------------------------------------------
+    def _around_generate_and_score(self, original, inputs):
+        if not self.trainer.model.training:
+            return original(inputs)
+        self.batches.append({"wall": dict.fromkeys(PHASES, 0.0), "cpu": dict.fromkeys(PHASES, 0.0),
+                             **dict.fromkeys(COUNTS, 0), "logged": {}})  # fmt: skip
+        with self._inside_training_step("probe_s"):
+            self._rescore()
+        with self._inside_training_step("scoring_s"):
+            output = original(inputs)
+            if self.after_scoring is not None:
+                self.after_scoring(self.trainer, output)
+        batch = self.batches[-1]
+        for clock in ("wall", "cpu"):
+            batch[clock]["scoring_s"] -= batch[clock]["generation_s"]
+        batch["prompt_tokens"] += int(output["prompt_mask"].sum())
+        batch["completion_tokens"] += int(output["completion_mask"].sum())
+        batch["completions"] += int(output["completion_ids"].size(0))
+        if self.fig3:
+            with self._inside_training_step("probe_s"):
+                keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
+                self._pending = {key: output[key].detach() for key in keys}
+                self._pending["logps"] = self._score(self._pending)
+        return output
+
+    def _around_generate(self, original, *args, **kwargs):
+        if not self.trainer.model.training:
+            return original(*args, **kwargs)
+        self._in_generation, start = True, self._now()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self._in_generation = False
+            self._add("generation_s", start)
+            self.batches[-1]["generate_calls"] += 1
+
+    def _around_training_step(self, original, *args, **kwargs):
+        self._inside_step, start = (0.0, 0.0), self._now()
+        output = original(*args, **kwargs)
+        end = self._now()
+        if self.batches:  # the step's time outside generation, scoring and probe
+            outside = tuple(s + inside for s, inside in zip(start, self._inside_step, strict=True))
+            self._add("loss_backward_optimizer_s", outside, end)
+        self._last_step_end = end
+        return output
+
+    def _around_compute_loss(self, original, model, inputs, *args, **kwargs):
+        self._loss_inputs = inputs
+        return original(model, inputs, *args, **kwargs)
+
+    # hooks --------------------------------------------------------------------------------------------------------
+    def _on_forward(self, module, args, kwargs) -> None:
+        if not self.batches or self._uncounted:
+            return
+        if self._in_generation:
+            self.batches[-1]["generation_forwards"] += 1
+        else:
+            self.batches[-1]["policy_forwards_grad" if torch.is_grad_enabled() else "policy_forwards_no_grad"] += 1
+
+    def _keep_log_prob_gradient(self, module, args, kwargs, output) -> None:
+        if self.token_gradients is None and torch.is_grad_enabled() and not self._in_generation and self.batches:
+            output.log_probs.retain_grad()  # TRL's fused head: per-token log-probabilities of every position
+            self.token_gradients = (self._loss_inputs, output.log_probs)
+
+    def _on_backward(self, parameter: torch.Tensor) -> None:
+        if self.batches:
+            self.batches[-1]["backward_passes"] += 1
+
+    # callback events ----------------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._train_begin = self._now()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.batches and self._last_step_end is not None:
+            self.batches[-1]["end"] = self._add("loss_backward_optimizer_s", self._last_step_end)
+            self.batches[-1]["optimizer_steps"] += 1
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.batches:
+            for key, value in (logs or {}).items():
+                if key.startswith(LOGGED_PREFIXES):
+                    self.batches[-1]["logged"].setdefault(key, []).append(value)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.batches:
+            start = self._now()
+            self._rescore()
+            self._add("probe_s", start)
+
+    # Fig. 3 -------------------------------------------------------------------------------------------------------
+    def _score(self, batch: dict[str, Any]) -> torch.Tensor:
+        self._uncounted = True
+        try:
+            return completion_logps(self.trainer.model, batch, self.trainer.temperature).cpu()
+        finally:
+            self._uncounted = False
+
+    def _rescore(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            after = self._score(pending)
+            mask = pending["completion_mask"].cpu()
+            self.fig3_batches.append(shift_counts(pending["logps"], after, pending["advantages"].cpu(), mask))
+
+    def finalize(self) -> list[dict[str, Any]]:
+        """Removes the hooks and fills in `step_s` of every batch; returns the batches."""
+        for handle in self._handles:
+            handle.remove()
+        previous = self._train_begin
+        for batch in self.batches:
+            end = batch.pop("end", None)
+            if end is not None and previous is not None:
+                batch["wall"]["step_s"], batch["cpu"]["step_s"] = end[0] - previous[0], end[1] - previous[1]
+                previous = end
+        return self.batches
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Log-probabilities and the Fig.-3 counts
+# ---------------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def completion_logps(model, batch: dict[str, Any], temperature: float, chunk: int = 64) -> torch.Tensor:
+    """
+    Log-probabilities of a TRL batch's completion tokens from a plain forward of `model`, in float64 (0 on padding).
+
+    `batch` holds `prompt_ids`, `prompt_mask`, `completion_ids`, `completion_mask`; logits are divided by
+    `temperature`, as in TRL's loss; `chunk` sequences go through one forward.
+    """
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    num_tokens = batch["completion_ids"].size(1)
+    parts = []
+    for rows in torch.arange(input_ids.size(0)).split(chunk):
+        output = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows], logits_to_keep=num_tokens + 1)
+        logits = output.logits[:, :-1]  # the positions that predict the completion tokens
+        log_probs = torch.log_softmax(logits.double() / temperature, dim=-1)
+        parts.append(log_probs.gather(-1, batch["completion_ids"][rows].unsqueeze(-1)).squeeze(-1))
+    return torch.cat(parts).masked_fill(~batch["completion_mask"].bool(), 0.0)
+
+
+def shift_counts(logps_before, logps_after, advantages, mask) -> dict[str, Any]:
+    """
+    The paper's Fig.-3 counts of one generation batch, by `pi_old` quartile and sign of the advantage.
+
+    Quartile edges are the batch's 0.25, 0.5 and 0.75 quantiles of `pi_old` over its completion tokens (the quantile of
+    `trl_lopti.core_algos.lopti_batch_threshold`); Q1 = `[min, e1)`, ..., Q4 = `[e3, max]`.
+
+    Args:
+        logps_before (`torch.Tensor`), logps_after (`torch.Tensor`):
+            Log-probabilities at `pi_old` and after the last optimizer step trained on the batch, shape (B, T).
+        advantages (`torch.Tensor`):
+            Shape (B,) or (B, T) (only the sign counts).
+        mask (`torch.Tensor`):
+            Completion mask, shape (B, T).
+
+    Returns:
+        `dict`: `edges`; per sign (`positive`, `negative`), lists of 4: `count` (tokens) and `in_direction`
+        (probability rose for positive, fell for negative); `zero_advantage_tokens`; `completion_tokens`.
+    """
+    mask = mask.bool()
+    edges = [lopti_batch_threshold(logps_before, mask, level) for level in (0.25, 0.5, 0.75)]
+    probs = logps_before.double().exp()
+    quartile = sum((probs >= edge).long() for edge in edges)
+    sign = torch.sign(advantages.double() if advantages.dim() == 2 else advantages.double()[:, None]).expand_as(mask)
+    delta = logps_after.double() - logps_before.double()
+    counts: dict[str, Any] = {"edges": edges}
+    for name, direction in (("positive", 1.0), ("negative", -1.0)):
+        tokens = [mask & (sign == direction) & (quartile == q) for q in range(4)]
+        counts[name] = {"count": [int(t.sum()) for t in tokens],
+                        "in_direction": [int((t & (delta * direction > 0)).sum()) for t in tokens]}  # fmt: skip
+    counts["zero_advantage_tokens"] = int((mask & (sign == 0)).sum())
+    counts["completion_tokens"] = int(mask.sum())
+    return counts
+
+
+def add_old_logps_forward(trainer, batch: dict[str, Any]) -> None:
+    """
+    The reference implementation's separate no-grad forward for `pi_old`, after generation (an `after_scoring` hook).
+
+    Computes `old_per_token_logps` with TRL's own log-prob head (`GRPOTrainer`'s, whatever a subclass overrides), in
+    micro-batches of `per_device_train_batch_size`, where TRL did not compute it already.
+    """
+    if batch.get("old_per_token_logps") is None:
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        with torch.no_grad():
+            batch["old_per_token_logps"] = GRPOTrainer._get_per_token_logps_and_entropies(
+                trainer, trainer.model, input_ids, attention_mask, batch["completion_ids"].size(1),
+                batch_size=trainer.args.per_device_train_batch_size,
+            )[0]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One run
+# ---------------------------------------------------------------------------------------------------------------------
+def measure_training(
+    model_path: str,
+    dataset,
+    reward_funcs,
+    generation_batches: int,
+    lopti: dict[str, Any] | None = None,
+    *,
+    after_scoring: Callable[[Any, dict], None] | None = None,
+    fig3: bool = False,
+    capture_token_gradients: bool = False,
+    after_training: Callable[[Any], dict[str, Any]] | None = None,
+    processing_class=None,
+    **config_fields: Any,
+) -> dict[str, Any]:
+    """
+    Trains one configuration for `generation_batches` generation batches and returns what the [`Probe`] measured.
+
+    Args:
+        model_path (`str`), dataset (`datasets.Dataset`), reward_funcs, processing_class (*optional*):
+            What the trainer is built with.
+        generation_batches (`int`):
+            Generation batches to train (`max_steps` is this times `lopti_num_passes`: equal rollouts).
+        lopti (`dict`, *optional*):
+            `LoptiGRPOConfig` fields; `None` trains TRL's `GRPOTrainer` with a `GRPOConfig`.
+        after_scoring, fig3, capture_token_gradients:
+            See [`Probe`].
+        after_training (`Callable[[GRPOTrainer], dict]`, *optional*):
+            Called after training (hooks removed); its entries join the result.
+        **config_fields:
+            `GRPOConfig` fields, on top of `BASE_ARGS`.
+
+    Returns:
+        `dict`: `trainer`, `global_step`, `train_wall_s`, `train_cpu_s`, `peak_memory_mb`, `batches`, and when asked
+        `fig3_batches`, `token_gradients`.
+    """
+    cuda = not config_fields.get("use_cpu", True)
+    _reset_peak_memory(cuda)
+    with tempfile.TemporaryDirectory(prefix="bench-") as output_dir:
+        fields = {**BASE_ARGS, "output_dir": output_dir, **config_fields}
+        args = GRPOConfig(**fields) if lopti is None else LoptiGRPOConfig(**fields, **lopti)
+        args.max_steps = generation_batches * getattr(args, "lopti_num_passes", 1)
+        set_seed(args.seed)
+        trainer_class = GRPOTrainer if lopti is None else LoptiGRPOTrainer
+        trainer = trainer_class(model=model_path, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
+                                processing_class=processing_class)  # fmt: skip
+        probe = Probe(trainer, after_scoring, fig3, capture_token_gradients)
+        torch.manual_seed(args.seed)
+        start = probe._now()
+        trainer.train()
+        end = probe._now()
+        result = {
+            "trainer": trainer_class.__name__,
+            "global_step": trainer.state.global_step,
+            "train_wall_s": end[0] - start[0],
+            "train_cpu_s": end[1] - start[1],
+            "peak_memory_mb": _peak_memory_mb(cuda),
+            "batches": probe.finalize(),
+        }
+        if fig3:
+            result["fig3_batches"] = probe.fig3_batches
+        if capture_token_gradients:
+            result["token_gradients"] = probe.token_gradients
+        if after_training is not None:
+            result.update(after_training(trainer))
+    del trainer, probe
+    _reset_peak_memory(cuda)
+    return result
+
+
+def _reset_peak_memory(cuda: bool) -> None:
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # return freed heap to the OS (glibc): a fair RSS baseline
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: the peak RSS (VmHWM) restarts from the current RSS
+
+
+def _peak_memory_mb(cuda: bool) -> float:
+    """`torch.cuda.max_memory_allocated` on GPU; else the peak RSS since the last reset (Linux; elsewhere, ever)."""
+    if cuda:
+        return torch.cuda.max_memory_allocated() / 2**20
+    with contextlib.suppress(OSError, AttributeError):
+        return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Models, prompts, rewards, environment
+# ---------------------------------------------------------------------------------------------------------------------
+def prepare_model(kind: str, work_dir: Path, seed: int = 0, device: str = "cpu", **model_config: Any) -> str:
+    """A local model folder: `"smollm2"` (offline, `trl_lopti.cli.demo_model.get_smollm2`), else a random Qwen2."""
+    from trl_lopti.cli.demo_model import get_smollm2
+    from trl_lopti.models import build_tiny_model
+
+    if kind == "smollm2":
+        return get_smollm2()
+    return build_tiny_model(work_dir / "model", seed=seed, device=device, **model_config)
+
+
+def addition_prompts(num_prompts: int, seed: int):
+    """Two-digit additions as chat prompts with their answers (a cheap reward with a real signal for SmolLM2)."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_prompts):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        rows.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}? Reply with the number only."}],
+                     "answer": str(a + b)})  # fmt: skip
+    return Dataset.from_list(rows)
+
+
+def answer_reward(completions: list, answer: list[str], **kwargs) -> list[float]:
+    """1 when the reference answer appears in the completion, else 0."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [1.0 if ref in text else 0.0 for text, ref in zip(texts, answer, strict=True)]
+
+
+def token_parity_reward(completion_ids: list[list[int]], **kwargs) -> list[float]:
+    """Share of even token ids: varies within every group, so advantages are never all zero (random models too)."""
+    return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
+
+
+def environment() -> dict[str, Any]:
+    """Versions, device, threads and the 1-minute load average (the conditions a figure was measured in)."""
+    import transformers
+    import trl
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "trl": trl.__version__, "device": device, "machine": platform.machine(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg()}  # fmt: skip
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Writes `data` to `path` through a temporary file, so a stopped run leaves the previous complete file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(data, indent=1) + "\n")
+    partial.replace(path)
