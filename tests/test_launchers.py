@@ -19,6 +19,7 @@ sharded parameters and AdamW state. With `-s` each prints one JSON row (also app
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -191,7 +192,7 @@ def test_launcher_trains_one_lopti_cycle_as_one_process_and_resumes_mid_cycle(se
                for run in ("run", "resumed")}  # fmt: skip
     backend = assert_backend(launcher, records["run"])
     report = json.loads((rehearsal / "rehearsal.json").read_text())
-    assert report["steps_of_pass"] == {"low": [1, 2], "high": [3, 4]}
+    assert report["low_pass_steps"] == [1, 2] and report["high_pass_steps"] == [3, 4] and report["failures"] == []
     assert report["eta"] == [setup["config"]["lopti_threshold"]] and 0.0 < report["low_token_share"][0] < 1.0
     # (b) 2 processes train the parameters 1 process trains on the same completions
     run, resumed = load_parameters(rehearsal / "run"), load_parameters(rehearsal / "resumed")
@@ -204,7 +205,7 @@ def test_launcher_trains_one_lopti_cycle_as_one_process_and_resumes_mid_cycle(se
     assert [facts["generations"] for facts in records["run"]] == [1, 1]
     assert [facts["generations"] for facts in records["resumed"]] == [0, 0]  # replayed from the checkpoint
     assert all(facts["step_at_start"] == 2 * facts["micro_steps_per_optimizer_step"] for facts in records["resumed"])
-    assert {f"lopti_generation_batch_rank{rank}.pt" for rank in range(2)} <= set(report["checkpoint_files"])
+    assert report["checkpoint"].endswith("(with lopti_generation_batch_rank0.pt, lopti_generation_batch_rank1.pt)")
     resume_difference, _ = assert_parameters_close(resumed, run, setup["initial"], atol=RESUMED_EXACT)
     report_row({
         "launcher": launcher, "ran": True, "backend": backend, "max_2_vs_1_difference": difference,
@@ -233,31 +234,39 @@ def zero3_copy_with_every_parameter_sharded(folder: Path) -> Path:
     return folder / "zero3.yaml"
 
 
+HELD = re.compile(r"parameters (\w+) (torch\.\w+), ([\d,]+) of ([\d,]+) elements; (\w+) state ([\d,]+) (torch\.\w+)")
+
+
 @pytest.mark.slow
 def test_rehearsal_of_a_3b_preset_under_the_shipped_fsdp2_launcher(tmp_path):
-    """The README's command as it is: (c) bf16 mixed precision keeps float32 sharded parameters and AdamW state."""
+    """The README's command as it is: both passes train tokens with a gradient; (c) bf16 mixed precision keeps float32
+    sharded parameters and AdamW state."""
     seconds = run(accelerate_launch(ROOT / "configs/accelerate/fsdp2.yaml", "--config", str(PRESET)), tmp_path)
     report = json.loads((tmp_path / "outputs/kk_qwen2.5-3b-instruct_ar_lopti-rehearsal/rehearsal.json").read_text())
-    assert report["backend"].startswith("FSDP on 2 process") and report["mixed_precision"] == "bf16"
+    assert report["backend"].startswith("FSDP on 2 process") and "mixed precision bf16" in report["backend"]
     assert report["cpu_overrides"] == CPU_OVERRIDES["fsdp_or_ddp"]
-    held = report["per_process"]
-    assert sum(process["parameter_elements"] for process in held) == report["model_elements"]
-    for process in held:
-        assert process["parameters"] == ["DTensor"] and process["parameter_dtype"] == "torch.float32"
-        assert process["optimizer"] == "AdamW" and process["optimizer_dtype"] == "torch.float32"
-        assert process["optimizer_elements"] == process["parameter_elements"] < report["model_elements"]
-        assert process["optimizer_state_elements"] == 2 * process["parameter_elements"]  # exp_avg, exp_avg_sq
-        assert process["optimizer_state_dtype"] == "torch.float32"
-    assert report["steps_of_pass"] == {"low": [1, 2], "high": [3, 4]} and report["eta"] == [0.5]
-    assert {"lopti_generation_batch_rank0.pt", "lopti_generation_batch_rank1.pt"} <= set(report["checkpoint_files"])
+    held = [HELD.match(report[f"process_{rank}"]) for rank in range(2)]
+    assert all(held), report
+    elements = [int(match[3].replace(",", "")) for match in held]
+    assert sum(elements) == int(held[0][4].replace(",", "")) and max(elements) < sum(elements)  # Shard(0)
+    for match, local in zip(held, elements):
+        assert match[1] == "DTensor" and match[2] == "torch.float32" and match[5].startswith("adamw")
+        assert int(match[6].replace(",", "")) == 2 * local and match[7] == "torch.float32"  # exp_avg, exp_avg_sq
+    assert report["low_pass_steps"] == [1, 2] and report["high_pass_steps"] == [3, 4] and report["eta"] == [0.5]
+    assert 0.2 < report["low_token_share"][0] < 0.8 and report["failures"] == []  # tokens on both sides of eta
+    assert min(report["low_pass_grad_norms"] + report["high_pass_grad_norms"]) > 0
+    assert report["checkpoint"].endswith("(with lopti_generation_batch_rank0.pt, lopti_generation_batch_rank1.pt)")
     assert report["resume_max_abs_difference"] == 0.0
     report_row({"launcher": "fsdp2.yaml, the preset as shipped (bf16)", "ran": True, "backend": report["backend"],
-                "parameter_dtype": held[0]["parameter_dtype"], "resume_difference": report["resume_max_abs_difference"],
-                "optimizer_state_dtype": held[0]["optimizer_state_dtype"], "seconds": round(seconds, 1)})  # fmt: skip
+                "parameter_dtype": held[0][2], "resume_difference": report["resume_max_abs_difference"],
+                "optimizer_state_dtype": held[0][7], "low_token_share": report["low_token_share"][0],
+                "seconds": round(seconds, 1)})  # fmt: skip
 
 
 @pytest.mark.slow
-def test_rehearsal_of_a_math_preset_writes_local_problems_in_the_authors_format(tmp_path, monkeypatch, capsys):
+def test_rehearsal_of_a_math_preset_fails_when_a_pass_trains_no_token(tmp_path, tiny_model_path, monkeypatch, capsys):
+    """The math preset on its local problems in the authors' format, with a model whose every token lies below eta
+    (the default init: p ~ 1/vocabulary): the high pass trains nothing, and the rehearsal fails saying so."""
     from accelerate.state import AcceleratorState, PartialState
 
     from trl_lopti.cli.main import main
@@ -265,12 +274,16 @@ def test_rehearsal_of_a_math_preset_writes_local_problems_in_the_authors_format(
     for cls, name in ((AcceleratorState, "__init__"), (PartialState, "_prepare_backend")):  # undo the shims after
         monkeypatch.setattr(cls, name, getattr(cls, name))
     monkeypatch.chdir(tmp_path)
-    assert main(["train", "--config", str(ROOT / "configs/math/qwen2.5-7b_dsr_uniform_lopti.yaml"), "--rehearse"]) == 0
+    config = str(ROOT / "configs/math/qwen2.5-7b_dsr_uniform_lopti.yaml")
+    assert main(["train", "--config", config, "--model_name_or_path", tiny_model_path, "--rehearse"]) == 1
     folder = tmp_path / "outputs/math_qwen2.5-7b_dsr_uniform_lopti-rehearsal"
     report = json.loads((folder / "rehearsal.json").read_text())
-    assert (folder / "math.parquet").is_file() and (folder / "tiny-qwen2/config.json").is_file()
-    assert report["backend"].startswith("NO on 1 process") and report["steps_of_pass"]["high"] == [3, 4]
-    assert "8 local addition problems" in capsys.readouterr().out
+    assert (folder / "math.parquet").is_file() and report["backend"].startswith("NO on 1 process")
+    assert report["low_token_share"] == [1.0] and report["high_pass_steps"] == [3, 4]
+    assert report["failures"] == ["the high pass trained no token (low-token share 1.0)",
+                                  "the high pass carried no gradient"]  # fmt: skip
+    out = capsys.readouterr().out
+    assert "8 local addition problems" in out and "rehearse: FAILED" in out
 
 
 def test_rehearsal_of_the_vllm_server_preset_says_at_once_what_it_does_not_run(tmp_path):

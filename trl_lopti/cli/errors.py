@@ -2,5 +2,4 @@
 
 
 class CliError(ValueError):
-    """A user error on the command line or in a config file; `trl_lopti.cli.main.main` prints it without a traceback
-    and exits with code 2."""
+    """A user error on the command line or in a config file: `trl-lopti` prints it, without a traceback, and exits 2."""

@@ -1,12 +1,6 @@
-"""Parsing shared by the `trl-lopti` commands: TRL's `TrlParser.parse_args_and_config`, its errors turned into a
-[`~trl_lopti.cli.errors.CliError`] that names the config file (exit code 2), and the check of `model_name_or_path`.
-
-TRL's parser reads `None`, `none` and `null` as `None` for every `float | None` and `int | None` field, so
-`--lopti_threshold None` disables Lopti from the command line as `lopti_threshold: null` does in YAML. A bad value or
-an unknown flag on the command line is argparse's usage error, which names the flag (exit code 2).
+"""Parsing shared by the `trl-lopti` commands. TRL's parser reads `None`, `none` and `null` as `None` for every
+`float | None` and `int | None` field (`--lopti_threshold None`); a bad flag is argparse's usage error (exit code 2).
 """
-
-from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,20 +9,9 @@ from .errors import CliError
 
 
 def parse_with_config(parser, argv: Sequence[str]) -> tuple:
-    """
-    `parser.parse_args_and_config(argv)`: `--config FILE.yaml` supplies defaults, flags override them. A config file
-    that is missing, not YAML, not a mapping or holds an unknown key, and a value a dataclass rejects, raise a
-    [`~trl_lopti.cli.errors.CliError`] that names the file.
-
-    Args:
-        parser ([`~trl.TrlParser`]):
-            The parser.
-        argv (`Sequence[str]`):
-            The arguments.
-
-    Returns:
-        `tuple`: One instance per dataclass of the parser.
-    """
+    """`parser.parse_args_and_config(argv)` (`--config FILE.yaml` supplies defaults, flags override them): one instance
+    per dataclass. A config file that is missing, not YAML, not a mapping or holds an unknown key, and a value a
+    dataclass rejects, raise a [`~trl_lopti.cli.errors.CliError`] that names the file."""
     import yaml
 
     args = list(argv)
@@ -42,16 +25,8 @@ def parse_with_config(parser, argv: Sequence[str]) -> tuple:
 
 
 def check_model_name_or_path(model_name_or_path: str | None) -> str:
-    """
-    Checks `model_name_or_path` before anything loads: it must be set, and be a folder when it reads as a local path.
-
-    Args:
-        model_name_or_path (`str` or `None`):
-            `ModelConfig.model_name_or_path`: a hub id or a local model folder.
-
-    Returns:
-        `str`: `model_name_or_path`.
-    """
+    """Returns `model_name_or_path` (a hub id or a local folder) once checked, before anything loads: it must be set,
+    and be a folder when it reads as a local path."""
     if not model_name_or_path:
         raise CliError("model_name_or_path: required (a model folder or a hub id such as Qwen/Qwen2.5-3B-Instruct)")
     if model_name_or_path.startswith(("/", ".", "~")) and not Path(model_name_or_path).expanduser().is_dir():
