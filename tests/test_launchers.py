@@ -13,8 +13,10 @@ says what it patches and why.
 Each launcher asserts (a) its backend, from each process's own objects, (b) that 2 processes train the same parameters
 as 1 process on the same completions (one 1-process reference serves every launcher), (d) that the checkpoint taken
 between the passes resumes into the high pass of the stored batch, to the parameters of the uninterrupted run. The
-rehearsal of the real preset under the shipped `fsdp2.yaml` asserts (c): its bf16 mixed precision keeps float32
-sharded parameters and AdamW state. With `-s` each prints one JSON row (also appended to `$TRL_LOPTI_LAUNCHER_REPORT`).
+rehearsal of the real preset under the shipped `fsdp2.yaml` asserts that its tiny model puts tokens on both sides of
+eta, so that both passes carry gradient, and (c): its bf16 mixed precision keeps float32 sharded parameters and AdamW
+state; a rehearsal whose high pass trains no token fails. With `-s` each prints one JSON row (also appended to
+`$TRL_LOPTI_LAUNCHER_REPORT`).
 """
 
 import json
@@ -295,7 +297,7 @@ def test_rehearsal_of_the_vllm_server_preset_says_at_once_what_it_does_not_run(t
                                "--use_cpu", "true"])  # fmt: skip
     flags = _scaled_flags(*parsed, tmp_path, said.append)
     assert flags["use_vllm"] is False and "NOT rehearsed" in said[0] and "NCCL" in said[0]
-    assert flags["model_name_or_path"] == str(tmp_path / "tiny-qwen2") and flags["kk_source"] == "generated"
+    assert flags["model_name_or_path"] == tmp_path / "tiny-qwen2" and flags["kk_source"] == "generated"
 
 
 def test_every_shipped_launcher_is_tested_or_excluded_with_a_reason():

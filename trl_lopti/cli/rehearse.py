@@ -142,7 +142,7 @@ def _holdings(trainer) -> dict[str, str]:
     kind = f"{type(parameters[0]).__name__} {getattr(parameters[0], 'ds_tensor', parameters[0]).dtype}"
     total = sum(getattr(p, "ds_numel", p.numel()) for p in parameters)
     held = gather_object([f"parameters {kind}, {sum(map(local, parameters)):,} of {total:,} elements; "
-                          f"{trainer.args.optim} state {sum(map(local, state)):,} {state[0].dtype} elements"])
+                          f"{trainer.args.optim.value} state {sum(map(local, state)):,} {state[0].dtype} elements"])
     return {f"process_{rank}": words for rank, words in enumerate(held)}
 
 
