@@ -153,7 +153,7 @@ def test_low_plus_high_is_plain_grpo_on_a_batch_split_at_its_quantile(tiny_model
 
 def test_quantile_makes_trl_compute_pi_old_once_per_generation_batch(tiny_model_path, tmp_path):
     """Real generation, on-policy schedule (TRL alone computes no pi_old): one no-grad forward per generation batch."""
-    config = small_config(tmp_path, lopti_threshold=None, lopti_quantile=0.4, max_steps=4)
+    config = small_config(tmp_path, lopti_quantile=0.4, max_steps=4)
     trainer = LoptiGRPOTrainer(
         model=tiny_model_path, reward_funcs=length_reward, args=config, train_dataset=conversational_dataset()
     )
