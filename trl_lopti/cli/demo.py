@@ -1,15 +1,9 @@
 """`trl-lopti demo`: a real RL run on a real pretrained model, offline, on a laptop CPU, in a few minutes.
 
-SmolLM2-135M-Instruct ([`~trl_lopti.cli.demo_model.get_smollm2`], or any `--model_name_or_path`) trained with
-[`LoptiGRPOTrainer`] (AR alpha=0.3 + Lopti eta=0.5, the config's defaults) on single-digit addition, which the model
-partly solves ([`trl_lopti.tasks.arithmetic`]). Before and after training it measures, on held-out prompts, the mean
-reward of sampled answers and the greedy accuracy, prints a table and writes `results.json` and `training_curve.png`
-to `--output_dir`. Every trainer setting has its `LoptiGRPOConfig` name, with the defaults below.
-
-```bash
-trl-lopti demo                                             # SmolLM2-135M-Instruct (offline)
-trl-lopti demo --lopti_threshold None --advantage_reweighting_alpha 0.0   # plain GRPO
-```
+SmolLM2-135M-Instruct ([`~trl_lopti.cli.demo_model.get_smollm2`]) or `--model_name_or_path`, trained by
+[`LoptiGRPOTrainer`] (AR alpha=0.3 + Lopti eta=0.5) on single-digit addition ([`trl_lopti.tasks.arithmetic`]), which
+it partly solves. The mean reward of sampled answers and the greedy accuracy on held-out prompts, before and after,
+go to a table, `results.json` and `training_curve.png` in `output_dir`. Trainer settings: [`LoptiGRPOConfig`]'s.
 """
 
 from __future__ import annotations
@@ -19,11 +13,19 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from trl import ModelConfig, TrlParser
+
+from ..config import LoptiGRPOConfig
+from ..diagnostics.plots import Panel, plot_panels
 from ..tasks.arithmetic import build_train_dataset, evaluate_held_out, exact_answer_reward, split_problems
+from ..trainer import LoptiGRPOTrainer
+from .demo_model import get_smollm2
 from .parsing import check_model_name_or_path, parse_with_config
+from .train import policy_model_init_kwargs
 
 
 DEMO_TRAINING_DEFAULTS: dict[str, Any] = {
@@ -45,21 +47,11 @@ their `LoptiGRPOConfig` defaults: temperature 1 (top_k 0, top_p 1), beta 0, alph
 
 @dataclass
 class DemoArguments:
-    """
-    The demo's own arguments.
+    """The demo's own arguments (the trainer's are [`LoptiGRPOConfig`]'s, the model's TRL's `ModelConfig`'s)."""
 
-    Args:
-        rollout_batches (`int`, *optional*, defaults to `6`):
-            Generation batches to train on; `max_steps` is this times the passes per batch (`lopti_num_passes`).
-        num_eval_pairs (`int`, *optional*, defaults to `30`):
-            Held-out `(a, b)` pairs (out of 100), never trained on.
-        eval_samples (`int`, *optional*, defaults to `4`):
-            Sampled answers per held-out prompt for the mean reward.
-    """
-
-    rollout_batches: int = field(default=6, metadata={"help": "Generation batches to train on."})
+    rollout_batches: int = field(default=6, metadata={"help": "Generation batches (of lopti_num_passes steps each)."})
     num_eval_pairs: int = field(default=30, metadata={"help": "Held-out (a, b) pairs out of 100, never trained on."})
-    eval_samples: int = field(default=4, metadata={"help": "Sampled answers per held-out prompt."})
+    eval_samples: int = field(default=4, metadata={"help": "Sampled answers per held-out prompt (mean reward)."})
 
     def __post_init__(self):
         if self.rollout_batches < 1 or self.eval_samples < 1:
@@ -70,10 +62,6 @@ class DemoArguments:
 
 def make_parser():
     """The parser of `trl-lopti demo`: `(DemoArguments, LoptiGRPOConfig, ModelConfig)` with the demo's defaults."""
-    from trl import ModelConfig, TrlParser
-
-    from ..config import LoptiGRPOConfig
-
     parser = TrlParser((DemoArguments, LoptiGRPOConfig, ModelConfig), prog="trl-lopti demo")
     parser.set_defaults(**DEMO_TRAINING_DEFAULTS)
     return parser
@@ -91,54 +79,26 @@ def format_table(before: dict[str, float], after: dict[str, float], temperature:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`trl-lopti demo [--field value ...]`: model, evaluation before, training, evaluation after, table, JSON, PNG."""
-    from transformers import AutoTokenizer, set_seed
-
-    from .. import LoptiGRPOTrainer
-    from ..diagnostics.plots import Panel, plot_panels
-
     demo_args, training_args, model_args = parse_with_config(make_parser(), sys.argv[1:] if argv is None else argv)
     start = time.perf_counter()
-    if model_args.model_name_or_path is None:
-        from .demo_model import get_smollm2
-
-        print("trl-lopti demo: SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized; converted on first use)", flush=True)
-        model_path = get_smollm2()
-    else:
-        model_path = check_model_name_or_path(model_args.model_name_or_path)
-    output_dir = Path(training_args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    timings = {"model_download_and_conversion": time.perf_counter() - start}
-
-    set_seed(training_args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    model_path = check_model_name_or_path(model_args.model_name_or_path or get_smollm2())
     train_problems, held_out = split_problems("add", demo_args.num_eval_pairs, split_seed=training_args.seed)
     prompts_per_batch = training_args.generation_batch_size // training_args.num_generations
     train_dataset = build_train_dataset(train_problems, demo_args.rollout_batches * prompts_per_batch,
                                         training_args.seed)  # fmt: skip
     training_args.max_steps = demo_args.rollout_batches * training_args.lopti_num_passes
-    training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), "dtype": model_args.dtype}
-    phase = time.perf_counter()
+    training_args.model_init_kwargs = policy_model_init_kwargs(training_args, model_args)
     trainer = LoptiGRPOTrainer(model=model_path, reward_funcs=exact_answer_reward, args=training_args,
-                               train_dataset=train_dataset, processing_class=tokenizer)  # fmt: skip
-    timings["model_load"] = time.perf_counter() - phase
-
-    def evaluate(phase_name: str) -> dict[str, Any]:
-        phase = time.perf_counter()
-        result = evaluate_held_out(trainer.model, tokenizer, held_out, exact_answer_reward,
-                                   training_args.max_completion_length, training_args.temperature,
-                                   samples=demo_args.eval_samples, seed=training_args.seed + 1)  # fmt: skip
-        timings[f"eval_{phase_name}"] = time.perf_counter() - phase
-        return result
-
-    before = evaluate("before")
+                               train_dataset=train_dataset)  # its seed is training_args.seed, its tokenizer TRL's
+    evaluate = partial(evaluate_held_out, tokenizer=trainer.processing_class, held_out=held_out,
+                       reward_func=exact_answer_reward, max_new_tokens=training_args.max_completion_length,
+                       temperature=training_args.temperature, samples=demo_args.eval_samples,
+                       seed=training_args.seed + 1)
+    before = evaluate(trainer.model)
     print(f"before training: held-out reward {before['reward']:.3f}, greedy accuracy {before['accuracy']:.3f}",
           flush=True)  # fmt: skip
-    phase = time.perf_counter()
-    trainer.train()
-    timings["train"] = time.perf_counter() - phase
-    after = evaluate("after")
+    timings = {"train": trainer.train().metrics["train_runtime"]}
+    after = evaluate(trainer.model)
     timings["total"] = time.perf_counter() - start
 
     # TRL logs `reward` once per generation batch (Lopti's second pass logs none): one point per batch.
@@ -147,7 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     held_out_lines = {f"held-out reward {name}: {result['reward']:.2f}": result["reward"]
                       for name, result in (("before", before), ("after", after))}  # fmt: skip
     panel = Panel("GRPO + AR + Lopti on single-digit addition", {"training reward": (batches, rewards)},
-                  xlabel="generation batch", ylabel="reward (1 = correct sum)", ylim=(-0.02, 1.02), hlines=held_out_lines)
+                  xlabel="generation batch", ylabel="reward (1 = correct sum)", ylim=(-0.02, 1.02),
+                  hlines=held_out_lines)
+    output_dir = Path(training_args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
     results = {
         "model": model_path,
         "task": "single-digit addition, answer pre-filled with 'The answer is'; reward 1 if the first number is a + b",

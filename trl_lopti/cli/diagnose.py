@@ -1,215 +1,114 @@
-"""`trl-lopti diagnose`: sample a generation batch with a `LoptiGRPOTrainer` and write its token diagnostics.
-
-```bash
-trl-lopti diagnose --model_name_or_path smollm2 --task knights_knaves --per_device_train_batch_size 64
-trl-lopti diagnose --model_name_or_path ./my_model --task toy --inner_steps 2 --beta 0.04 --output_dir diag
-```
-
-The command parses [`LoptiGRPOConfig`] and TRL's `ModelConfig` with the parser of `trl-lopti train` (the loss under
-TRL's names; the probe's AR and Lopti settings are `advantage_reweighting_alpha` and `lopti_threshold` or
-`lopti_quantile`), plus [`DiagnoseArguments`]. A [`LoptiGRPOTrainer`] built from them generates and scores one
-generation batch (`per_device_train_batch_size` completions, `num_generations` per prompt) exactly as in training, and
-[`trl_lopti.diagnostics.run_token_diagnostics`] measures it under the loss the configuration trains (any TRL loss).
-Writes `report.json` (everything, with the generation summary and the command), `report.md` (the tables) and
-`gradients.png` / `probability_shift.png` to `--output_dir`.
+"""`trl-lopti diagnose`: the token diagnostics (`trl_lopti.diagnostics`) of a generation batch of the run that
+`trl-lopti train` would train, with its options (parser, task, datasets, reward functions) plus [`DiagnoseArguments`]:
+`num_prompts` prompts of its training set, `num_generations` completions each. With `num_iterations > 1`,
+`num_iterations - 1` Adam steps (`learning_rate`) of TRL's loss on the batch come first (ratios away from one,
+clipping, a KL part). `--model_name_or_path smollm2` is the demo's SmolLM2, e.g. `trl-lopti diagnose
+--model_name_or_path smollm2 --use_cpu true --kk_num_samples 8 --num_iterations 2 --output_dir diag`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import sys
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from ..diagnostics.measure import DEFAULT_PROBE_METHODS, PROBE_METHODS
-from ..tasks.knights_knaves.partial_credit import knights_knaves_partial_credit_reward
-from ..tasks.toy import constant_reward, length_reward, letter_share_reward, toy_rows
+from transformers import AutoTokenizer
+from trl import TrlParser, get_peft_config, get_quantization_config
+
+from ..diagnostics import (
+    DEFAULT_PROBE_METHODS, PROBE_METHODS, advance_policy_on_batch, format_tables, plot_report, run_token_diagnostics,
+    sample_generation_batch,
+)  # fmt: skip
+from ..tasks.knights_knaves import render_prompts_as_text
+from ..trainer import LoptiGRPOTrainer
+from .demo_model import get_smollm2
 from .errors import CliError
-
-
-logger = logging.getLogger("trl_lopti.diagnostics")
-
-BUILTIN_REWARDS: dict[str, Callable[..., list[float]]] = {
-    "constant": constant_reward, "kk_partial": knights_knaves_partial_credit_reward, "length": length_reward,
-    "toy": letter_share_reward,
-}  # fmt: skip
-"""Rewards that `--reward` can put in place of the task's (all in `trl_lopti.tasks`)."""
-
-DIAGNOSE_TRAINING_DEFAULTS: dict[str, Any] = {
-    "output_dir": "diagnostics", "per_device_train_batch_size": 32, "gradient_accumulation_steps": 1,
-    "num_generations": 8, "max_completion_length": 128, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "beta": 0.0,
-    "gradient_checkpointing": False, "bf16": False, "report_to": "none", "save_strategy": "no", "seed": 0,
-}  # fmt: skip
-"""Defaults of `trl-lopti diagnose` for fields of `LoptiGRPOConfig` (flags and `--config` override them)."""
+from .parsing import check_model_name_or_path
+from .train import build_datasets, parse_train_args, policy_model_init_kwargs, resolve_reward_funcs
 
 
 @dataclass
 class DiagnoseArguments:
-    """The diagnostics' own arguments (the loss's are those of [`LoptiGRPOConfig`], the model's of `ModelConfig`)."""
+    """The diagnostics' own arguments (the run's are those of `trl-lopti train`)."""
 
-    ref_model_name_or_path: str | None = field(
-        default=None,
-        metadata={"help": "Reference model of the KL term (default: the reference TRL builds when beta > 0)."},
+    num_prompts: int | None = field(default=None, metadata={"help": "Prompts (default: a generation batch's)."})
+    probe_methods: list[str] = field(
+        default_factory=lambda: list(DEFAULT_PROBE_METHODS),
+        metadata={"help": "Methods of the probability-shift probe ('none': no probe).",
+                  "choices": [*PROBE_METHODS, "none"]},
     )
-    task: str = field(
-        default="knights_knaves", metadata={"help": "Prompts and reward.", "choices": ["knights_knaves", "toy"]}
-    )
-    reward: str | None = field(
-        default=None,
-        metadata={"help": "Replace the task's reward by a built-in one: constant, length, toy, or kk_partial (K&K: "
-                  "the paper's reward plus +-1/n per person whose role the response states; for small models).",
-                  "choices": sorted(BUILTIN_REWARDS)},  # fmt: skip
-    )
-    num_people: int = field(default=3, metadata={"help": "Knights & Knaves puzzle size."})
-    inner_steps: int = field(
-        default=0,
-        metadata={"help": "Adam steps of TRL's loss on the sampled batch before measuring (TRL's num_iterations - 1): "
-                  "ratios differ from one, clipping and (with --beta) the KL part become active."},  # fmt: skip
-    )
-    inner_lr: float = field(default=1e-5, metadata={"help": "Learning rate of the --inner_steps."})
-    probe_lr: float = field(default=1e-3, metadata={"help": "Learning rate of the probe's update."})
-    probe_optimizer: str = field(
-        default="sgd", metadata={"help": "Optimizer of the probe.", "choices": ["sgd", "adam"]}
-    )
-    probe_methods: str = field(
-        default=",".join(DEFAULT_PROBE_METHODS),
-        metadata={"help": f"Comma-separated, from {','.join(PROBE_METHODS)}; 'none' to skip the probe."},
-    )
-    no_summed_gradients: bool = field(default=False, metadata={"help": "Skip the per-quartile parameter gradients."})
-    micro_batch_size: int = field(default=4, metadata={"help": "Completions per forward/backward."})
-    no_plots: bool = field(default=False, metadata={"help": "Write report.json and report.md only."})
-
-    @property
-    def methods(self) -> list[str]:
-        """The probe methods, `[]` for `none`."""
-        if self.probe_methods.strip().lower() == "none":
-            return []
-        return [method.strip() for method in self.probe_methods.split(",") if method.strip()]
+    probe_lr: float = field(default=1e-3, metadata={"help": "Learning rate of the probe's SGD update."})
+    summed_gradients: bool = field(default=True, metadata={"help": "Compute each quartile's summed gradient."})
+    plots: bool = field(default=True, metadata={"help": "Write the bar charts (matplotlib) beside the report."})
 
 
 def parse_args(argv: Sequence[str]) -> tuple:
-    """
-    Parses `trl-lopti diagnose` arguments (flags and/or `--config FILE.yaml`), refusing bad ones before a model loads.
-
-    Args:
-        argv (`Sequence[str]`):
-            The arguments after `diagnose`.
-
-    Returns:
-        `tuple[DiagnoseArguments, LoptiGRPOConfig, trl.ModelConfig]`: The parsed arguments.
-    """
-    import torch
-    from trl import ModelConfig, TrlParser
-
-    from ..config import LoptiGRPOConfig
-    from .parsing import parse_with_config
-
-    parser = TrlParser((DiagnoseArguments, LoptiGRPOConfig, ModelConfig), prog="trl-lopti diagnose")
-    parser.set_defaults(**DIAGNOSE_TRAINING_DEFAULTS, use_cpu=not torch.cuda.is_available())
-    diagnose_args, training_args, model_args = parse_with_config(parser, argv)
-    if not model_args.model_name_or_path:
-        raise CliError("--model_name_or_path: required (a local model folder, a hub id, or 'smollm2')")
-    unknown = [method for method in diagnose_args.methods if method not in PROBE_METHODS]
-    if unknown:
-        raise CliError(f"probe_methods: unknown method(s) {unknown}; choose from {list(PROBE_METHODS)} or 'none'")
-    if not training_args.lopti_enabled and {"lopti", "lopti_ar"} & set(diagnose_args.methods):
+    """[`DiagnoseArguments`] and, from the other flags (and `--config FILE.yaml`), `trl-lopti train`'s arguments
+    `(LoptiScriptArguments, LoptiGRPOConfig, ModelConfig)`; bad ones are refused before a model loads."""
+    parser = TrlParser(DiagnoseArguments, prog="trl-lopti diagnose", allow_abbrev=False,
+                       epilog="Every option of `trl-lopti train --help` is accepted too.")  # fmt: skip
+    diagnose_args, train_argv = parser.parse_args_into_dataclasses(list(argv), return_remaining_strings=True)
+    script_args, training_args, model_args = parse_train_args(train_argv)
+    check_model_name_or_path(model_args.model_name_or_path)
+    if script_args.dry_run or script_args.rehearse:
+        raise CliError("dry_run, rehearse: options of trl-lopti train, not of diagnose")
+    if not training_args.lopti_enabled and {"lopti", "lopti_ar"} & set(diagnose_args.probe_methods):
         raise CliError("probe_methods: the Lopti probes need Lopti on (a lopti_threshold or a lopti_quantile)")
-    return diagnose_args, training_args, model_args
+    if diagnose_args.num_prompts is not None and diagnose_args.num_prompts < 1:
+        raise CliError(f"num_prompts: must be a positive integer, got {diagnose_args.num_prompts}")
+    return diagnose_args, script_args, training_args, model_args
 
 
-def resolve_model_path(name_or_path: str) -> str:
-    """A model to load: the cached SmolLM2 folder for `smollm2`, else a local folder or hub id."""
-    if name_or_path.lower() in ("smollm2", "smollm2-135m-instruct") and not Path(name_or_path).exists():
-        from .demo_model import get_smollm2
-
-        return get_smollm2()
-    from .parsing import check_model_name_or_path
-
-    return check_model_name_or_path(name_or_path)
-
-
-def task_rows(diagnose_args: DiagnoseArguments, num_prompts: int, seed: int) -> tuple[list[dict], Callable]:
-    """The prompts of the batch as dataset rows (a `prompt` and the columns the reward reads), and the reward."""
-    if diagnose_args.task == "knights_knaves":
-        from ..tasks import knights_knaves
-
-        dataset = knights_knaves.generate_dataset(
-            num_people=diagnose_args.num_people, num_samples=num_prompts, seed=seed
-        )
-        rows = [dataset[index] for index in range(min(num_prompts, len(dataset)))]
-        reward = knights_knaves.knights_knaves_reward
-    else:
-        rows, reward = toy_rows(num_prompts), letter_share_reward
-    return rows, BUILTIN_REWARDS[diagnose_args.reward] if diagnose_args.reward is not None else reward
+def build_trainer(script_args, training_args, model_args, num_prompts: int):
+    """The [`LoptiGRPOTrainer`] of `trl-lopti train` (`run_training`), on the first `num_prompts` training prompts."""
+    training_args.model_init_kwargs = policy_model_init_kwargs(training_args, model_args)
+    train_dataset, eval_dataset = build_datasets(script_args, training_args)
+    train_dataset = train_dataset.select(range(min(num_prompts, len(train_dataset))))
+    if script_args.task == "knights_knaves" and script_args.kk_prefill_think:  # as `run_training` renders them
+        tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
+                                                  trust_remote_code=training_args.trust_remote_code)  # fmt: skip
+        train_dataset = render_prompts_as_text(train_dataset, tokenizer)
+    return LoptiGRPOTrainer(
+        model=model_args.model_name_or_path,
+        reward_funcs=list(resolve_reward_funcs(script_args).values()),
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """
-    `trl-lopti diagnose`: sample a generation batch from a model on a task and write the token diagnostics.
-
-    Args:
-        argv (`Sequence[str]` or `None`, *optional*):
-            Command-line arguments after `diagnose`; `None` reads `sys.argv`.
-
-    Returns:
-        `int`: Exit status, 0 on success.
-    """
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM
-
-    from .. import LoptiGRPOTrainer
-    from ..diagnostics import (
-        advance_policy_on_batch, format_tables, plot_report, run_token_diagnostics, sample_generation_batch,
-    )  # fmt: skip
-
+    """`trl-lopti diagnose`: sample a generation batch of the run and write its token diagnostics."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    diagnose_args, training_args, model_args = parse_args(argv)
-    if not logger.handlers and not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logger.setLevel(logging.INFO)
-    torch.manual_seed(training_args.seed)
-    rows, reward_func = task_rows(diagnose_args, training_args.generation_batch_size // training_args.num_generations,
-                                  training_args.seed)  # fmt: skip
-    if model_args.dtype is not None:
-        training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), "dtype": model_args.dtype}
-    output_dir = Path(training_args.output_dir)
-    with tempfile.TemporaryDirectory(prefix="trl-lopti-diagnose-") as trainer_dir:
-        training_args.output_dir = trainer_dir  # the trainer saves nothing; the report goes to --output_dir
-        trainer = LoptiGRPOTrainer(model=resolve_model_path(model_args.model_name_or_path), reward_funcs=reward_func,
-                                   args=training_args, train_dataset=Dataset.from_list(rows))  # fmt: skip
-    ref_model = None
-    if diagnose_args.ref_model_name_or_path:
-        ref_path = resolve_model_path(diagnose_args.ref_model_name_or_path)
-        ref_model = AutoModelForCausalLM.from_pretrained(ref_path, dtype=trainer.model.dtype).to(trainer.model.device)
-    inputs, summary = sample_generation_batch(trainer, rows)
-    logger.info("generated %d completions (mean reward %.3f)", summary["num_completions"], summary["reward_mean"])
-    inner = None
-    if diagnose_args.inner_steps > 0:
-        inner = advance_policy_on_batch(trainer, inputs, diagnose_args.inner_steps, diagnose_args.inner_lr,
-                                        diagnose_args.micro_batch_size)  # fmt: skip
-    report = run_token_diagnostics(trainer, inputs, summed_gradients=not diagnose_args.no_summed_gradients,
-                                   probe_methods=diagnose_args.methods, lr=diagnose_args.probe_lr,
-                                   optimizer=diagnose_args.probe_optimizer, ref_model=ref_model,
-                                   micro_batch_size=diagnose_args.micro_batch_size)  # fmt: skip
+    diagnose_args, script_args, training_args, model_args = parse_args(argv)
+    if model_args.model_name_or_path.lower() == "smollm2" and not Path(model_args.model_name_or_path).exists():
+        model_args.model_name_or_path = get_smollm2()  # the demo's model
+    num_prompts = diagnose_args.num_prompts or training_args.generation_batch_size // training_args.num_generations
+    trainer = build_trainer(script_args, training_args, model_args, num_prompts)
+    inputs, summary = sample_generation_batch(trainer, list(trainer.train_dataset))
+    print(f"generated {summary['num_completions']} completions (mean reward {summary['reward_mean']:.3f})", flush=True)
+    micro_batch_size = training_args.per_device_train_batch_size
+    inner = advance_policy_on_batch(trainer, inputs, training_args.num_iterations - 1, training_args.learning_rate,
+                                    micro_batch_size) if training_args.num_iterations > 1 else None  # fmt: skip
+    methods = [] if "none" in diagnose_args.probe_methods else diagnose_args.probe_methods
+    report = run_token_diagnostics(trainer, inputs, summed_gradients=diagnose_args.summed_gradients,
+                                   probe_methods=methods, lr=diagnose_args.probe_lr, micro_batch_size=micro_batch_size)
     report.update(generation=summary, inner_steps=inner, command="trl-lopti diagnose " + " ".join(argv),
                   args=dataclasses.asdict(diagnose_args))  # fmt: skip
+    output_dir = Path(training_args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False))
     tables = format_tables(report)
     (output_dir / "report.md").write_text(f"`{report['command']}`\n\n{tables}\n")
-    plots = not diagnose_args.no_plots
-    if plots:
-        try:
+    try:
+        if diagnose_args.plots:
             plot_report(report, output_dir)
-        except ImportError as error:  # matplotlib is an optional dependency (the `demo` extra)
-            logger.warning("no plots (%s); pip install matplotlib", error)
-            plots = False
-    print(tables)
-    print(f"\nwrote report.json, report.md{' and plots' if plots else ''} to {output_dir}")
+    except ImportError as error:  # matplotlib is an optional dependency (the `demo` extra)
+        print(f"no plots ({error}); pip install matplotlib", file=sys.stderr)
+    print(f"{tables}\n\nwrote the report to {output_dir}")
     return 0
