@@ -13,6 +13,11 @@
 # them, carry wheels in a folder (default .whl, see benchmarks/fetch_gpu_wheels.sh) and this script installs them
 # with pip --no-index into /tmp/site first.
 #
+# Then, inside the same budget, the 3B AR + Lopti preset's launch under the shipped fsdp2.yaml is rehearsed on one
+# CUDA process (`trl-lopti train --rehearse`: tiny model, one Lopti cycle, a checkpoint and a resume, on CUDA with
+# NCCL and bf16 mixed precision instead of the CPU tests' gloo); its output goes to $OUT/gpu_rehearsal.txt and its
+# report to $OUT/rehearsal.json. It has not run on a GPU yet; a failure of it leaves the benchmark's files in place.
+#
 # Usage (repository root):  bash benchmarks/run_gpu.sh [extra arguments of `experiments.py cost`, e.g. --variants grpo lopti]
 set -euo pipefail
 
@@ -38,3 +43,9 @@ transformers.__version__, 'trl', trl.__version__, 'datasets', datasets.__version
 
 timeout 470 "$PYTHON" benchmarks/experiments.py cost --size gpu --output-dir "$OUT_DIR" "$@" \
     2>&1 | grep -v -i -E "warn|Loading weights|Writing model" | tee "$OUT_DIR/gpu_log.txt"
+
+timeout 150 "$PYTHON" -m accelerate.commands.launch --config_file configs/accelerate/fsdp2.yaml --num_processes 1 \
+    -m trl_lopti train --config configs/kk/qwen2.5-3b-instruct_ar_lopti.yaml --rehearse \
+    --output_dir /tmp/rehearsal/kk 2>&1 | grep -v -i -E "warn" | tee "$OUT_DIR/gpu_rehearsal.txt" \
+    || echo "rehearsal failed (exit ${PIPESTATUS[0]})" | tee -a "$OUT_DIR/gpu_rehearsal.txt"
+cp /tmp/rehearsal/kk-rehearsal/rehearsal.json "$OUT_DIR/rehearsal.json" 2>/dev/null || true

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from ..models import build_tiny_model
+from ..tasks._text import completion_to_text
 from . import cpu_backends
 from .errors import CliError
 from .train import DEFAULT_REWARD_FUNCS, parse_train_args, run_training
@@ -31,8 +32,14 @@ TINY_MODEL_INIT_STD = 0.6
 """The tiny model's `initializer_range` (default 0.02, where every p ~ 1/vocabulary lies below eta): peaked next-token
 distributions, so that about half the tokens it samples at temperature 0.7 have p < 0.5."""
 
-REHEARSAL_REWARD = "trl_lopti.tasks.toy.letter_share_reward"
+REHEARSAL_REWARD = "trl_lopti.cli.rehearse.letter_share_reward"
 """Added to the preset's rewards: a random model never earns a task's reward (equal scores: zero advantages)."""
+
+
+def letter_share_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    """The share of letters among a completion's characters (0 for an empty one): it varies on any model."""
+    texts = [completion_to_text(completion) for completion in completions]
+    return [sum(char.isalpha() for char in text) / max(1, len(text)) for text in texts]
 
 FAMILIES = {"qwen": "qwen2", "llama": "llama", "smollm": "llama"}
 """Tiny model architecture (`trl_lopti.models.build_tiny_model`) by a part of the model's name or `model_type`."""
