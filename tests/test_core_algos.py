@@ -1,5 +1,7 @@
 """The pure AR/Lopti functions, each against an independent computation."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -61,9 +63,15 @@ def test_low_and_high_partition_the_completion_tokens(batch):
     np.testing.assert_array_equal(low.numpy(), (probs < 0.5) & mask.numpy().astype(bool))
 
 
-def test_threshold_is_strict_and_in_log_space():
-    logps = torch.log(torch.tensor([[0.3, 0.5, 0.7]]))
-    low = low_probability_token_mask(logps, torch.ones(1, 3), 0.5)
+def test_threshold_is_strict_in_probability_space():
+    # a log-prob x whose probability rounds so that log(exp(x)) > x: a comparison in log space would call it low
+    candidates = -torch.linspace(0.01, 3.0, 3000)
+    x = next(float(v) for v in candidates if float(v) < math.log(float(torch.exp(v))))
+    logps = torch.tensor([[x, x - 1.0, x, x + 0.5, x]])
+    eta = float(torch.exp(logps)[0, 0])  # the token's own probability, as the mask computes it
+    assert low_probability_token_mask(logps, torch.ones(1, 5), eta).tolist() == [[False, True, False, False, False]]
+    low = low_probability_token_mask(torch.log(torch.tensor([[0.3, 0.5, 0.7]], dtype=torch.float64)),
+                                     torch.ones(1, 3), 0.5)  # fmt: skip
     assert low.tolist() == [[True, False, False]]
 
 

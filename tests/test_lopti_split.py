@@ -2,6 +2,7 @@
 every process), and the empty pass as the paper's authors run it (an ordinary optimizer step with a zero gradient)."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from test_distributed import torchrun
 from test_schedule import PolicyPassCounter
 from test_training import ETA_FROM_EACH_BATCH, conversational_dataset, length_reward, logged, small_config
 from trl_lopti import LoptiGRPOTrainer
-from trl_lopti.core_algos import lopti_batch_threshold
+from trl_lopti.core_algos import lopti_batch_threshold, low_probability_token_mask
 
 
 ROWS = 8  # completions per generation batch
@@ -39,6 +40,18 @@ def test_batch_threshold_is_the_quantile_of_the_probabilities_of_the_real_tokens
         expected = torch.quantile(logps[mask].exp(), quantile)  # probabilities, not log-probabilities
         assert lopti_batch_threshold(padded, mask, quantile) == pytest.approx(float(expected), rel=1e-15)
     assert lopti_batch_threshold(logps, torch.zeros_like(mask), 0.3) == 0.0  # no token: nothing is low
+
+
+def test_tokens_tied_at_the_quantile_stay_high():
+    # eta lands on a block of equal probabilities: pi_old < eta leaves the block high, as in the authors' split
+    candidates = -torch.linspace(0.01, 3.0, 3000)
+    x = next(float(v) for v in candidates if float(v) < math.log(float(torch.exp(v))))  # log space: the block low
+    logps = torch.tensor([[x - 1.0, x, x, x + 0.5, x - 1.0], [x, x + 0.5, x - 1.0, x, x + 0.5]])
+    mask = torch.ones_like(logps)
+    eta = lopti_batch_threshold(logps, mask, 0.5)  # ordered position 4.5 of 10: inside the tied block of 4
+    assert eta == float(torch.exp(torch.tensor(x)))
+    low = low_probability_token_mask(logps, mask, eta)
+    assert torch.equal(low, logps < x - 0.5) and int(low.sum()) == 3
 
 
 def quantile_between_tokens(probabilities: torch.Tensor) -> float:

@@ -18,8 +18,6 @@ under the policy that produced the batch, at the loss's temperature (a constant:
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -89,9 +87,9 @@ def low_probability_token_mask(
     threshold = float(threshold)
     if not 0.0 <= threshold <= 1.0:  # a batch's quantile can reach 0 or 1; a user's eta is checked to lie in (0, 1)
         raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
-    # Compare in log space: exp() of a float16/bfloat16 log-prob can round across the threshold.
-    log_threshold = math.log(threshold) if threshold > 0.0 else -math.inf
-    return (_at_least_float32(old_per_token_logps.detach()) < log_threshold) & completion_mask.bool()
+    # In probability space, as the authors compare and as `lopti_batch_threshold` computes eta: a token whose p is the
+    # batch's quantile stays high (in log space it would not: log(exp(x)) rounds above x for some x, making x low).
+    return (torch.exp(_at_least_float32(old_per_token_logps.detach())) < threshold) & completion_mask.bool()
 
 
 def lopti_batch_threshold(old_per_token_logps: torch.Tensor, completion_mask: torch.Tensor, quantile: float) -> float:
