@@ -1,6 +1,7 @@
 """Real training runs of LoptiGRPOTrainer on a tiny random Qwen2 model (CPU)."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -180,9 +181,17 @@ def test_resume_between_the_two_passes_continues_the_batch_to_the_uninterrupted_
 
     uninterrupted = run(tmp_path / "whole", save_strategy="steps", save_steps=1)
     initial = {name: p.detach().clone() for name, p in uninterrupted.model.named_parameters()}
+    stored_before_push, save_rng_state = {}, uninterrupted._save_rng_state
+    def save_rng_state_and_look(output_dir):  # transformers saves the RNG state, then pushes the checkpoint
+        stored_before_push[os.path.basename(output_dir)] = os.path.isfile(
+            os.path.join(output_dir, GENERATION_BATCH_FILE.format(0)))  # fmt: skip
+        save_rng_state(output_dir)
+    uninterrupted._save_rng_state = save_rng_state_and_look
     uninterrupted.train()
     checkpoint = tmp_path / "whole" / "checkpoint-3"  # after the low pass of the second generation batch
     assert (checkpoint / GENERATION_BATCH_FILE.format(0)).is_file()
+    assert stored_before_push == {"checkpoint-1": True, "checkpoint-2": False, "checkpoint-3": True,
+                                  "checkpoint-4": False}  # fmt: skip
     assert not (tmp_path / "whole" / "checkpoint-2" / GENERATION_BATCH_FILE.format(0)).exists()  # between batches
 
     resumed = run(tmp_path / "resumed")

@@ -314,13 +314,14 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
         if self._step % self.lopti_cycle_micro_steps != 0 and self._buffered_inputs is not None:
-            # inside a generation batch's schedule: keep the batch (and its split) for the rest of it (fact 4)
+            # inside a generation batch's schedule: keep the batch (and its split) for the rest of it (fact 4); first,
+            # so that the checkpoint transformers then pushes to the hub has it
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
             os.makedirs(folder, exist_ok=True)
             path = os.path.join(folder, GENERATION_BATCH_FILE.format(self.accelerator.process_index))
             torch.save(self._buffered_inputs, path)
+        super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         saved = glob.glob(os.path.join(checkpoint, GENERATION_BATCH_FILE.format("*"))) if checkpoint else []
