@@ -102,20 +102,23 @@ def test_table():
 # ---------------------------------------------------------------------------------------------------------------------
 # The demo end to end on a tiny model
 # ---------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("lopti_threshold, steps_per_batch", [("0.5", 2), ("None", 1)])
-def test_demo_runs_on_a_local_model_folder(tmp_path, tiny_model_path, run_cli, lopti_threshold, steps_per_batch):
+@pytest.mark.parametrize("lopti_threshold, steps_per_generation, steps_per_batch",
+                         [("0.5", 1, 2), ("None", 1, 1), ("0.5", 2, 4)])  # fmt: skip
+def test_demo_runs_on_a_local_model_folder(
+    tmp_path, tiny_model_path, run_cli, lopti_threshold, steps_per_generation, steps_per_batch
+):
     out = tmp_path / "demo"
     argv = [
         "demo", "--model_name_or_path", tiny_model_path, "--output_dir", str(out), "--rollout_batches", "2",
         "--per_device_train_batch_size", "4", "--num_generations", "2", "--num_eval_pairs", "5", "--eval_samples", "2",
-        "--lopti_threshold", lopti_threshold,
+        "--lopti_threshold", lopti_threshold, "--steps_per_generation", str(steps_per_generation),
     ]  # fmt: skip
     code, printed, err = run_cli(argv)
     assert code == 0, err
     results = json.loads((out / "results.json").read_text())
     assert results["model"] == tiny_model_path
     assert results["optimizer_steps"] == 2 * steps_per_batch
-    assert results["rollouts"] == 2 * 2 * 2
+    assert results["rollouts"] == 2 * 4 * steps_per_generation  # batches x completions per batch
     assert results["method"] == {"advantage_reweighting_alpha": 0.3,
                                  "lopti_threshold": None if lopti_threshold == "None" else 0.5}  # fmt: skip
     for phase in ("before", "after"):

@@ -9,6 +9,7 @@ go to a table, `results.json` and `training_curve.png` in `output_dir`. Trainer 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -49,7 +50,7 @@ their `LoptiGRPOConfig` defaults: temperature 1 (top_k 0, top_p 1), beta 0, alph
 class DemoArguments:
     """The demo's own arguments (the trainer's are [`LoptiGRPOConfig`]'s, the model's TRL's `ModelConfig`'s)."""
 
-    rollout_batches: int = field(default=6, metadata={"help": "Generation batches (of lopti_num_passes steps each)."})
+    rollout_batches: int = field(default=6, metadata={"help": "Generation batches to train on."})
     num_eval_pairs: int = field(default=30, metadata={"help": "Held-out (a, b) pairs out of 100, never trained on."})
     eval_samples: int = field(default=4, metadata={"help": "Sampled answers per held-out prompt (mean reward)."})
 
@@ -86,7 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts_per_batch = training_args.generation_batch_size // training_args.num_generations
     train_dataset = build_train_dataset(train_problems, demo_args.rollout_batches * prompts_per_batch,
                                         training_args.seed)  # fmt: skip
-    training_args.max_steps = demo_args.rollout_batches * training_args.lopti_num_passes
+    micro_steps = demo_args.rollout_batches * training_args.lopti_num_passes * training_args.steps_per_generation
+    training_args.max_steps = math.ceil(micro_steps * training_args.num_iterations
+                                        / training_args.gradient_accumulation_steps)  # fmt: skip
     training_args.model_init_kwargs = policy_model_init_kwargs(training_args, model_args)
     trainer = LoptiGRPOTrainer(model=model_path, reward_funcs=exact_answer_reward, args=training_args,
                                train_dataset=train_dataset)  # its seed is training_args.seed, its tokenizer TRL's

@@ -41,6 +41,9 @@ def letter_share_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     texts = [completion_to_text(completion) for completion in completions]
     return [sum(char.isalpha() for char in text) / max(1, len(text)) for text in texts]
 
+RESUME_TOLERANCE = 1e-6
+"""The largest parameter difference between the resumed and the uninterrupted run (measured: 0 on every launcher)."""
+
 FAMILIES = {"qwen": "qwen2", "llama": "llama", "smollm": "llama"}
 """Tiny model architecture (`trl_lopti.models.build_tiny_model`) by a part of the model's name or `model_type`."""
 
@@ -73,7 +76,10 @@ def main(argv: list[str]) -> int:
     resumed = run_training(*parse(scale, {"resume_from_checkpoint": checkpoint, "output_dir": folder / "resumed"}))
     if resumed.accelerator.is_main_process:  # its final model against the uninterrupted run's
         run, rerun = (load_file(folder / name / "model.safetensors") for name in ("run", "resumed"))
-        report["resume_max_abs_difference"] = max(float((run[k].double() - rerun[k].double()).abs().max()) for k in run)
+        difference = report["resume_max_abs_difference"] = max(float((run[k].double() - rerun[k].double()).abs().max())
+                                                                for k in run)  # fmt: skip
+        if difference > RESUME_TOLERANCE:
+            report["failures"].append(f"the resumed run ended {difference:.3g} from the uninterrupted run's parameters")
         report["seconds"] = round(time.perf_counter() - start, 1)
         (folder / "rehearsal.json").write_text(json.dumps(report, indent=2, default=str))
         for key, value in report.items():
@@ -108,6 +114,7 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
         "steps_per_generation": steps_per_pass * accumulation // training_args.num_iterations, "max_steps": max_steps,
         "max_completion_length": REHEARSAL_SCALE["max_completion_length"], "save_strategy": "steps",
         "save_steps": max(1, max_steps // 2), "eval_strategy": "no", "report_to": "none", "push_to_hub": False,
+        "logging_steps": 1,  # one log per optimizer step: the passes are read from the logs
         "output_dir": folder / "run", "model_name_or_path": model,
         "reward_funcs": [*(script_args.reward_funcs or DEFAULT_REWARD_FUNCS[script_args.task]), REHEARSAL_REWARD],
     }  # fmt: skip
