@@ -239,8 +239,14 @@ def test_liger_is_refused_at_config_construction_below_the_release_that_routes_i
     monkeypatch.setattr(compat, "TRL_VERSION", "1.13.0")
     with pytest.raises(ValueError, match=r"use_liger_kernel=True: with TRL 1.13.0.*use_liger_kernel=False.*1.14"):
         LoptiGRPOConfig(output_dir="unused", use_cpu=True, use_liger_kernel=True)
+    config = LoptiGRPOConfig(output_dir="unused", use_cpu=True)
+    compat.check_features(config)  # never refused without Liger
+    config.use_liger_kernel = True
     monkeypatch.setattr(compat, "TRL_VERSION", "1.14.2")
-    compat.check_features(LoptiGRPOConfig(output_dir="unused", use_cpu=True))  # and never without Liger
+    compat.check_features(config)  # from 1.14 the Liger loss runs through the log-prob hook: accepted
+    monkeypatch.setattr(compat, "TRL_VERSION", "1.13.0")
+    with pytest.raises(ValueError, match="use_liger_kernel=True"):
+        compat.check_features(config)
 
 
 def test_a_loss_that_no_longer_runs_the_log_prob_forward_stops_the_trainer(tiny_model_path, tmp_path, monkeypatch):

@@ -113,9 +113,8 @@ class LoptiGRPOConfig(GRPOConfig):
         if self.lopti_order not in LOPTI_PASS_ORDERS:
             raise ValueError(f"lopti_order must be one of {sorted(LOPTI_PASS_ORDERS)}, got {self.lopti_order!r}")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(
-                f"advantage_estimator must be one of {list(ADVANTAGE_ESTIMATORS)}, got {self.advantage_estimator!r}"
-            )
+            raise ValueError(f"advantage_estimator must be one of {list(ADVANTAGE_ESTIMATORS)}, got "
+                             f"{self.advantage_estimator!r}")  # fmt: skip
         super().__post_init__()
         _compat.check_features(self)  # e.g. Liger below TRL 1.14
         aggregation = self.multi_objective_aggregation

@@ -126,6 +126,12 @@ def lopti_batch_threshold(old_per_token_logps: torch.Tensor, completion_mask: to
     return float(torch.lerp(ordered[below.long()], ordered[above.long()], position - below))
 
 
+def loss_token_mask(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The tokens (B, T) TRL's GRPO loss sums over in its batch `inputs`: `completion_mask`, times `tool_mask` if any."""
+    mask = inputs["completion_mask"]
+    return mask * inputs["tool_mask"] if inputs.get("tool_mask") is not None else mask
+
+
 def token_group_mask(low_mask: torch.Tensor, completion_mask: torch.Tensor, token_group: str) -> torch.Tensor:
     """The tokens (B, T) of the Lopti group `"low"` (`low_mask`, from [`low_probability_token_mask`]) or `"high"` (the
     other completion tokens of `completion_mask`)."""

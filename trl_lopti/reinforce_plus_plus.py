@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .core_algos import reinforce_plus_plus_advantages
+from .core_algos import loss_token_mask, reinforce_plus_plus_advantages
 
 
 class ReinforcePlusPlusMixin:
@@ -42,7 +42,7 @@ class ReinforcePlusPlusMixin:
         """This process's REINFORCE++ advantages, whitened over the loss tokens of the whole generation batch."""
         rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan  # unscorable, as TRL marks them
-        mask = output["completion_mask"] * output["tool_mask"] if "tool_mask" in output else output["completion_mask"]
+        mask = loss_token_mask(output)
         lengths = self.accelerator.gather(mask.sum(dim=1))  # process order, as the rewards
         advantages = reinforce_plus_plus_advantages(rewards, lengths)
         logged = self._logs["advantages"]  # fact 2: the completions table shows the advantages trained on

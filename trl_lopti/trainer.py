@@ -25,6 +25,8 @@ The TRL facts it relies on, each pinned by `tests/test_trl_contract.py`:
    (off-policy schedules, vLLM importance sampling).
 4. Checkpoints. `_save_checkpoint` and `_load_optimizer_and_scheduler` are TRL's own extension points for trainer
    state (its entropy controller); transformers calls the latter on resume after `self.state` is loaded.
+5. Logging. `log` averages the lists in `self._metrics[mode]` and writes the completions table when
+   `self.log_completions` is true at that call. `_get_per_token_logps_and_entropies` takes `batch_size=`.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ import torch
 
 from . import _compat  # noqa: F401, I001  (checks the TRL version before TRL is imported)
 from trl import GRPOConfig, GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
 
 from .config import LoptiGRPOConfig
 from .core_algos import (
     advantage_reweighting_weights,
     isolate_token_gradients,
     lopti_batch_threshold,
+    loss_token_mask,
     low_probability_token_mask,
     reweight_advantages,
     token_group_mask,
@@ -200,7 +204,7 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
         if self.args.lopti_quantile is not None:  # eta from pi_old of the whole batch, every process
             if "old_per_token_logps" not in output:  # fact 3: TRL did not need it; one no-grad forward
                 output["old_per_token_logps"] = self._policy_log_probs(output)
-            mask = _loss_mask(output).bool()
+            mask = loss_token_mask(output).bool()
             local = output["old_per_token_logps"][mask]
             logps = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0))
             counted = self.accelerator.gather(self.accelerator.pad_across_processes(torch.ones_like(local), dim=0))
@@ -216,9 +220,10 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
         extra = {key: batch[key] for key in EXTRA_FORWARD_KEYS if batch.get(key) is not None}
         args = self.args
         batch_size = args.per_device_train_batch_size if self.model.training else args.per_device_eval_batch_size
-        return self._get_per_token_logps_and_entropies(
-            self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size=batch_size, **extra
-        )[0]
+        with disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):  # as TRL's own pi_old
+            return self._get_per_token_logps_and_entropies(
+                self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size=batch_size, **extra
+            )[0]
 
     # ------------------------------------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -249,7 +254,7 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
             if AR_ADVANTAGES_KEY in call.batch:  # fact 2: TRL reads the advantages after this forward
                 call.loss_inputs["advantages"] = call.batch[AR_ADVANTAGES_KEY]
         if call.token_group is not None:  # Lopti: gradient only through the pass's active tokens
-            active_mask = token_group_mask(call.batch[LOW_MASK_KEY], _loss_mask(call.batch), call.token_group)
+            active_mask = token_group_mask(call.batch[LOW_MASK_KEY], loss_token_mask(call.batch), call.token_group)
             per_token_logps = isolate_token_gradients(per_token_logps, active_mask)
             if entropies is not None:
                 entropies = isolate_token_gradients(entropies, active_mask)
@@ -268,7 +273,7 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
             raise RuntimeError("lopti_quantile: this batch has no eta from its generation; please report this bug")
         eta = float(batch[THRESHOLD_KEY]) if THRESHOLD_KEY in batch else self.args.lopti_threshold
         eta = UNSPLIT_REPORTING_THRESHOLD if eta is None else eta
-        mask = _loss_mask(batch)
+        mask = loss_token_mask(batch)
         low_mask = batch[LOW_MASK_KEY] = low_probability_token_mask(old_per_token_logps, mask, eta)
         alpha, mask = self.args.advantage_reweighting_alpha, mask.float()
         if alpha != 0.0:  # A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i)
@@ -315,8 +320,7 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
     # ------------------------------------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model, trial):
         if self._step % self.lopti_cycle_micro_steps != 0 and self._buffered_inputs is not None:
-            # inside a generation batch's schedule: keep the batch (and its split) for the rest of it (fact 4); first,
-            # so that the checkpoint transformers then pushes to the hub has it
+            # inside a generation batch's schedule: keep it and its split for the rest (fact 4), before it is pushed
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
             os.makedirs(folder, exist_ok=True)
             path = os.path.join(folder, GENERATION_BATCH_FILE.format(self.accelerator.process_index))
@@ -351,12 +355,6 @@ def describe_method(config: LoptiGRPOConfig) -> str:
         )
         parts.append(f"Low-Probability Token Isolation (Lopti, {split}, {order})")
     return f"{base} with {' and '.join(parts)}" if parts else base
-
-
-def _loss_mask(inputs: dict[str, Any]) -> torch.Tensor:
-    """The tokens TRL's loss sums over: completion tokens, less tool output where TRL masks it."""
-    mask = inputs["completion_mask"]
-    return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
 
 
 @contextlib.contextmanager

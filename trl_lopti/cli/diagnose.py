@@ -15,19 +15,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import AutoTokenizer
-from trl import TrlParser, get_peft_config, get_quantization_config
+from trl import TrlParser
 
 from ..diagnostics import (
     DEFAULT_PROBE_METHODS, PROBE_METHODS, advance_policy_on_batch, format_tables, plot_report, run_token_diagnostics,
     sample_generation_batch,
 )  # fmt: skip
-from ..tasks.knights_knaves import render_prompts_as_text
-from ..trainer import LoptiGRPOTrainer
 from .demo_model import get_smollm2
 from .errors import CliError
 from .parsing import check_model_name_or_path
-from .train import build_datasets, parse_train_args, policy_model_init_kwargs, resolve_reward_funcs
+from .train import build_trainer, parse_train_args
 
 
 @dataclass
@@ -60,26 +57,6 @@ def parse_args(argv: Sequence[str]) -> tuple:
     if diagnose_args.num_prompts is not None and diagnose_args.num_prompts < 1:
         raise CliError(f"num_prompts: must be a positive integer, got {diagnose_args.num_prompts}")
     return diagnose_args, script_args, training_args, model_args
-
-
-def build_trainer(script_args, training_args, model_args, num_prompts: int):
-    """The [`LoptiGRPOTrainer`] of `trl-lopti train` (`run_training`), on the first `num_prompts` training prompts."""
-    training_args.model_init_kwargs = policy_model_init_kwargs(training_args, model_args)
-    train_dataset, eval_dataset = build_datasets(script_args, training_args)
-    train_dataset = train_dataset.select(range(min(num_prompts, len(train_dataset))))
-    if script_args.task == "knights_knaves" and script_args.kk_prefill_think:  # as `run_training` renders them
-        tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
-                                                  trust_remote_code=training_args.trust_remote_code)  # fmt: skip
-        train_dataset = render_prompts_as_text(train_dataset, tokenizer)
-    return LoptiGRPOTrainer(
-        model=model_args.model_name_or_path,
-        reward_funcs=list(resolve_reward_funcs(script_args).values()),
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        quantization_config=get_quantization_config(model_args),
-        peft_config=get_peft_config(model_args),
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -181,19 +181,21 @@ def policy_model_init_kwargs(training_args, model_args) -> dict[str, Any]:
             **(training_args.model_init_kwargs or {})}  # fmt: skip
 
 
-def run_training(script_args, training_args, model_args, end: bool = True):
-    """Trains and saves a [`LoptiGRPOTrainer`] as `trl grpo` does; `end`: then end its trackers and process group."""
+def build_trainer(script_args, training_args, model_args, num_train_prompts: int | None = None):
+    """The [`LoptiGRPOTrainer`] of `trl-lopti train` (`trl-lopti diagnose`: on its first `num_train_prompts` prompts)."""
     from .. import LoptiGRPOTrainer
 
     training_args.model_init_kwargs = policy_model_init_kwargs(training_args, model_args)
     train_dataset, eval_dataset = build_datasets(script_args, training_args)
+    if num_train_prompts is not None:
+        train_dataset = train_dataset.select(range(min(num_train_prompts, len(train_dataset))))
     if script_args.task == "knights_knaves" and script_args.kk_prefill_think:
         # GRPOTrainer never continues a final assistant message: give it the "<think>"-prefilled prompts as text.
         tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
                                                   trust_remote_code=training_args.trust_remote_code)  # fmt: skip
         train_dataset = tasks.render_prompts_as_text(train_dataset, tokenizer)
         eval_dataset = tasks.render_prompts_as_text(eval_dataset, tokenizer) if eval_dataset is not None else None
-    trainer = LoptiGRPOTrainer(
+    return LoptiGRPOTrainer(
         model=model_args.model_name_or_path,
         reward_funcs=list(resolve_reward_funcs(script_args).values()),
         args=training_args,
@@ -202,6 +204,11 @@ def run_training(script_args, training_args, model_args, end: bool = True):
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )
+
+
+def run_training(script_args, training_args, model_args, end: bool = True):
+    """Trains and saves a [`LoptiGRPOTrainer`] as `trl grpo` does; `end`: then end its trackers and process group."""
+    trainer = build_trainer(script_args, training_args, model_args)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"trl-lopti: model saved to {training_args.output_dir}")

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
+from ..core_algos import loss_token_mask
 from ..tasks._text import completion_to_text
 
 
@@ -29,7 +30,7 @@ def trl_batch(micro_batches: Sequence[dict[str, Any]], device: torch.device | No
         if all(isinstance(value, torch.Tensor) for value in values):
             value = values[0] if values[0].dim() == 0 else torch.cat(values)
             batch[key] = value.to(device) if device is not None else value
-    batch.setdefault("num_items_in_batch", loss_mask(batch).sum())
+    batch.setdefault("num_items_in_batch", loss_token_mask(batch).sum())
     return batch
 
 
@@ -37,12 +38,6 @@ def generation_batch(trainer: GRPOTrainer) -> dict[str, Any] | None:
     """The generation batch the trainer trains on now (TRL's `trainer._buffered_inputs`, joined), `None` before one."""
     buffered = getattr(trainer, "_buffered_inputs", None)
     return trl_batch(buffered) if buffered else None
-
-
-def loss_mask(inputs: dict[str, Any]) -> torch.Tensor:
-    """The tokens TRL's loss sums over: `completion_mask`, times `tool_mask` when present."""
-    mask = inputs["completion_mask"]
-    return mask * inputs["tool_mask"] if inputs.get("tool_mask") is not None else mask
 
 
 def sample_generation_batch(trainer: GRPOTrainer, rows: Sequence[dict[str, Any]]) -> tuple[dict, dict]:

@@ -14,9 +14,10 @@ import torch
 from trl import GRPOTrainer
 
 from ..config import LoptiGRPOConfig
-from ..core_algos import lopti_batch_threshold, low_probability_token_mask, reweight_advantages, token_group_mask
+from ..core_algos import (
+    lopti_batch_threshold, loss_token_mask, low_probability_token_mask, reweight_advantages, token_group_mask,
+)  # fmt: skip
 from .loss import (
-    loss_mask,
     summed_parameter_gradients,
     trainable_parameters,
     trl_batch,
@@ -125,7 +126,7 @@ def completion_statistics(
                                                      d_logps[rows], d_entropies[rows]))  # fmt: skip
         for key, value in norms.items():
             stats.setdefault(key, []).append(value.double())
-    mask = loss_mask(inputs).bool()
+    mask = loss_token_mask(inputs).bool()
     return {key: torch.cat(values).masked_fill(~mask, 0.0) for key, values in stats.items()}
 
 
@@ -199,7 +200,7 @@ def run_token_diagnostics(
             batch["ref_per_token_logps"] = ref_logps.to(values[0].dtype)
         if trainer.beta and "ref_per_token_logps" not in batch:
             raise ValueError("beta > 0: the batch needs ref_per_token_logps (TRL adds them), or pass a ref_model")
-        mask, old_logps = loss_mask(batch).bool(), batch["old_per_token_logps"]
+        mask, old_logps = loss_token_mask(batch).bool(), batch["old_per_token_logps"]
         split = probe_split(trainer, old_logps, mask, probe_methods) if probe_methods else None
         d_logps, d_entropies = trl_loss_gradients(trainer, batch, *values)
         d_no_kl = trl_loss_gradients(trainer, batch, *values, without_kl=True)[0] if trainer.beta else d_logps
@@ -401,7 +402,7 @@ def advance_policy_on_batch(
             inputs["ref_per_token_logps"] = batch["ref_per_token_logps"] = logps
         update = torch.optim.Adam(params, lr=lr)
         for _ in range(steps):
-            gradient_step(trainer, model, batch, update, loss_mask(batch), micro_batch_size)
+            gradient_step(trainer, model, batch, update, loss_token_mask(batch), micro_batch_size)
     moved = torch.cat([(param.detach() - before).reshape(-1) for param, before in zip(params, start)])
     return {"steps": steps, "lr": lr, "update_norm": _norm(moved)}
 
