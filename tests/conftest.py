@@ -293,7 +293,7 @@ def in_pass(trainer, token_group):
         trainer.args.lopti_threshold = trainer.args.lopti_quantile = None
         trainer._step = 0
     else:
-        trainer._step = trainer.args.lopti_pass_order.index(token_group) * trainer.lopti_pass_micro_steps
+        trainer._step = trainer.args.lopti_pass_order.index(token_group) * trainer.args.lopti_pass_micro_steps
     try:
         yield
     finally:

@@ -124,8 +124,7 @@ class LoptiGRPOConfig(GRPOConfig):
                 "multi_objective_aggregation must be 'sum_then_normalize' (its normalisation is then not used), got "
                 f"{aggregation!r}"
             )
-        pass_micro_steps = self.steps_per_generation * self.num_iterations  # a pass must end on an optimizer step
-        if self.lopti_enabled and pass_micro_steps % self.gradient_accumulation_steps:
+        if self.lopti_enabled and self.lopti_pass_micro_steps % self.gradient_accumulation_steps:  # ends on a step
             raise ValueError(lopti_schedule_error(self))
 
     @property
@@ -142,6 +141,16 @@ class LoptiGRPOConfig(GRPOConfig):
     def lopti_num_passes(self) -> int:
         """How many times each generation batch is trained (optimizer schedules per batch): 2 with Lopti, else 1."""
         return len(self.lopti_pass_order)
+
+    @property
+    def lopti_pass_micro_steps(self) -> int:
+        """Micro-steps in one pass over a generation batch: the schedule plain GRPO runs on it."""
+        return self.steps_per_generation * self.num_iterations
+
+    @property
+    def lopti_cycle_micro_steps(self) -> int:
+        """Micro-steps trained on one generation batch (one pass per token group)."""
+        return self.lopti_num_passes * self.lopti_pass_micro_steps
 
     @property
     def advantage_reweighting_enabled(self) -> bool:

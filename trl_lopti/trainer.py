@@ -173,19 +173,9 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
         self._completions_logged_for: int | None = None  # the generation batch whose completions table was written
 
     # ------------------------------------------------------------------------------------------------ schedule
-    @property
-    def lopti_pass_micro_steps(self) -> int:
-        """Micro-steps in one pass: the schedule plain GRPO runs on one generation batch."""
-        return self.args.steps_per_generation * self.args.num_iterations
-
-    @property
-    def lopti_cycle_micro_steps(self) -> int:
-        """Micro-steps trained on one generation batch (one pass per token group)."""
-        return self.args.lopti_num_passes * self.lopti_pass_micro_steps
-
     def lopti_pass_index(self) -> int:
         """The pass over its generation batch of the current training micro-step (0 without Lopti)."""
-        return (self._step % self.lopti_cycle_micro_steps) // self.lopti_pass_micro_steps
+        return (self._step % self.args.lopti_cycle_micro_steps) // self.args.lopti_pass_micro_steps
 
     def get_train_dataloader(self):
         # Fact 1: the dataloader serves each generation batch `self.num_iterations * steps_per_generation` times; Lopti
@@ -310,7 +300,7 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # TRL writes the completions table at every log; a generation batch trained over several optimizer steps
         # (Lopti's passes, steps_per_generation > gradient_accumulation_steps) is written once.
-        batch_index = (self._step - 1) // self.lopti_cycle_micro_steps if self.model.training else None
+        batch_index = (self._step - 1) // self.args.lopti_cycle_micro_steps if self.model.training else None
         fresh = batch_index is None or batch_index != self._completions_logged_for
         with _temporarily_set(self, "log_completions", self.log_completions and fresh):
             if self.log_completions and batch_index is not None:
@@ -319,7 +309,7 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model, trial):
-        if self._step % self.lopti_cycle_micro_steps != 0 and self._buffered_inputs is not None:
+        if self._step % self.args.lopti_cycle_micro_steps != 0 and self._buffered_inputs is not None:
             # inside a generation batch's schedule: keep it and its split for the rest (fact 4), before it is pushed
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
             os.makedirs(folder, exist_ok=True)

@@ -87,8 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts_per_batch = training_args.generation_batch_size // training_args.num_generations
     train_dataset = build_train_dataset(train_problems, demo_args.rollout_batches * prompts_per_batch,
                                         training_args.seed)  # fmt: skip
-    micro_steps = demo_args.rollout_batches * training_args.lopti_num_passes * training_args.steps_per_generation
-    training_args.max_steps = math.ceil(micro_steps * training_args.num_iterations
+    training_args.max_steps = math.ceil(demo_args.rollout_batches * training_args.lopti_cycle_micro_steps
                                         / training_args.gradient_accumulation_steps)  # fmt: skip
     training_args.model_init_kwargs = policy_model_init_kwargs(training_args, model_args)
     trainer = LoptiGRPOTrainer(model=model_path, reward_funcs=exact_answer_reward, args=training_args,

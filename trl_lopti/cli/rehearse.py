@@ -79,7 +79,8 @@ def main(argv: list[str]) -> int:
         difference = report["resume_max_abs_difference"] = max(float((run[k].double() - rerun[k].double()).abs().max())
                                                                 for k in run)  # fmt: skip
         if difference > RESUME_TOLERANCE:
-            report["failures"].append(f"the resumed run ended {difference:.3g} from the uninterrupted run's parameters")
+            report["failures"].append(f"the resumed run ended {difference:.3g} from the uninterrupted run's "
+                                      "parameters")  # fmt: skip
         report["seconds"] = round(time.perf_counter() - start, 1)
         (folder / "rehearsal.json").write_text(json.dumps(report, indent=2, default=str))
         for key, value in report.items():
@@ -94,8 +95,7 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
     folder.mkdir(parents=True, exist_ok=True)
     world, rows = int(os.environ.get("WORLD_SIZE", "1")), REHEARSAL_SCALE["rows_per_optimizer_step"]
     per_device = min(REHEARSAL_SCALE["per_device_train_batch_size"], rows // world)
-    steps_per_pass, rest = divmod(training_args.steps_per_generation * training_args.num_iterations,
-                                  training_args.gradient_accumulation_steps)  # fmt: skip
+    steps_per_pass, rest = divmod(training_args.lopti_pass_micro_steps, training_args.gradient_accumulation_steps)
     if world not in (1, 2, 4, 8) or rest:
         raise CliError(f"rehearse: needs 1, 2, 4 or 8 processes (got {world}) and steps_per_generation * "
                        "num_iterations a multiple of gradient_accumulation_steps")  # fmt: skip
