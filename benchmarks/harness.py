@@ -57,8 +57,9 @@ LOGGED_PREFIXES = ("lopti/", "reward")
 """Logged metrics kept per generation batch: TRL's `reward`, `reward_std`, `rewards/*`, and the trainer's `lopti/*`."""
 
 # Every run: no checkpoints, no reporting, every optimizer step logged, no KL term (no reference model).
-BASE_ARGS = dict(report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1, beta=0.0,
-                 dataloader_num_workers=0)  # fmt: skip
+BASE_ARGS = dict(
+    report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1, beta=0.0, dataloader_num_workers=0
+)
 
 
 class Probe(TrainerCallback):
@@ -92,12 +93,17 @@ class Probe(TrainerCallback):
         self._loss_inputs: dict[str, Any] | None = None
         trainer.remove_callback(PrinterCallback)
         trainer.add_callback(self)
-        for name, around in (("_generate_and_score_completions", self._around_generate_and_score),
-                             ("_generate", self._around_generate), ("training_step", self._around_training_step)):
+        for name, around in (
+            ("_generate_and_score_completions", self._around_generate_and_score),
+            ("_generate", self._around_generate),
+            ("training_step", self._around_training_step),
+        ):
             setattr(trainer, name, functools.partial(around, getattr(trainer, name)))  # on the instance only
         model = trainer.model
-        self._handles = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True),
-                         model.get_input_embeddings().weight.register_post_accumulate_grad_hook(self._on_backward)]
+        self._handles = [
+            model.register_forward_pre_hook(self._on_forward, with_kwargs=True),
+            model.get_input_embeddings().weight.register_post_accumulate_grad_hook(self._on_backward),
+        ]
         if capture_token_gradients:
             trainer.compute_loss = functools.partial(self._around_compute_loss, trainer.compute_loss)
             self._handles.append(model.register_forward_hook(self._keep_log_prob_gradient, with_kwargs=True))
@@ -126,8 +132,14 @@ class Probe(TrainerCallback):
     def _around_generate_and_score(self, original, inputs):
         if not self.trainer.model.training:
             return original(inputs)
-        self.batches.append({"wall": dict.fromkeys(PHASES, 0.0), "cpu": dict.fromkeys(PHASES, 0.0),
-                             **dict.fromkeys(COUNTS, 0), "logged": {}})  # fmt: skip
+        self.batches.append(
+            {
+                "wall": dict.fromkeys(PHASES, 0.0),
+                "cpu": dict.fromkeys(PHASES, 0.0),
+                **dict.fromkeys(COUNTS, 0),
+                "logged": {},
+            }
+        )
         with self._inside_training_step("probe_s"):
             self._rescore()
         with self._inside_training_step("scoring_s"):
@@ -290,8 +302,10 @@ def shift_counts(logps_before, logps_after, advantages, mask) -> dict[str, Any]:
     counts: dict[str, Any] = {"edges": edges}
     for name, direction in (("positive", 1.0), ("negative", -1.0)):
         tokens = [mask & (sign == direction) & (quartile == q) for q in range(4)]
-        counts[name] = {"count": [int(t.sum()) for t in tokens],
-                        "in_direction": [int((t & (delta * direction > 0)).sum()) for t in tokens]}  # fmt: skip
+        counts[name] = {
+            "count": [int(t.sum()) for t in tokens],
+            "in_direction": [int((t & (delta * direction > 0)).sum()) for t in tokens],
+        }
     counts["zero_advantage_tokens"] = int((mask & (sign == 0)).sum())
     counts["completion_tokens"] = int(mask.sum())
     return counts
@@ -309,9 +323,13 @@ def add_old_logps_forward(trainer, batch: dict[str, Any]) -> None:
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         with torch.no_grad():
             batch["old_per_token_logps"] = GRPOTrainer._get_per_token_logps_and_entropies(
-                trainer, trainer.model, input_ids, attention_mask, batch["completion_ids"].size(1),
+                trainer,
+                trainer.model,
+                input_ids,
+                attention_mask,
+                batch["completion_ids"].size(1),
                 batch_size=trainer.args.per_device_train_batch_size,
-            )[0]  # fmt: skip
+            )[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -360,8 +378,13 @@ def measure_training(
         args.max_steps = generation_batches * getattr(args, "lopti_num_passes", 1)
         set_seed(args.seed)
         trainer_class = GRPOTrainer if lopti is None else LoptiGRPOTrainer
-        trainer = trainer_class(model=model_path, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
-                                processing_class=processing_class)  # fmt: skip
+        trainer = trainer_class(
+            model=model_path,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=dataset,
+            processing_class=processing_class,
+        )
         probe = Probe(trainer, after_scoring, fig3, capture_token_gradients)
         torch.manual_seed(args.seed)
         start = probe._now()
@@ -427,8 +450,12 @@ def addition_prompts(num_prompts: int, seed: int):
     rows = []
     for _ in range(num_prompts):
         a, b = rng.randint(10, 99), rng.randint(10, 99)
-        rows.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}? Reply with the number only."}],
-                     "answer": str(a + b)})  # fmt: skip
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": f"What is {a} + {b}? Reply with the number only."}],
+                "answer": str(a + b),
+            }
+        )
     return Dataset.from_list(rows)
 
 
@@ -449,9 +476,17 @@ def environment() -> dict[str, Any]:
     import trl
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "trl": trl.__version__, "device": device, "machine": platform.machine(), "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg()}  # fmt: skip
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "device": device,
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average": os.getloadavg(),
+    }
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

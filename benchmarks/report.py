@@ -48,8 +48,13 @@ def t_interval(values: Sequence[float | None], confidence: float = 0.95) -> dict
 
 def paired_difference(values: dict[int, float | None], baseline: dict[int, float | None]) -> dict[str, Any]:
     """[`t_interval`] of `values[seed] - baseline[seed]` over the seeds where both are known (paired by seed)."""
-    return t_interval([values[s] - baseline[s] for s in values
-                       if s in baseline and values[s] is not None and baseline[s] is not None])  # fmt: skip
+    return t_interval(
+        [
+            values[s] - baseline[s]
+            for s in values
+            if s in baseline and values[s] is not None and baseline[s] is not None
+        ]
+    )
 
 
 def batch_medians(batches: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -116,8 +121,18 @@ def cost_markdown(report: dict[str, Any]) -> str:
         text = f"{value:.{digits}f}"
         return f"{text} ({value / reference:.2f}x)" if reference else text
 
-    header = ["configuration", "step (s)", "generation (s)", "scoring (s)", "loss+bwd+opt (s)", "fwd grad / no-grad",
-              "bwd", "opt steps", "peak CUDA mem (MB)" if on_gpu else "peak RSS (MB)", "compl. tok/s"]  # fmt: skip
+    header = [
+        "configuration",
+        "step (s)",
+        "generation (s)",
+        "scoring (s)",
+        "loss+bwd+opt (s)",
+        "fwd grad / no-grad",
+        "bwd",
+        "opt steps",
+        "peak CUDA mem (MB)" if on_gpu else "peak RSS (MB)",
+        "compl. tok/s",
+    ]
     timed = [("step_s", 2), ("generation_s", 2), ("scoring_s", 3), ("loss_backward_optimizer_s", 2)]
     lines = []
     for clock, title in [("wall", "Wall-clock time"), ("cpu", "Process CPU time (all threads)")][: 1 if on_gpu else 2]:
@@ -125,18 +140,25 @@ def cost_markdown(report: dict[str, Any]) -> str:
         for run in runs:
             medians, counts = run["medians"][clock], run["medians"]["counts"]
             reference = base["medians"][clock] if base and run is not base else {}
-            rows.append([
-                f"{run['name']}: {run['description']}",
-                *(with_ratio(medians[key], reference.get(key), digits) for key, digits in timed),
-                f"{counts['policy_forwards_grad']:g} / {counts['policy_forwards_no_grad']:g}",
-                f"{counts['backward_passes']:g}",
-                f"{counts['optimizer_steps']:g}",
-                with_ratio(run["peak_memory_mb"], base["peak_memory_mb"] if reference else None, 0),
-                with_ratio(medians["completion_tokens_per_s"], reference.get("completion_tokens_per_s"), 1),
-            ])
+            rows.append(
+                [
+                    f"{run['name']}: {run['description']}",
+                    *(with_ratio(medians[key], reference.get(key), digits) for key, digits in timed),
+                    f"{counts['policy_forwards_grad']:g} / {counts['policy_forwards_no_grad']:g}",
+                    f"{counts['backward_passes']:g}",
+                    f"{counts['optimizer_steps']:g}",
+                    with_ratio(run["peak_memory_mb"], base["peak_memory_mb"] if reference else None, 0),
+                    with_ratio(medians["completion_tokens_per_s"], reference.get("completion_tokens_per_s"), 1),
+                ]
+            )
         lines += [f"{title} per generation batch (median):", "", *table(header, rows), ""]
-    shares = [share for run in runs if run["lopti"] and run["lopti"].get("lopti_threshold") is not None
-              for batch in run["batches"] for share in batch["logged"].get("lopti/low_token_share", [])]  # fixed eta
+    shares = [
+        share
+        for run in runs
+        if run["lopti"] and run["lopti"].get("lopti_threshold") is not None
+        for batch in run["batches"]
+        for share in batch["logged"].get("lopti/low_token_share", [])
+    ]  # fixed eta
     conditions = [
         f"Size `{size['name']}`: model `{report['model']}`, {size['prompts_per_batch']} prompts x "
         f"{size['num_generations']} completions of {size['max_completion_length']} tokens per generation batch, "
@@ -172,8 +194,10 @@ def compare_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     groups: dict[str, list[dict[str, Any]]] = {}
     for run in runs:
         groups.setdefault(run["name"], []).append(run)
-    by_seed = {name: {key: {run["seed"]: figure(run) for run in group} for key, figure in per_seed_figures.items()}
-               for name, group in groups.items()}  # fmt: skip
+    by_seed = {
+        name: {key: {run["seed"]: figure(run) for run in group} for key, figure in per_seed_figures.items()}
+        for name, group in groups.items()
+    }
     summary = {}
     for name, group in groups.items():
         entry = {"seeds": [run["seed"] for run in group]}
@@ -191,8 +215,9 @@ def compare_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for key in ("train_wall_s", "train_cpu_s", "probe_s", "parameter_distance"):
             entry[key] = t_interval([run[key] for run in group])
         if BASELINE in by_seed:
-            entry["paired"] = {key: paired_difference(values, by_seed[BASELINE][key])
-                               for key, values in by_seed[name].items()}  # fmt: skip
+            entry["paired"] = {
+                key: paired_difference(values, by_seed[BASELINE][key]) for key, values in by_seed[name].items()
+            }
         summary[name] = entry
     return summary
 
@@ -205,23 +230,48 @@ def compare_markdown(report: dict[str, Any]) -> str:
     heldout = []
     for name, s in summary.items():
         steps = f"{'/'.join(map(str, s['optimizer_steps']))} / {'/'.join(map(str, s['generation_batches']))}"
-        cells = [interval(s[f"heldout_{m}_{w}"]) for m in ("accuracy", "reward") for w in ("before", "after", "change")]
+        cells = [
+            interval(s[f"heldout_{m}_{w}"]) for m in ("accuracy", "reward") for w in ("before", "after", "change")
+        ]
         heldout.append([name, steps, *cells])
-    paired_keys = ["heldout_accuracy_after", "heldout_reward_after", "training_reward_mean", "fig3_positive_share_all",
-                   "fig3_negative_share_all"]  # fmt: skip
+    paired_keys = [
+        "heldout_accuracy_after",
+        "heldout_reward_after",
+        "training_reward_mean",
+        "fig3_positive_share_all",
+        "fig3_negative_share_all",
+    ]
     paired = [[name, *(interval(summary[name]["paired"][key]) for key in paired_keys)] for name in others]
     fig3, fig3_paired = [], []
     for name, s in summary.items():
         for sign in SIGNS:
             pooled = s["fig3_pooled"][sign]
-            fig3.append([name, sign, *(
-                "n/a" if pooled["share"][q] is None else f"{pooled['share'][q]:.3f} ({pooled['in_direction'][q]}/"
-                f"{pooled['count'][q]}); {interval(s[f'fig3_{sign}_share_q{q + 1}'])}" for q in range(4))])  # fmt: skip
+            fig3.append(
+                [
+                    name,
+                    sign,
+                    *(
+                        "n/a"
+                        if pooled["share"][q] is None
+                        else f"{pooled['share'][q]:.3f} ({pooled['in_direction'][q]}/"
+                        f"{pooled['count'][q]}); {interval(s[f'fig3_{sign}_share_q{q + 1}'])}"
+                        for q in range(4)
+                    ),
+                ]
+            )
             if name in others:
                 differences = [interval(s["paired"][f"fig3_{sign}_share_q{q + 1}"]) for q in range(4)]
                 fig3_paired.append([name, sign, *differences])
-    cost = [[name, interval(s["train_wall_s"], 0), interval(s["train_cpu_s"], 0), interval(s["probe_s"], 0),
-             interval(s["parameter_distance"], 4)] for name, s in summary.items()]  # fmt: skip
+    cost = [
+        [
+            name,
+            interval(s["train_wall_s"], 0),
+            interval(s["train_cpu_s"], 0),
+            interval(s["probe_s"], 0),
+            interval(s["parameter_distance"], 4),
+        ]
+        for name, s in summary.items()
+    ]
     env = report["environment"]
     lines = [
         f"# {' vs '.join(summary)} at equal rollouts",
@@ -237,13 +287,33 @@ def compare_markdown(report: dict[str, Any]) -> str:
         f"Held-out problems ({report['num_heldout']}; greedy accuracy, and the mean reward of "
         f"{settings['eval_samples']} samples each):",
         "",
-        *table(["method", "opt. steps / gen. batches", "greedy before", "greedy after", "change", "sampled before",
-                "sampled after", "change"], heldout),  # fmt: skip
+        *table(
+            [
+                "method",
+                "opt. steps / gen. batches",
+                "greedy before",
+                "greedy after",
+                "change",
+                "sampled before",
+                "sampled after",
+                "change",
+            ],
+            heldout,
+        ),
         "",
         f"Difference to `{BASELINE}` on the same seed:",
         "",
-        *table(["method", "greedy after", "sampled after", "mean training reward", "Fig. 3: A > 0 rose",
-                "Fig. 3: A < 0 fell"], paired),  # fmt: skip
+        *table(
+            [
+                "method",
+                "greedy after",
+                "sampled after",
+                "mean training reward",
+                "Fig. 3: A > 0 rose",
+                "Fig. 3: A < 0 fell",
+            ],
+            paired,
+        ),
         "",
         "Fig.-3 statistic over every generation batch: share of positive-advantage tokens whose probability rose, and "
         "of negative-advantage tokens whose probability fell, after the last optimizer step trained on their batch, "
@@ -255,8 +325,7 @@ def compare_markdown(report: dict[str, Any]) -> str:
         "",
         *table(["method", "sign", *quartiles], fig3_paired),
         "",
-        *table(["method", "train wall (s)", "train CPU (s)", "of which Fig.-3 probe (s)", "`‖θ_end − θ_0‖`"],
-               cost),
+        *table(["method", "train wall (s)", "train CPU (s)", "of which Fig.-3 probe (s)", "`‖θ_end − θ_0‖`"], cost),
         "",
         f"Machine: {env['machine']}, {env['cpu_count']} CPUs, torch threads {env['torch_threads']}, 1-minute load "
         f"average {report['load_average_at_end'][0]:.1f} at the end.",
@@ -274,13 +343,26 @@ def compare_plots(report: dict[str, Any], path: Path) -> str:
         points = s["training_reward_curve"]
         curves[name] = (list(range(1, len(points) + 1)), [point["mean"] for point in points])
     panels = [Panel("Training reward (mean over seeds)", curves, xlabel="generation batch", ylim=(0, 1))]
-    for sign, title in (("positive", "A > 0: share whose probability rose"),
-                        ("negative", "A < 0: share whose probability fell")):
-        shares = {name: ([0, 1, 2, 3], [s[f"fig3_{sign}_share_q{q + 1}"]["mean"] or 0.0 for q in range(4)])
-                  for name, s in summary.items()}  # fmt: skip
-        panels.append(Panel(f"Fig. 3, {title}", shares, kind="bar", ylim=(0, 1),
-                            xticklabels=["Q1 (lowest pi_old)", "Q2", "Q3", "Q4"]))  # fmt: skip
-    accuracy = {when: (list(range(len(summary))), [s[f"heldout_accuracy_{when}"]["mean"] for s in summary.values()])
-                for when in ("before", "after")}  # fmt: skip
+    for sign, title in (
+        ("positive", "A > 0: share whose probability rose"),
+        ("negative", "A < 0: share whose probability fell"),
+    ):
+        shares = {
+            name: ([0, 1, 2, 3], [s[f"fig3_{sign}_share_q{q + 1}"]["mean"] or 0.0 for q in range(4)])
+            for name, s in summary.items()
+        }
+        panels.append(
+            Panel(
+                f"Fig. 3, {title}",
+                shares,
+                kind="bar",
+                ylim=(0, 1),
+                xticklabels=["Q1 (lowest pi_old)", "Q2", "Q3", "Q4"],
+            )
+        )
+    accuracy = {
+        when: (list(range(len(summary))), [s[f"heldout_accuracy_{when}"]["mean"] for s in summary.values()])
+        for when in ("before", "after")
+    }
     panels.append(Panel("Held-out greedy accuracy", accuracy, kind="bar", ylim=(0, 1), xticklabels=list(summary)))
     return plot_panels(path, panels, title="Method comparison at equal rollouts")

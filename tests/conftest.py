@@ -9,7 +9,9 @@ import pytest
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--reverse-order", action="store_true", default=False,
+        "--reverse-order",
+        action="store_true",
+        default=False,
         help="run the collected tests in reverse order (CI's check that no test depends on another's state)",
     )
 
@@ -54,8 +56,9 @@ def tiny_float64_model_path(tiny_model_path, tmp_path_factory) -> str:
     return str(path)
 
 
-def assert_parameters_close(actual: dict, expected: dict, initial: dict, atol: float = 1e-8,
-                            relative_to_move: float = 0.0) -> tuple[float, float]:
+def assert_parameters_close(
+    actual: dict, expected: dict, initial: dict, atol: float = 1e-8, relative_to_move: float = 0.0
+) -> tuple[float, float]:
     """
     Asserts every parameter of `actual` equals `expected` to `atol + relative_to_move * (largest move of the tensor)`.
 
@@ -72,8 +75,13 @@ def assert_parameters_close(actual: dict, expected: dict, initial: dict, atol: f
     for name, reference in expected.items():
         move = (reference.detach() - initial[name].detach()).abs()
         tolerance = atol + relative_to_move * float(move.max())
-        torch.testing.assert_close(actual[name].detach(), reference.detach(), atol=tolerance, rtol=0,
-                                   msg=lambda message, name=name: f"{name}: {message}")
+        torch.testing.assert_close(
+            actual[name].detach(),
+            reference.detach(),
+            atol=tolerance,
+            rtol=0,
+            msg=lambda message, name=name: f"{name}: {message}",
+        )
         largest_difference = max(largest_difference, float((actual[name].detach() - reference.detach()).abs().max()))
         moved += float(move.sum())
     return largest_difference, moved
@@ -144,7 +152,9 @@ def use_exact_log_prob_head(trainer) -> None:
             token_log_probs = log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
             entropy = -(log_probs.exp() * log_probs).sum(-1)
             return LogProbHeadOutput(
-                token_log_probs.masked_fill(~mask, 0), entropy.masked_fill(~mask, 0), getattr(outputs, "aux_loss", None)
+                token_log_probs.masked_fill(~mask, 0),
+                entropy.masked_fill(~mask, 0),
+                getattr(outputs, "aux_loss", None),
             )
 
         model.forward = types.MethodType(forward, model)
@@ -308,8 +318,10 @@ def micro_batches_as_generated(trainer, batch: dict) -> list[dict]:
     buffered micro-batches. This maps each buffered micro-batch back to the original rows, so a hand-run starts from
     what the generation produced.
     """
-    return [{key: value[entry["row_id"]] if value.dim() else value for key, value in batch.items()}
-            for entry in trainer._buffered_inputs]
+    return [
+        {key: value[entry["row_id"]] if value.dim() else value for key, value in batch.items()}
+        for entry in trainer._buffered_inputs
+    ]
 
 
 def load_benchmark_script(name: str):

@@ -8,10 +8,10 @@ import os
 import sys
 
 import torch
-from datasets import Dataset
-
 from conftest import FLOAT64, patch_float64_norms, use_exact_log_prob_head
+from datasets import Dataset
 from test_schedule import COMPLETION_LENGTH, TEMPERATURE, fixed_generation_batch
+
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
 
@@ -25,16 +25,35 @@ def main(model_path: str, output_dir: str, result_path: str) -> None:
     eta = float(torch.tensor(eta_log).exp())
     world_size = int(os.environ["WORLD_SIZE"])
     config = LoptiGRPOConfig(
-        output_dir=output_dir, per_device_train_batch_size=GLOBAL_ROWS_PER_MICRO_STEP // world_size,
-        gradient_accumulation_steps=STEPS_PER_GENERATION, steps_per_generation=STEPS_PER_GENERATION, num_generations=2,
-        max_completion_length=COMPLETION_LENGTH, temperature=TEMPERATURE, beta=0.1, advantage_reweighting_alpha=0.3,
+        output_dir=output_dir,
+        per_device_train_batch_size=GLOBAL_ROWS_PER_MICRO_STEP // world_size,
+        gradient_accumulation_steps=STEPS_PER_GENERATION,
+        steps_per_generation=STEPS_PER_GENERATION,
+        num_generations=2,
+        max_completion_length=COMPLETION_LENGTH,
+        temperature=TEMPERATURE,
+        beta=0.1,
+        advantage_reweighting_alpha=0.3,
         lopti_threshold=eta,
-        importance_sampling_level="sequence", optim="sgd", learning_rate=0.5, lr_scheduler_type="constant",
-        weight_decay=0.0, max_grad_norm=0.0, report_to="none", use_cpu=True, save_strategy="no",
-        max_steps=2, shuffle_dataset=False, **FLOAT64,
+        importance_sampling_level="sequence",
+        optim="sgd",
+        learning_rate=0.5,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        max_steps=2,
+        shuffle_dataset=False,
+        **FLOAT64,
     )
-    trainer = LoptiGRPOTrainer(model=model_path, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                               args=config, train_dataset=Dataset.from_dict({"prompt": ["p"] * 16}))
+    trainer = LoptiGRPOTrainer(
+        model=model_path,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": ["p"] * 16}),
+    )
     assert trainer.accelerator.num_processes == world_size and trainer.model.dtype == torch.float64
     use_exact_log_prob_head(trainer)
     rank = trainer.accelerator.process_index

@@ -9,10 +9,10 @@ import sys
 
 import torch
 import torch.distributed as dist
+from conftest import split_each_batch_mid_gap
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from conftest import split_each_batch_mid_gap
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
 
@@ -21,8 +21,10 @@ def length_reward(completions, **kwargs):
 
 
 def parameter_fingerprint(model) -> torch.Tensor:
-    return torch.stack([p.detach().double().sum() for p in model.parameters()] +
-                       [p.detach().double().pow(2).sum() for p in model.parameters()])
+    return torch.stack(
+        [p.detach().double().sum() for p in model.parameters()]
+        + [p.detach().double().pow(2).sum() for p in model.parameters()]
+    )
 
 
 def gathered(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -39,14 +41,22 @@ class RecordAfterEachStep(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         fingerprints = gathered(parameter_fingerprint(model))
         micro_batch = self.trainer._buffered_inputs[0]
-        completion_hash = (micro_batch["completion_ids"].double() * torch.arange(
-            micro_batch["completion_ids"].numel()).view_as(micro_batch["completion_ids"])).sum().reshape(1)
+        completion_hash = (
+            (
+                micro_batch["completion_ids"].double()
+                * torch.arange(micro_batch["completion_ids"].numel()).view_as(micro_batch["completion_ids"])
+            )
+            .sum()
+            .reshape(1)
+        )
         hashes = gathered(completion_hash)
-        self.records.append({
-            "step": state.global_step,
-            "ranks_equal": bool(torch.equal(fingerprints[0], fingerprints[1])),
-            "ranks_saw_different_completions": bool(hashes[0].item() != hashes[1].item()),
-        })
+        self.records.append(
+            {
+                "step": state.global_step,
+                "ranks_equal": bool(torch.equal(fingerprints[0], fingerprints[1])),
+                "ranks_saw_different_completions": bool(hashes[0].item() != hashes[1].item()),
+            }
+        )
 
 
 class RecordAdvantages:
@@ -61,11 +71,13 @@ class RecordAdvantages:
         def recorded(inputs):
             self.rewards.clear()
             output = generate(inputs)
-            self.batches.append({
-                "rewards": list(self.rewards),
-                "lengths": output["completion_mask"].sum(dim=1).tolist(),
-                "advantages": output["advantages"].tolist(),
-            })
+            self.batches.append(
+                {
+                    "rewards": list(self.rewards),
+                    "lengths": output["completion_mask"].sum(dim=1).tolist(),
+                    "advantages": output["advantages"].tolist(),
+                }
+            )
             return output
 
         trainer._generate_and_score_completions = recorded
@@ -119,14 +131,17 @@ def main(model_path: str, output_dir: str, result_path: str, advantage_estimator
             "steps": recorder.records,
             "final_ranks_equal": bool(torch.equal(final[0], final[1])),
             "model_changed": bool(not torch.equal(initial, final[0])),
-            "low_pass_losses": [e["lopti/loss_low_pass"] for e in trainer.state.log_history
-                                if "lopti/loss_low_pass" in e],
-            "high_pass_losses": [e["lopti/loss_high_pass"] for e in trainer.state.log_history
-                                 if "lopti/loss_high_pass" in e],
+            "low_pass_losses": [
+                e["lopti/loss_low_pass"] for e in trainer.state.log_history if "lopti/loss_low_pass" in e
+            ],
+            "high_pass_losses": [
+                e["lopti/loss_high_pass"] for e in trainer.state.log_history if "lopti/loss_high_pass" in e
+            ],
             "per_rank_batches": per_rank_batches,
             "thresholds": thresholds,
-            "low_token_shares": [e["lopti/low_token_share"] for e in trainer.state.log_history
-                                 if "lopti/low_token_share" in e],
+            "low_token_shares": [
+                e["lopti/low_token_share"] for e in trainer.state.log_history if "lopti/low_token_share" in e
+            ],
         }
         with open(result_path, "w") as handle:
             json.dump(result, handle)

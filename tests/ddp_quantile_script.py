@@ -10,12 +10,12 @@ import os
 import sys
 
 import torch
+from conftest import patch_float64_norms, use_exact_log_prob_head
 from datasets import Dataset
+from reference_grpo import completion_logps_and_entropies
 from transformers import AutoModelForCausalLM
 from trl import GRPOTrainer
 
-from conftest import patch_float64_norms, use_exact_log_prob_head
-from reference_grpo import completion_logps_and_entropies
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
 
@@ -25,8 +25,9 @@ COMPLETION_LENGTH = 6
 LEARNING_RATE = 0.5
 ALPHA = 0.3
 # plain SGD (no momentum, decay or clipping, constant rate): the update a hand run makes with torch.optim.SGD
-PLAIN_SGD = dict(optim="sgd", learning_rate=LEARNING_RATE, lr_scheduler_type="constant", weight_decay=0.0,
-                 max_grad_norm=0.0)
+PLAIN_SGD = dict(
+    optim="sgd", learning_rate=LEARNING_RATE, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0
+)
 
 
 def completion_logps(model, batch: dict) -> torch.Tensor:
@@ -46,7 +47,9 @@ def fixed_generation_batch(vocab_size: int, num_rows: int, seed: int = 0) -> dic
         "completion_ids": torch.randint(3, vocab_size, (num_rows, COMPLETION_LENGTH), generator=generator),
         "completion_mask": completion_mask,
         "advantages": torch.randn(num_rows, generator=generator, dtype=torch.float64),
-        "row_id": torch.arange(num_rows),  # follows the rows through TRL's shuffle (conftest.micro_batches_as_generated)
+        "row_id": torch.arange(
+            num_rows
+        ),  # follows the rows through TRL's shuffle (conftest.micro_batches_as_generated)
     }
 
 
@@ -70,8 +73,14 @@ def fixed_generation(batch: dict):
     return generate
 
 
-def quantile_config(output_dir: str, rows_per_process: int, gradient_accumulation_steps: int,
-                    steps_per_generation: int, quantile: float, **overrides) -> LoptiGRPOConfig:
+def quantile_config(
+    output_dir: str,
+    rows_per_process: int,
+    gradient_accumulation_steps: int,
+    steps_per_generation: int,
+    quantile: float,
+    **overrides,
+) -> LoptiGRPOConfig:
     values = dict(
         output_dir=output_dir,
         per_device_train_batch_size=rows_per_process // steps_per_generation,
@@ -85,7 +94,12 @@ def quantile_config(output_dir: str, rows_per_process: int, gradient_accumulatio
         lopti_threshold=None,
         lopti_quantile=quantile,
         **PLAIN_SGD,
-        bf16=False, report_to="none", use_cpu=True, save_strategy="no", logging_steps=1, shuffle_dataset=False,
+        bf16=False,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        shuffle_dataset=False,
         max_steps=2 * steps_per_generation // gradient_accumulation_steps,  # exactly one Lopti cycle
     )
     values.update(overrides)
@@ -96,7 +110,9 @@ def run_one_cycle(model_path: str, config: LoptiGRPOConfig, batch: dict) -> Lopt
     """Trains one Lopti cycle of a float64 copy of the model on `batch` (the caller installs `fixed_generation`)."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
     trainer = LoptiGRPOTrainer(
-        model=model, reward_funcs=lambda completions, **kwargs: [0.0] * len(completions), args=config,
+        model=model,
+        reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+        args=config,
         train_dataset=Dataset.from_dict({"prompt": ["p"] * 64}),
     )
     use_exact_log_prob_head(trainer)  # TRL's fused head is float32 whatever the model's dtype; the hand run is not
@@ -114,12 +130,15 @@ def main(model_path: str, output_dir: str, result_path: str, quantile: str, rows
     config = quantile_config(output_dir, rows, 2, 2, float(quantile))
     trainer = run_one_cycle(model_path, config, batch)
     if trainer.accelerator.is_main_process:
-        torch.save({
-            "world_size": trainer.accelerator.num_processes,
-            "distributed_type": str(trainer.accelerator.distributed_type),
-            "thresholds": [e["lopti/threshold"] for e in trainer.state.log_history if "lopti/threshold" in e],
-            "parameters": {name: p.detach().clone() for name, p in trainer.model.named_parameters()},
-        }, result_path)
+        torch.save(
+            {
+                "world_size": trainer.accelerator.num_processes,
+                "distributed_type": str(trainer.accelerator.distributed_type),
+                "thresholds": [e["lopti/threshold"] for e in trainer.state.log_history if "lopti/threshold" in e],
+                "parameters": {name: p.detach().clone() for name, p in trainer.model.named_parameters()},
+            },
+            result_path,
+        )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,16 @@ def main(model_path: str, output_dir: str, result_path: str) -> None:
 
     GRPOTrainer._calculate_rewards = recorded
     config = GRPOConfig(
-        output_dir=output_dir, per_device_train_batch_size=2, num_generations=4, max_completion_length=4,
-        max_steps=2, report_to="none", use_cpu=True, bf16=False, save_strategy="no", seed=0,
+        output_dir=output_dir,
+        per_device_train_batch_size=2,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=2,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
     )
     dataset = Dataset.from_dict({"prompt": [f"Say something about {i}." for i in range(8)]})
     trainer = GRPOTrainer(model=model_path, reward_funcs=rank_tagged_reward, args=config, train_dataset=dataset)

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 import trl.trainer.grpo_trainer as grpo_module
+from conftest import patch_float64_norms, use_exact_log_prob_head
 from trl import GRPOTrainer
 
-from conftest import patch_float64_norms, use_exact_log_prob_head
 from trl_lopti import LoptiGRPOTrainer
 
 
@@ -36,16 +36,21 @@ def fixed_batch_reward(completions, **kwargs):
 def local_rows(rows: int, rows_per_step: int, rank: int, world_size: int) -> torch.Tensor:
     """The global rows one process trains: its contiguous share of the rows of every optimizer step, in order."""
     share = rows_per_step // world_size
-    return torch.cat([torch.arange(step + rank * share, step + (rank + 1) * share)
-                      for step in range(0, rows, rows_per_step)])  # fmt: skip
+    return torch.cat(
+        [torch.arange(step + rank * share, step + (rank + 1) * share) for step in range(0, rows, rows_per_step)]
+    )
 
 
 def serve_fixed_batch(self, inputs):
     self._probe_generations = getattr(self, "_probe_generations", 0) + 1
     batch = torch.load(os.environ["LAUNCHER_PROBE_BATCH"])
     args, world = self.args, self.accelerator.num_processes
-    rows = local_rows(len(batch["advantages"]), args.per_device_train_batch_size * args.gradient_accumulation_steps *
-                      world, self.accelerator.process_index, world)  # fmt: skip
+    rows = local_rows(
+        len(batch["advantages"]),
+        args.per_device_train_batch_size * args.gradient_accumulation_steps * world,
+        self.accelerator.process_index,
+        world,
+    )
     local = {key: value[rows] if value.dim() else value for key, value in batch.items()}
     local = {key: value.to(self.accelerator.device) for key, value in local.items()}
     input_ids = torch.cat([local["prompt_ids"], local["completion_ids"]], dim=1)
@@ -53,10 +58,12 @@ def serve_fixed_batch(self, inputs):
     length = local["completion_ids"].size(1)
     with torch.no_grad():
         local["old_per_token_logps"] = self._get_per_token_logps_and_entropies(
-            self.model, input_ids, attention_mask, length)[0]  # fmt: skip
+            self.model, input_ids, attention_mask, length
+        )[0]
         if self.beta != 0.0:
             local["ref_per_token_logps"] = self._get_per_token_logps_and_entropies(
-                self.ref_model, input_ids, attention_mask, length)[0]  # fmt: skip
+                self.ref_model, input_ids, attention_mask, length
+            )[0]
     return local
 
 
@@ -101,12 +108,14 @@ def record(trainer, step_at_start: int) -> None:
         "optimizer_dtypes": sorted({str(t.dtype) for t in optimized}),
         "optimizer_state_elements_local": sum(local_numel(s) for s in states),
         "optimizer_state_dtypes": sorted({str(s.dtype) for s in states}),
-        "wrapped_class": type(trainer.model_wrapped).__name__, "zero_stage": zero_stage(trainer),
+        "wrapped_class": type(trainer.model_wrapped).__name__,
+        "zero_stage": zero_stage(trainer),
         "offload_policy": offload_policy(trainer.model),
-        "generations": getattr(trainer, "_probe_generations", 0), "step_at_start": step_at_start,
+        "generations": getattr(trainer, "_probe_generations", 0),
+        "step_at_start": step_at_start,
         "micro_steps_per_optimizer_step": trainer.args.gradient_accumulation_steps,
         "global_step": trainer.state.global_step,
-    }  # fmt: skip
+    }
     name = f"{Path(trainer.args.output_dir).name}_rank{trainer.accelerator.process_index}.json"
     Path(os.environ["LAUNCHER_PROBE_OUT"], name).write_text(json.dumps(facts))
 

@@ -9,9 +9,8 @@ import math
 
 import pytest
 import torch
-from scipy import stats
-
 from conftest import load_benchmark_script
+from scipy import stats
 
 
 pytestmark = pytest.mark.slow  # trains six tiny trainers and a tiny comparison (about a minute on 2 shared CPUs)
@@ -109,8 +108,11 @@ def test_comparison_counts_and_pairing(comparison):
         assert len({run["training_reward"][0] for run in runs}) == 1
         assert len({json.dumps(run["before"], sort_keys=True) for run in runs}) == 1
     grpo = {run["seed"]: run for run in data["runs"] if run["name"] == "grpo"}
-    differences = [run["after"]["accuracy"] - grpo[run["seed"]]["after"]["accuracy"] for run in data["runs"]
-                   if run["name"] == "lopti"]  # fmt: skip
+    differences = [
+        run["after"]["accuracy"] - grpo[run["seed"]]["after"]["accuracy"]
+        for run in data["runs"]
+        if run["name"] == "lopti"
+    ]
     assert data["summary"]["lopti"]["paired"]["heldout_accuracy_after"]["mean"] == pytest.approx(sum(differences) / 2)
     for suffix in ("md", "png"):
         assert (output_dir / f"compare_tiny.{suffix}").stat().st_size > 0

@@ -43,8 +43,11 @@ def test_python_dash_m_runs_the_cli(tmp_path, base):
     config = write_yaml(tmp_path / "c.yaml", {**base, "lopti_threshold": None})
     result = subprocess.run(
         [sys.executable, "-m", "trl_lopti", "train", "--config", config, "--dry_run", "--learning_rate", "3e-6"],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     resolved = json.loads(result.stdout[result.stdout.index("{\n") :])  # after any banner a library prints on import
     assert resolved["training"]["learning_rate"] == 3e-6 and resolved["lopti"]["lopti_threshold"] is None
@@ -52,8 +55,15 @@ def test_python_dash_m_runs_the_cli(tmp_path, base):
 
 
 def test_yaml_values_and_flags_override_them(tmp_path, base):
-    values = {**base, "learning_rate": "1e-6", "advantage_reweighting_alpha": 0.2, "kk_num_people": [3, 4],
-              "use_peft": True, "lora_r": 4, "lopti_threshold": 0.5}  # fmt: skip
+    values = {
+        **base,
+        "learning_rate": "1e-6",
+        "advantage_reweighting_alpha": 0.2,
+        "kk_num_people": [3, 4],
+        "use_peft": True,
+        "lora_r": 4,
+        "lopti_threshold": 0.5,
+    }
     config = write_yaml(tmp_path / "c.yaml", values)  # YAML 1.1 reads 1e-6 as a string: the field's type converts it
     script_args, training_args, model_args = parse_train_args(["--config", config])
     assert isinstance(training_args.learning_rate, float) and training_args.learning_rate == 1e-6
@@ -85,9 +95,12 @@ def test_dry_run_prints_the_resolved_config_and_loads_nothing(tmp_path, base, ru
     assert resolved["model"]["use_peft"] is True and resolved["model"]["lora_r"] == 4
     assert resolved["training"]["beta"] == 0.01 and "learning_rate" not in resolved["training"]  # the default
     assert resolved["lopti"] == {
-        "advantage_reweighting_alpha": 0.3, "lopti_threshold": 0.5, "lopti_quantile": None, "lopti_order": "low_first",
+        "advantage_reweighting_alpha": 0.3,
+        "lopti_threshold": 0.5,
+        "lopti_quantile": None,
+        "lopti_order": "low_first",
         "advantage_estimator": "grpo",
-    }  # fmt: skip
+    }
     assert not (tmp_path / "out").exists()
 
 
@@ -161,8 +174,12 @@ def test_local_data_files_folders_and_saved_datasets(tmp_path, base):
     Dataset.from_list(rows[2:3]).to_parquet(str(folder / "test.parquet"))
     saved = tmp_path / "saved"
     DatasetDict({"train": Dataset.from_list(rows[:4]), "test": Dataset.from_list(rows[4:])}).save_to_disk(saved)
-    config = {**base, "task": "dataset", "reward_funcs": ["trl_lopti.tasks.arithmetic.exact_answer_reward"],
-              "eval_strategy": "steps"}  # fmt: skip
+    config = {
+        **base,
+        "task": "dataset",
+        "reward_funcs": ["trl_lopti.tasks.arithmetic.exact_answer_reward"],
+        "eval_strategy": "steps",
+    }
     expected = {data_file: (rows, rows), folder: (rows[:2], rows[2:3]), saved: (rows[:4], rows[4:])}
     for name, (train_rows, eval_rows) in expected.items():
         config_path = write_yaml(tmp_path / "d.yaml", {**config, "dataset_name": str(name)})
@@ -185,15 +202,28 @@ def test_local_data_files_folders_and_saved_datasets(tmp_path, base):
 def test_train_from_yaml_with_lora(tmp_path, base, run_cli):
     """`trl-lopti train --config` trains a tiny model with LoRA, AR and Lopti on a local dataset, and saves it."""
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 2? The answer is", "answer": i + 2}) + "\n"
-                            for i in range(4)))  # fmt: skip
+    data.write_text(
+        "".join(json.dumps({"prompt": f"What is {i} + 2? The answer is", "answer": i + 2}) + "\n" for i in range(4))
+    )
     values = {
-        **base, "task": "dataset", "dataset_name": str(data),
-        "reward_funcs": ["trl_lopti.tasks.arithmetic.exact_answer_reward"], "use_peft": True, "lora_r": 4,
-        "lora_target_modules": ["q_proj", "v_proj"], "max_steps": 2, "per_device_train_batch_size": 4,
-        "num_generations": 2, "max_completion_length": 4, "learning_rate": "1e-3", "logging_steps": 1,
-        "save_strategy": "no", "report_to": "none", "advantage_reweighting_alpha": 0.3, "lopti_threshold": 0.5,
-    }  # fmt: skip
+        **base,
+        "task": "dataset",
+        "dataset_name": str(data),
+        "reward_funcs": ["trl_lopti.tasks.arithmetic.exact_answer_reward"],
+        "use_peft": True,
+        "lora_r": 4,
+        "lora_target_modules": ["q_proj", "v_proj"],
+        "max_steps": 2,
+        "per_device_train_batch_size": 4,
+        "num_generations": 2,
+        "max_completion_length": 4,
+        "learning_rate": "1e-3",
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "advantage_reweighting_alpha": 0.3,
+        "lopti_threshold": 0.5,
+    }
     code, _, err = run_cli(["train", "--config", write_yaml(tmp_path / "train.yaml", values)])
     assert code == 0, err
     out_dir = Path(base["output_dir"])
@@ -205,10 +235,17 @@ def test_train_from_yaml_with_lora(tmp_path, base, run_cli):
 def test_train_knights_knaves_gives_grpo_the_prefilled_think_as_text(tmp_path, base):
     """GRPOTrainer never continues a final assistant message: K&K prompts reach it as text left open at "<think>"."""
     values = {
-        **base, "kk_num_people": [2], "kk_num_samples": 2, "kk_prefill_think": True, "max_steps": 1,
-        "per_device_train_batch_size": 2, "num_generations": 2, "max_completion_length": 4, "save_strategy": "no",
+        **base,
+        "kk_num_people": [2],
+        "kk_num_samples": 2,
+        "kk_prefill_think": True,
+        "max_steps": 1,
+        "per_device_train_batch_size": 2,
+        "num_generations": 2,
+        "max_completion_length": 4,
+        "save_strategy": "no",
         "report_to": "none",
-    }  # fmt: skip
+    }
     trainer = run_training(*parse_train_args(["--config", write_yaml(tmp_path / "kk.yaml", values)]))
     prompts = trainer.train_dataset["prompt"]
     assert len(prompts) == 2 and all(text.endswith("<|im_start|>assistant\n<think>") for text in prompts)

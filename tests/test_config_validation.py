@@ -113,8 +113,12 @@ def test_every_lopti_pass_must_end_on_an_optimizer_step_and_the_error_gives_a_fi
     config = make(gradient_accumulation_steps=accumulation, steps_per_generation=suggested, num_iterations=iterations)
     assert (config.steps_per_generation * config.num_iterations) % config.gradient_accumulation_steps == 0
     # fine without Lopti
-    make(gradient_accumulation_steps=accumulation, steps_per_generation=steps, num_iterations=iterations,
-         lopti_threshold=None)
+    make(
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=steps,
+        num_iterations=iterations,
+        lopti_threshold=None,
+    )
 
 
 def test_a_plain_grpo_config_is_upgraded_with_a_visible_warning():
@@ -132,8 +136,9 @@ def test_a_plain_grpo_config_is_upgraded_with_a_visible_warning():
 
 
 def test_a_plain_grpo_config_with_an_unfit_schedule_gets_an_error_in_its_own_terms():
-    plain = GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, steps_per_generation=3,
-                       gradient_accumulation_steps=2)
+    plain = GRPOConfig(
+        output_dir="unused", report_to="none", use_cpu=True, steps_per_generation=3, gradient_accumulation_steps=2
+    )
     with pytest.raises(ValueError, match="plain GRPOConfig") as error:
         as_lopti_config(plain, model="some/model")
     message = str(error.value)
@@ -142,6 +147,11 @@ def test_a_plain_grpo_config_with_an_unfit_schedule_gets_an_error_in_its_own_ter
 
 def test_fields_have_help_for_the_cli():
     helps = {f.name: f.metadata.get("help", "") for f in fields(LoptiGRPOConfig)}
-    for name in ("advantage_reweighting_alpha", "lopti_threshold", "lopti_quantile", "lopti_order",
-                 "advantage_estimator"):
+    for name in (
+        "advantage_reweighting_alpha",
+        "lopti_threshold",
+        "lopti_quantile",
+        "lopti_order",
+        "advantage_estimator",
+    ):
         assert helps[name]

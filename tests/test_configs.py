@@ -18,17 +18,35 @@ NUM_PROCESSES = 4  # trainer.n_gpus_per_node=4 in the authors' scripts; every pr
 
 # The authors' K&K script (identical in the four files but for alpha / eta / SEPERATE_UPDT), in verl's names.
 SCRIPT = {
-    "TRAIN_BS": 64, "ROLLOUT_N": 8, "UPDATE_BS": 256, "MICRO_BS": 32, "LR": 1e-6, "EPOCH": 5, "ROLLOUT_TEMP": 0.7,
-    "CLIP_LOW": 0.2, "CLIP_HIGH": 0.24, "clip_ratio_c": 10.0, "KL_COEF": 0.001, "max_response_length": 4096,
-    "weight_decay": 0.01, "grad_clip": 1.0, "test_freq": 20, "save_freq": 20,
-}  # fmt: skip
+    "TRAIN_BS": 64,
+    "ROLLOUT_N": 8,
+    "UPDATE_BS": 256,
+    "MICRO_BS": 32,
+    "LR": 1e-6,
+    "EPOCH": 5,
+    "ROLLOUT_TEMP": 0.7,
+    "CLIP_LOW": 0.2,
+    "CLIP_HIGH": 0.24,
+    "clip_ratio_c": 10.0,
+    "KL_COEF": 0.001,
+    "max_response_length": 4096,
+    "weight_decay": 0.01,
+    "grad_clip": 1.0,
+    "test_freq": 20,
+    "save_freq": 20,
+}
 # (advantage_estimator, alpha, eta) by the method suffix of a file name: the scripts' REWEIGHT_K / SEPERATE_PROB on
 # K&K; the paper's text for math (alpha 0.1, eta 0.5) and for REINFORCE++ (alpha 0.1, eta 0.5).
 KK_METHODS = {
-    "grpo": ("grpo", 0.0, None), "ar": ("grpo", 0.2, None), "lopti": ("grpo", 0.0, 0.4), "ar_lopti": ("grpo", 0.3, 0.5),
-    "reinforce_pp": ("reinforce_plus_plus", 0.0, None), "reinforce_pp_ar": ("reinforce_plus_plus", 0.1, None),
-    "reinforce_pp_lopti": ("reinforce_plus_plus", 0.0, 0.5), "reinforce_pp_ar_lopti": ("reinforce_plus_plus", 0.1, 0.5),
-}  # fmt: skip
+    "grpo": ("grpo", 0.0, None),
+    "ar": ("grpo", 0.2, None),
+    "lopti": ("grpo", 0.0, 0.4),
+    "ar_lopti": ("grpo", 0.3, 0.5),
+    "reinforce_pp": ("reinforce_plus_plus", 0.0, None),
+    "reinforce_pp_ar": ("reinforce_plus_plus", 0.1, None),
+    "reinforce_pp_lopti": ("reinforce_plus_plus", 0.0, 0.5),
+    "reinforce_pp_ar_lopti": ("reinforce_plus_plus", 0.1, 0.5),
+}
 MATH_METHODS = {"grpo": ("grpo", 0.0, None), "ar": ("grpo", 0.1, None), "lopti": ("grpo", 0.0, 0.5)}
 SCRIPT_OF = {"grpo": "baseline", "ar": "AR", "lopti": "Lopti", "ar_lopti": "AR-Lopti"}
 
@@ -109,8 +127,13 @@ def test_preset_reproduces_the_authors_script(path, capsys):
     assert training_args.advantage_reweighting_alpha == alpha
     assert training_args.lopti_threshold == eta
     assert training_args.lopti_order == "low_first"
-    expected_lopti = {"advantage_reweighting_alpha": alpha, "lopti_threshold": eta, "lopti_quantile": None,
-                      "lopti_order": "low_first", "advantage_estimator": estimator}  # fmt: skip
+    expected_lopti = {
+        "advantage_reweighting_alpha": alpha,
+        "lopti_threshold": eta,
+        "lopti_quantile": None,
+        "lopti_order": "low_first",
+        "advantage_estimator": estimator,
+    }
     assert resolved["lopti"] == expected_lopti
     if method in SCRIPT_OF:
         assert f"scripts/train_kklogic_{SCRIPT_OF[method]}_4x80GB.sh" in text or group == "math"
@@ -209,9 +232,13 @@ def test_accelerate_config_loads_with_accelerate(path):
 
     config = ClusterConfig.from_yaml_file(str(path))
     expected = {
-        "multi_gpu.yaml": "MULTI_GPU", "vllm_server.yaml": "FSDP", "zero2.yaml": "DEEPSPEED",
-        "zero3.yaml": "DEEPSPEED", "fsdp2.yaml": "FSDP", "fsdp2_offload.yaml": "FSDP",
-    }  # fmt: skip
+        "multi_gpu.yaml": "MULTI_GPU",
+        "vllm_server.yaml": "FSDP",
+        "zero2.yaml": "DEEPSPEED",
+        "zero3.yaml": "DEEPSPEED",
+        "fsdp2.yaml": "FSDP",
+        "fsdp2_offload.yaml": "FSDP",
+    }
     assert str(config.distributed_type).split(".")[-1] == expected[path.name]
     assert config.mixed_precision == "bf16" and config.use_cpu is False
     if path.name.startswith("zero"):
@@ -242,15 +269,25 @@ def write_paper_data(folder: Path) -> dict:
     datasets.Dataset.from_list(rows[:4]).to_parquet(str(folder / "3ppl" / "train.parquet"))
     datasets.Dataset.from_list(rows[4:]).to_parquet(str(folder / "3ppl" / "test.parquet"))
     suffix = "Let's think step by step and output the final answer within \\boxed{}."
-    math_rows = [{"prompt": [{"content": f"What is {i} + {i}? {suffix}", "role": "user"}],
-                  "reward_model": {"ground_truth": str(2 * i), "style": "rule"}} for i in range(4)]  # fmt: skip
+    math_rows = [
+        {
+            "prompt": [{"content": f"What is {i} + {i}? {suffix}", "role": "user"}],
+            "reward_model": {"ground_truth": str(2 * i), "style": "rule"},
+        }
+        for i in range(4)
+    ]
     datasets.Dataset.from_list(math_rows).to_parquet(str(folder / "dsr.parquet"))
-    return {"kk": ["--kk_num_people", "3", "--kk_data_dir", str(folder)],
-            "math": ["--math_data_file", str(folder / "dsr.parquet")]}  # fmt: skip
+    return {
+        "kk": ["--kk_num_people", "3", "--kk_data_dir", str(folder)],
+        "math": ["--math_data_file", str(folder / "dsr.parquet")],
+    }
 
 
-PRESETS_TRAINED = ["kk/qwen2.5-3b-instruct_ar_lopti.yaml", "kk/qwen2.5-3b-instruct_reinforce_pp_ar_lopti.yaml",
-                   "math/qwen2.5-7b_dsr_uniform_lopti.yaml"]  # fmt: skip
+PRESETS_TRAINED = [
+    "kk/qwen2.5-3b-instruct_ar_lopti.yaml",
+    "kk/qwen2.5-3b-instruct_reinforce_pp_ar_lopti.yaml",
+    "math/qwen2.5-7b_dsr_uniform_lopti.yaml",
+]
 
 
 @pytest.mark.slow
@@ -261,11 +298,35 @@ def test_preset_trains_a_tiny_model_through_the_cli(name, tmp_path, tiny_model_p
     from trl_lopti.cli.train import run_training
 
     local_data = write_paper_data(tmp_path / "data")[name.split("/")[0]]
-    argv = ["--config", str(CONFIGS / name), "--model_name_or_path", tiny_model_path, "--output_dir",
-            str(tmp_path / "out"), "--use_cpu", "true", "--report_to", "none", "--max_steps", "2",
-            "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--steps_per_generation", "1",
-            "--num_generations", "4", "--max_completion_length", "8", "--eval_strategy", "no", "--save_strategy", "no",
-            *local_data]  # fmt: skip
+    argv = [
+        "--config",
+        str(CONFIGS / name),
+        "--model_name_or_path",
+        tiny_model_path,
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--use_cpu",
+        "true",
+        "--report_to",
+        "none",
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+        "--gradient_accumulation_steps",
+        "1",
+        "--steps_per_generation",
+        "1",
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "8",
+        "--eval_strategy",
+        "no",
+        "--save_strategy",
+        "no",
+        *local_data,
+    ]
     trainer = run_training(*parse_train_args(argv))
     assert trainer.state.global_step == 2 and trainer.args.beta == SCRIPT["KL_COEF"] and trainer.ref_model is not None
     logged = {key for entry in trainer.state.log_history for key in entry}

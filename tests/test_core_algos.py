@@ -70,8 +70,9 @@ def test_threshold_is_strict_in_probability_space():
     logps = torch.tensor([[x, x - 1.0, x, x + 0.5, x]])
     eta = float(torch.exp(logps)[0, 0])  # the token's own probability, as the mask computes it
     assert low_probability_token_mask(logps, torch.ones(1, 5), eta).tolist() == [[False, True, False, False, False]]
-    low = low_probability_token_mask(torch.log(torch.tensor([[0.3, 0.5, 0.7]], dtype=torch.float64)),
-                                     torch.ones(1, 3), 0.5)  # fmt: skip
+    low = low_probability_token_mask(
+        torch.log(torch.tensor([[0.3, 0.5, 0.7]], dtype=torch.float64)), torch.ones(1, 3), 0.5
+    )
     assert low.tolist() == [[True, False, False]]
 
 
@@ -120,8 +121,9 @@ def reinforce_plus_plus_by_tokens(rewards, lengths):
     """Independent REINFORCE++: write every token's return out, whiten the token list, read one value per sequence."""
     token_returns = np.concatenate([np.full(length, reward) for reward, length in zip(rewards, lengths)])
     mean, variance = token_returns.mean(), token_returns.var(ddof=1)
-    return np.array([(reward - mean) / np.sqrt(variance + 1e-8) if length else 0.0
-                     for reward, length in zip(rewards, lengths)])
+    return np.array(
+        [(reward - mean) / np.sqrt(variance + 1e-8) if length else 0.0 for reward, length in zip(rewards, lengths)]
+    )
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -150,7 +152,8 @@ def test_reinforce_plus_plus_degenerate_batches_give_finite_advantages():
     assert torch.equal(nothing, torch.zeros(2))
     unscorable = reinforce_plus_plus_advantages(torch.tensor([1.0, float("nan"), 0.0]), torch.tensor([2, 3, 2]))
     assert torch.isfinite(unscorable).all() and unscorable[1] == 0
-    np.testing.assert_allclose(unscorable.numpy()[[0, 2]], reinforce_plus_plus_by_tokens([1.0, 0.0], [2, 2]),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        unscorable.numpy()[[0, 2]], reinforce_plus_plus_by_tokens([1.0, 0.0], [2, 2]), rtol=1e-5
+    )
     with pytest.raises(ValueError, match=r"shape \(N,\)"):
         reinforce_plus_plus_advantages(torch.zeros(2, 3), torch.ones(2, 3))

@@ -23,8 +23,9 @@ def test_split_is_disjoint_complete_and_seeded():
     train_prompts, held_out_prompts = [p for p, _ in train["add"]], [p for _, p, _ in held_out]
     assert len(held_out_prompts) == 30 and len(train_prompts) == 70
     assert not set(train_prompts) & set(held_out_prompts)
-    assert set(train_prompts) | set(held_out_prompts) == {f"What is {a} + {b}? The answer is" for a in range(10)
-                                                          for b in range(10)}  # fmt: skip
+    assert set(train_prompts) | set(held_out_prompts) == {
+        f"What is {a} + {b}? The answer is" for a in range(10) for b in range(10)
+    }
     assert arithmetic.split_problems("add", 30, split_seed=0) == (train, held_out)
     assert arithmetic.split_problems("add", 30, split_seed=1)[1] != held_out
     for family, prompt, answer in held_out:
@@ -83,12 +84,26 @@ def test_evaluate_counts_greedy_and_sampled_answers(tiny_tokenizer):
     tokenizer = tiny_tokenizer
     held_out = [("add", f"What is {a} + {b}? The answer is", a + b) for a, b in [(1, 2), (3, 4), (9, 9)]]
     # Greedy always right; of 4 samples per prompt, those with offset 0 are right: 2 of 4.
-    result = arithmetic.evaluate_held_out(ScriptedModel(tokenizer, [0, 1, 0, 5]), tokenizer, held_out,
-                                          arithmetic.exact_answer_reward, 6, 1.0, samples=4, seed=0)  # fmt: skip
-    assert result == {"accuracy": 1.0, "reward": 0.5, "per_family": {"add": {"accuracy": 1.0, "reward": 0.5}},
-                      "num_prompts": 3, "num_samples": 12}  # fmt: skip
-    result = arithmetic.evaluate_held_out(ScriptedModel(tokenizer, [2]), tokenizer, held_out,
-                                          arithmetic.exact_answer_reward, 6, 1.0, samples=1, seed=0)  # fmt: skip
+    result = arithmetic.evaluate_held_out(
+        ScriptedModel(tokenizer, [0, 1, 0, 5]),
+        tokenizer,
+        held_out,
+        arithmetic.exact_answer_reward,
+        6,
+        1.0,
+        samples=4,
+        seed=0,
+    )
+    assert result == {
+        "accuracy": 1.0,
+        "reward": 0.5,
+        "per_family": {"add": {"accuracy": 1.0, "reward": 0.5}},
+        "num_prompts": 3,
+        "num_samples": 12,
+    }
+    result = arithmetic.evaluate_held_out(
+        ScriptedModel(tokenizer, [2]), tokenizer, held_out, arithmetic.exact_answer_reward, 6, 1.0, samples=1, seed=0
+    )
     assert result["accuracy"] == 1.0 and result["reward"] == 0.0
 
 
@@ -102,25 +117,44 @@ def test_table():
 # ---------------------------------------------------------------------------------------------------------------------
 # The demo end to end on a tiny model
 # ---------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("lopti_threshold, steps_per_generation, steps_per_batch",
-                         [("0.5", 1, 2), ("None", 1, 1), ("0.5", 2, 4)])  # fmt: skip
+@pytest.mark.parametrize(
+    "lopti_threshold, steps_per_generation, steps_per_batch", [("0.5", 1, 2), ("None", 1, 1), ("0.5", 2, 4)]
+)
 def test_demo_runs_on_a_local_model_folder(
     tmp_path, tiny_model_path, run_cli, lopti_threshold, steps_per_generation, steps_per_batch
 ):
     out = tmp_path / "demo"
     argv = [
-        "demo", "--model_name_or_path", tiny_model_path, "--output_dir", str(out), "--rollout_batches", "2",
-        "--per_device_train_batch_size", "4", "--num_generations", "2", "--num_eval_pairs", "5", "--eval_samples", "2",
-        "--lopti_threshold", lopti_threshold, "--steps_per_generation", str(steps_per_generation),
-    ]  # fmt: skip
+        "demo",
+        "--model_name_or_path",
+        tiny_model_path,
+        "--output_dir",
+        str(out),
+        "--rollout_batches",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_generations",
+        "2",
+        "--num_eval_pairs",
+        "5",
+        "--eval_samples",
+        "2",
+        "--lopti_threshold",
+        lopti_threshold,
+        "--steps_per_generation",
+        str(steps_per_generation),
+    ]
     code, printed, err = run_cli(argv)
     assert code == 0, err
     results = json.loads((out / "results.json").read_text())
     assert results["model"] == tiny_model_path
     assert results["optimizer_steps"] == 2 * steps_per_batch
     assert results["rollouts"] == 2 * 4 * steps_per_generation  # batches x completions per batch
-    assert results["method"] == {"advantage_reweighting_alpha": 0.3,
-                                 "lopti_threshold": None if lopti_threshold == "None" else 0.5}  # fmt: skip
+    assert results["method"] == {
+        "advantage_reweighting_alpha": 0.3,
+        "lopti_threshold": None if lopti_threshold == "None" else 0.5,
+    }
     for phase in ("before", "after"):
         assert results[phase]["num_prompts"] == 5 and results[phase]["num_samples"] == 10
         assert 0.0 <= results[phase]["reward"] <= 1.0 and 0.0 <= results[phase]["accuracy"] <= 1.0
@@ -219,10 +253,16 @@ def write_tiny_llama_gguf(model_dir: str, path: Path) -> None:
     writer.add_tensor("output_norm.weight", state["model.norm.weight"])
     writer.add_tensor("output.weight", state["lm_head.weight"])
     names = {
-        "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    }  # fmt: skip
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     for layer in range(config.num_hidden_layers):
         for hf_name, gguf_name in names.items():
             weight = state[f"model.layers.{layer}.{hf_name}.weight"]

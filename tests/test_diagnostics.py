@@ -41,11 +41,24 @@ def length_reward(completions, **kwargs):
 def make_trainer(model_path, tmp_path, trainer_class=GRPOTrainer, **overrides):
     """A trainer on the tiny model in float64 with an exact log-prob head (`use_exact_log_prob_head`), 8 completions
     (2 prompts x 4) of up to 6 tokens per generation batch."""
-    config = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
-                  temperature=TEMPERATURE, use_cpu=True, report_to="none", seed=0, **FLOAT64)  # fmt: skip
+    config = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=6,
+        temperature=TEMPERATURE,
+        use_cpu=True,
+        report_to="none",
+        seed=0,
+        **FLOAT64,
+    )
     config_class = GRPOConfig if trainer_class is GRPOTrainer else LoptiGRPOConfig
-    trainer = trainer_class(model=model_path, reward_funcs=length_reward, args=config_class(**{**config, **overrides}),
-                            train_dataset=Dataset.from_list(ROWS))  # fmt: skip
+    trainer = trainer_class(
+        model=model_path,
+        reward_funcs=length_reward,
+        args=config_class(**{**config, **overrides}),
+        train_dataset=Dataset.from_list(ROWS),
+    )
     use_exact_log_prob_head(trainer)
     return trainer
 
@@ -85,8 +98,7 @@ LOSS_CASES = [
 
 
 @pytest.mark.parametrize("options", LOSS_CASES, ids=lambda options: "-".join(map(str, options.values())))
-def test_quartile_gradients_add_up_to_the_trainers_gradient(tiny_float64_model_path, tmp_path, float64_norms,
-                                                            options):  # fmt: skip
+def test_quartile_gradients_add_up_to_the_trainers_gradient(tiny_float64_model_path, tmp_path, float64_norms, options):
     """For every TRL loss type and option: the quartiles' summed gradients (TRL's `d L / d log pi` and `d L / d H`
     pushed back through TRL's forward) add up to the gradient of the trainer's own `compute_loss(...).backward()`."""
     trainer = make_trainer(tiny_float64_model_path, tmp_path, beta=0.1, epsilon_high=0.28, **options)
@@ -173,8 +185,9 @@ def test_hidden_state_gradient_norms_match_autograd(tiny_float64_model_path, tmp
 
     d_logps, d_entropies = trl_loss_gradients(trainer, inputs, *trl_values(trainer, inputs))
     assert d_entropies.abs().sum() > 0  # the entropy bonus reaches the hidden state too
-    norms = hidden_state_gradient_norms(logits.detach(), inputs["completion_ids"], model.lm_head.weight, TEMPERATURE,
-                                        d_logps, d_entropies)  # fmt: skip
+    norms = hidden_state_gradient_norms(
+        logits.detach(), inputs["completion_ids"], model.lm_head.weight, TEMPERATURE, d_logps, d_entropies
+    )
     mask = inputs["completion_mask"].bool()
     torch.testing.assert_close(norms["loss"][mask], loss_grad.norm(dim=-1)[mask], rtol=1e-9, atol=1e-14)
     torch.testing.assert_close(norms["unit"][mask], unit_grad.norm(dim=-1)[mask], rtol=1e-9, atol=1e-14)
@@ -204,14 +217,21 @@ def test_probe_moves_probabilities_as_real_updates_do(tiny_float64_model_path, t
     """The probe's GRPO, AR and Lopti updates equal SGD steps of TRL's loss (Lopti: the low tokens, then the high
     tokens from the new parameters against the same pi_old), on the trainer's model; it is restored after each."""
     lr, alpha = 2.0, 0.3
-    trainer = make_trainer(tiny_float64_model_path, tmp_path, LoptiGRPOTrainer, lopti_threshold=None,
-                           lopti_quantile=0.4, advantage_reweighting_alpha=alpha)  # fmt: skip
+    trainer = make_trainer(
+        tiny_float64_model_path,
+        tmp_path,
+        LoptiGRPOTrainer,
+        lopti_threshold=None,
+        lopti_quantile=0.4,
+        advantage_reweighting_alpha=alpha,
+    )
     torch.manual_seed(0)
     inputs, _ = sample_generation_batch(trainer, ROWS)
     model = trainer.model.eval()
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
-    report = run_token_diagnostics(trainer, inputs, probe_methods=("grpo", "ar", "lopti", "lowest_quartile_only"),
-                                   lr=lr, micro_batch_size=3)  # fmt: skip
+    report = run_token_diagnostics(
+        trainer, inputs, probe_methods=("grpo", "ar", "lopti", "lowest_quartile_only"), lr=lr, micro_batch_size=3
+    )
     for name, param in model.named_parameters():
         assert torch.equal(param, before[name])
     probe, gradients = report["probe"], report["gradients"]
@@ -223,12 +243,16 @@ def test_probe_moves_probabilities_as_real_updates_do(tiny_float64_model_path, t
     low = (old_logps.exp() < probe["eta"]) & mask
     assert probe["low_token_count"] == int(low.sum()) and 0 < int(low.sum()) < int(mask.sum())
     assert probe["methods"]["lowest_quartile_only"]["update_norm"] == pytest.approx(
-        lr * gradients["quartiles"][0]["summed_grad_norm"], rel=1e-9)  # fmt: skip
+        lr * gradients["quartiles"][0]["summed_grad_norm"], rel=1e-9
+    )
 
     on_policy = dict(inputs, old_per_token_logps=old_logps)
     ar_inputs = dict(on_policy, advantages=reweight_advantages(inputs["advantages"], old_logps, alpha))
-    updates = {"grpo": [(on_policy, None)], "ar": [(ar_inputs, None)],
-               "lopti": [(on_policy, low), (on_policy, mask & ~low)]}  # fmt: skip
+    updates = {
+        "grpo": [(on_policy, None)],
+        "ar": [(ar_inputs, None)],
+        "lopti": [(on_policy, low), (on_policy, mask & ~low)],
+    }
     logps_before = completion_log_probs(model, inputs, TEMPERATURE)
     group, _ = quartiles(old_logps.exp(), mask)
     advantages = inputs["advantages"][:, None].expand_as(mask)
@@ -257,11 +281,22 @@ def test_probe_moves_probabilities_as_real_updates_do(tiny_float64_model_path, t
 def test_callback_logs_during_training_and_leaves_trls_metrics_alone(tiny_model_path, tmp_path):
     """The callback measures the current generation batch of a real `train()` (a LoptiGRPOTrainer with AR and Lopti)
     and logs under `diagnostics/`; what TRL's loss logs during the measurement does not reach the logs."""
-    config = LoptiGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                             max_completion_length=6, max_steps=2, logging_steps=1, beta=0.1, use_cpu=True,
-                             bf16=False, report_to="none", save_strategy="no")  # fmt: skip
-    trainer = LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=length_reward, args=config,
-                               train_dataset=Dataset.from_list(ROWS * 4))  # fmt: skip
+    config = LoptiGRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=2,
+        logging_steps=1,
+        beta=0.1,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+    )
+    trainer = LoptiGRPOTrainer(
+        model=tiny_model_path, reward_funcs=length_reward, args=config, train_dataset=Dataset.from_list(ROWS * 4)
+    )
     callback = TokenDiagnosticsCallback(trainer, every_n_steps=1, summed_gradients=True)
     trainer.add_callback(callback)
     trainer.train()
@@ -280,8 +315,10 @@ def puzzle_length_reward(completions, prompts, solution_text_format, **kwargs):
     return length_reward(completions)
 
 
-CLI_CASES = [*[["--loss_type", loss_type] for loss_type in TRL_LOSS_TYPES],
-             ["--loss_type", "grpo", "--importance_sampling_level", "sequence"]]
+CLI_CASES = [
+    *[["--loss_type", loss_type] for loss_type in TRL_LOSS_TYPES],
+    ["--loss_type", "grpo", "--importance_sampling_level", "sequence"],
+]
 
 
 @pytest.mark.parametrize("flags", CLI_CASES, ids=lambda flags: "-".join(flags[1::2]))
@@ -289,10 +326,34 @@ def test_diagnose_runs_for_every_trl_loss(tiny_model_path, tmp_path, flags):
     """`trl-lopti diagnose` with `trl-lopti train`'s options (its default task, generated K&K puzzles, rendered as train
     renders them, and a reward function by import path) measures a batch of 2 prompts x 2 completions for every TRL
     loss; `num_iterations 2` first takes one Adam step on it."""
-    argv = ["--model_name_or_path", tiny_model_path, "--kk_num_samples", "2", "--reward_funcs",
-            "test_diagnostics.puzzle_length_reward", "--per_device_train_batch_size", "4", "--num_generations", "2",
-            "--max_completion_length", "4", "--beta", "0.04", "--epsilon_high", "0.28", "--probe_methods", "grpo",
-            "lopti", "--probe_lr", "0.1", "--use_cpu", "true", "--output_dir", str(tmp_path), *flags]  # fmt: skip
+    argv = [
+        "--model_name_or_path",
+        tiny_model_path,
+        "--kk_num_samples",
+        "2",
+        "--reward_funcs",
+        "test_diagnostics.puzzle_length_reward",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_generations",
+        "2",
+        "--max_completion_length",
+        "4",
+        "--beta",
+        "0.04",
+        "--epsilon_high",
+        "0.28",
+        "--probe_methods",
+        "grpo",
+        "lopti",
+        "--probe_lr",
+        "0.1",
+        "--use_cpu",
+        "true",
+        "--output_dir",
+        str(tmp_path),
+        *flags,
+    ]
     dapo = "dapo" in flags
     argv += ["--num_iterations", "2", "--learning_rate", "1e-2"] if dapo else ["--no_plots"]
     assert diagnose_main(argv) == 0
@@ -311,13 +372,16 @@ def test_diagnose_runs_for_every_trl_loss(tiny_model_path, tmp_path, flags):
         assert report["inner_steps"] is None and not (tmp_path / "gradients.png").exists()
 
 
-@pytest.mark.parametrize("argv, field", [
-    (["--probe_methods", "grpo", "sideways"], "sideways"),
-    (["--lopti_threshold", "None"], "probe_methods"),  # the default probes include Lopti's
-    (["--num_prompts", "0"], "num_prompts"),
-    (["--task", "toy"], "task"),  # trl-lopti train's own check
-    (["--dry_run"], "dry_run"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (["--probe_methods", "grpo", "sideways"], "sideways"),
+        (["--lopti_threshold", "None"], "probe_methods"),  # the default probes include Lopti's
+        (["--num_prompts", "0"], "num_prompts"),
+        (["--task", "toy"], "task"),  # trl-lopti train's own check
+        (["--dry_run"], "dry_run"),
+    ],
+)
 def test_diagnose_refuses_bad_arguments_before_loading(tiny_model_path, run_cli, tmp_path, argv, field):
     base = ["diagnose", "--model_name_or_path", tiny_model_path, "--use_cpu", "true", "--output_dir", str(tmp_path)]
     code, _, err = run_cli(base + argv)

@@ -21,8 +21,17 @@ def torchrun(script_name: str, num_processes: int, *arguments: str) -> None:
     script = Path(__file__).with_name(script_name)
     environment = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(num_processes), "--master_addr",
-        "127.0.0.1", "--master_port", str(free_port()), str(script), *arguments,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(num_processes),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(script),
+        *arguments,
     ]
     completed = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr[-4000:]
@@ -69,15 +78,19 @@ def assert_reinforce_plus_plus_whitens_over_both_processes(per_rank_batches):
 def test_two_process_ddp_equals_one_process_with_twice_the_batch(tiny_float64_model_path, tmp_path):
     """A Lopti cycle (sequence-level ratio, KL, AR) on a fixed generation batch split over 2 gloo processes, float64."""
     import torch
-    from transformers import AutoModelForCausalLM
-
     from conftest import assert_parameters_close
+    from transformers import AutoModelForCausalLM
 
     results = {}
     for num_processes in (1, 2):
         path = tmp_path / f"parameters_{num_processes}.pt"
-        torchrun("ddp_equivalence_script.py", num_processes, tiny_float64_model_path,
-                 str(tmp_path / f"out{num_processes}"), str(path))
+        torchrun(
+            "ddp_equivalence_script.py",
+            num_processes,
+            tiny_float64_model_path,
+            str(tmp_path / f"out{num_processes}"),
+            str(path),
+        )
         results[num_processes] = torch.load(path)
     assert [results[n]["world_size"] for n in (1, 2)] == [1, 2]
     initial = dict(AutoModelForCausalLM.from_pretrained(tiny_float64_model_path).named_parameters())

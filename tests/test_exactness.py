@@ -10,11 +10,11 @@ import math
 
 import pytest
 import torch
-from datasets import Dataset
-
 from conftest import FLOAT64, in_pass, threshold_between_values, use_exact_log_prob_head
+from datasets import Dataset
 from reference_grpo import completion_logps_and_entropies, reference_grpo_loss
 from trl import GRPOTrainer
+
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
 
@@ -52,8 +52,9 @@ def pristine_trainer(tiny_float64_model_path, tmp_path_factory):
         **FLOAT64,
     )
     dataset = Dataset.from_dict({"prompt": ["a"] * 4})
-    trainer = LoptiGRPOTrainer(model=tiny_float64_model_path, reward_funcs=constant_reward, args=config,
-                               train_dataset=dataset)
+    trainer = LoptiGRPOTrainer(
+        model=tiny_float64_model_path, reward_funcs=constant_reward, args=config, train_dataset=dataset
+    )
     use_exact_log_prob_head(trainer)
     trainer.current_gradient_accumulation_steps = 1
     torch.manual_seed(1)
@@ -62,8 +63,11 @@ def pristine_trainer(tiny_float64_model_path, tmp_path_factory):
             parameter.add_(0.05 * torch.randn_like(parameter))
     trainer.model.train()
     assert trainer.model.dtype == trainer.ref_model.dtype == torch.float64
-    snapshot = (dict(trainer.__dict__), copy.deepcopy(trainer._metrics),
-                {name: value.clone() for name, value in trainer.model.state_dict().items()})
+    snapshot = (
+        dict(trainer.__dict__),
+        copy.deepcopy(trainer._metrics),
+        {name: value.clone() for name, value in trainer.model.state_dict().items()},
+    )
     return trainer, snapshot
 
 
@@ -179,8 +183,9 @@ def assert_gradients_close(actual: dict, expected: dict, relative_to_largest: fl
     for name in expected:
         atol = GRADIENT_ATOL + relative_to_largest * float(expected[name].abs().max())
         rtol = max(GRADIENT_RTOL, relative_to_largest)
-        torch.testing.assert_close(actual[name], expected[name], atol=atol, rtol=rtol,
-                                   msg=lambda message, name=name: f"{name}: {message}")
+        torch.testing.assert_close(
+            actual[name], expected[name], atol=atol, rtol=rtol, msg=lambda message, name=name: f"{name}: {message}"
+        )
 
 
 @pytest.mark.parametrize("loss_type", REFERENCE_LOSS_TYPES)
@@ -223,7 +228,9 @@ def test_lopti_pass_matches_independent_grpo(trainer, loss_type, beta, token_gro
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
 @pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
-def test_low_pass_plus_high_pass_equals_plain_gradient(trainer, loss_type, beta, entropy_coef, importance_sampling_level):
+def test_low_pass_plus_high_pass_equals_plain_gradient(
+    trainer, loss_type, beta, entropy_coef, importance_sampling_level
+):
     if loss_type == "vespo" and importance_sampling_level == "sequence":
         pytest.skip("VESPO is sequence-level by construction")
     inputs = make_batch(trainer, seed=7)
@@ -312,21 +319,32 @@ TRL_OPTIONS = {
 
 def apply_options(trainer, inputs: dict, options: dict):
     """Sets TRL options on the trainer (and the vLLM fields on the batch); returns a function that undoes it."""
-    saved = (trainer.top_entropy_quantile, trainer.args.delta, trainer.off_policy_mask_threshold, trainer.use_vllm,
-             trainer.vllm_importance_sampling_correction)
+    saved = (
+        trainer.top_entropy_quantile,
+        trainer.args.delta,
+        trainer.off_policy_mask_threshold,
+        trainer.use_vllm,
+        trainer.vllm_importance_sampling_correction,
+    )
     trainer.top_entropy_quantile = options.get("top_entropy_quantile", 1.0)
     trainer.args.delta = options.get("delta")
     trainer.off_policy_mask_threshold = options.get("off_policy_mask_threshold")
     if options.get("vllm"):
         generator = torch.Generator().manual_seed(4)
         inputs["sampling_per_token_logps"] = inputs["old_per_token_logps"] + 0.2 * torch.randn(
-            inputs["old_per_token_logps"].shape, generator=generator)
+            inputs["old_per_token_logps"].shape, generator=generator
+        )
         inputs["importance_sampling_ratio"] = 0.5 + torch.rand(inputs["completion_mask"].shape, generator=generator)
         trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
 
     def restore():
-        (trainer.top_entropy_quantile, trainer.args.delta, trainer.off_policy_mask_threshold, trainer.use_vllm,
-         trainer.vllm_importance_sampling_correction) = saved
+        (
+            trainer.top_entropy_quantile,
+            trainer.args.delta,
+            trainer.off_policy_mask_threshold,
+            trainer.use_vllm,
+            trainer.vllm_importance_sampling_correction,
+        ) = saved
 
     return restore
 
@@ -411,11 +429,21 @@ def test_lopti_pass_matches_the_independent_general_form(trainer, loss_type, imp
     logps, entropies = completion_logps_and_entropies(trainer.model, inputs, TEMPERATURE)
     old_logps = inputs["old_per_token_logps"]
     reference = reference_grpo_loss(
-        logps, entropies, old_logps, inputs["advantages"][:, None] * (0.3 * old_logps.exp() + 0.7),
-        inputs["completion_mask"], loss_type=loss_type, epsilon_low=EPSILON_LOW, epsilon_high=EPSILON_HIGH,
-        beta=0.1, ref_logps=inputs["ref_per_token_logps"], entropy_coef=0.05,
-        num_items_in_batch=inputs["num_items_in_batch"], max_completion_length=MAX_COMPLETION_LENGTH,
-        importance_sampling_level=importance_sampling_level, grad_mask=lopti_groups(inputs, eta)[token_group],
+        logps,
+        entropies,
+        old_logps,
+        inputs["advantages"][:, None] * (0.3 * old_logps.exp() + 0.7),
+        inputs["completion_mask"],
+        loss_type=loss_type,
+        epsilon_low=EPSILON_LOW,
+        epsilon_high=EPSILON_HIGH,
+        beta=0.1,
+        ref_logps=inputs["ref_per_token_logps"],
+        entropy_coef=0.05,
+        num_items_in_batch=inputs["num_items_in_batch"],
+        max_completion_length=MAX_COMPLETION_LENGTH,
+        importance_sampling_level=importance_sampling_level,
+        grad_mask=lopti_groups(inputs, eta)[token_group],
     )
     reference.backward()
     expected = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
@@ -432,10 +460,21 @@ def moe_model_path(tmp_path_factory) -> str:
 
     tokenizer = build_tiny_tokenizer()
     config = Qwen2MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
-        shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, output_router_logits=True, router_aux_loss_coef=0.5,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.5,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
     )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-moe")
@@ -446,11 +485,24 @@ def moe_model_path(tmp_path_factory) -> str:
 
 def test_router_auxiliary_loss_is_trained_once_per_cycle(moe_model_path, tmp_path):
     """MoE: low + high == plain holds with TRL's router auxiliary loss (its gradient comes in the first pass only)."""
-    config = LoptiGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                             max_completion_length=MAX_COMPLETION_LENGTH, temperature=TEMPERATURE, report_to="none",
-                             use_cpu=True, bf16=False, advantage_reweighting_alpha=0.3, beta=0.1)
-    moe = LoptiGRPOTrainer(model=moe_model_path, reward_funcs=constant_reward, args=config,
-                           train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}))
+    config = LoptiGRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=MAX_COMPLETION_LENGTH,
+        temperature=TEMPERATURE,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        advantage_reweighting_alpha=0.3,
+        beta=0.1,
+    )
+    moe = LoptiGRPOTrainer(
+        model=moe_model_path,
+        reward_funcs=constant_reward,
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}),
+    )
     assert moe.aux_loss_enabled
     moe.current_gradient_accumulation_steps = 1
     moe.model.train()

@@ -31,27 +31,35 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from conftest import assert_parameters_close, threshold_between_values
+
 from trl_lopti.cli.cpu_backends import CPU_OVERRIDES
 from trl_lopti.cli.rehearse import REHEARSAL_SCALE
 
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = ROOT / "configs/kk/qwen2.5-3b-instruct_ar_lopti.yaml"
-LAUNCHERS = {"fsdp2.yaml": "FSDP", "fsdp2_offload.yaml": "FSDP", "zero2.yaml": "DEEPSPEED",
-             "zero3.yaml": "DEEPSPEED", "multi_gpu.yaml": "MULTI_CPU"}  # fmt: skip
+LAUNCHERS = {
+    "fsdp2.yaml": "FSDP",
+    "fsdp2_offload.yaml": "FSDP",
+    "zero2.yaml": "DEEPSPEED",
+    "zero3.yaml": "DEEPSPEED",
+    "multi_gpu.yaml": "MULTI_CPU",
+}
 NOT_RUN = {"vllm_server.yaml": "vLLM server mode: weight sync over NCCL needs CUDA GPUs"}
 
 TEST_SETTINGS = {
     # a float64 model (conftest's) without mixed precision: two correct runs agree to ~1e-15 (see LAUNCH_FLAGS too)
-    "dtype": "auto", "bf16": False,
+    "dtype": "auto",
+    "bf16": False,
     # SGD with momentum and a large step instead of AdamW at 1e-6: the parameters move far and a wrong gradient shows
     # (AdamW's first step is lr * sign(gradient)); the momentum is optimizer state that the backends must shard
-    "optim": "sgd", "optim_args": "momentum=0.9", "learning_rate": 0.05,
+    "optim": "sgd",
+    "optim_args": "momentum=0.9",
+    "learning_rate": 0.05,
     # the fixed generation batch of launcher_probe; eta (`lopti_threshold`) lies half-way in a wide gap of its pi_old
     "reward_funcs": ["launcher_probe.fixed_batch_reward"],
-}  # fmt: skip
+}
 LAUNCH_FLAGS = ["--num_processes", "2", "--mixed_precision", "no"]  # the shipped files say bf16
 PROMPT_LENGTH, COMPLETION_LENGTH = 4, 8
 EXACT, RESUMED_EXACT = 1e-8, 1e-12
@@ -68,9 +76,17 @@ def free_port() -> int:
 
 def run(command: list[str], cwd: Path, **environment) -> float:
     """Runs a command offline with the repository and tests/ importable; returns its seconds."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), **environment)  # fmt: skip
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        WANDB_MODE="disabled",
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+        **environment,
+    )
     start = time.perf_counter()
     completed = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
@@ -78,8 +94,21 @@ def run(command: list[str], cwd: Path, **environment) -> float:
 
 
 def accelerate_launch(launcher_file: Path, *arguments: str, flags: tuple[str, ...] = ("--num_processes", "2")):
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launcher_file), *flags,
-            "--main_process_port", str(free_port()), "-m", "trl_lopti", "train", *arguments, "--rehearse"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(launcher_file),
+        *flags,
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "trl_lopti",
+        "train",
+        *arguments,
+        "--rehearse",
+    ]
 
 
 def load_parameters(folder: Path) -> dict:
@@ -148,8 +177,9 @@ def rehearse(setup: dict, name: str, launcher_file: Path | None) -> tuple[Path, 
         command = [sys.executable, "-m", "trl_lopti", "train", "--config", str(config), "--rehearse"]
     else:
         command = accelerate_launch(launcher_file, "--config", str(config), flags=tuple(LAUNCH_FLAGS))
-    seconds = run(command, setup["folder"], LAUNCHER_PROBE_BATCH=str(setup["folder"] / "batch.pt"),
-                  LAUNCHER_PROBE_OUT=str(probe))  # fmt: skip
+    seconds = run(
+        command, setup["folder"], LAUNCHER_PROBE_BATCH=str(setup["folder"] / "batch.pt"), LAUNCHER_PROBE_OUT=str(probe)
+    )
     return Path(f"{output}-rehearsal"), seconds
 
 
@@ -158,8 +188,9 @@ def assert_backend(launcher: str, ranks: list[dict]) -> str:
     expected, total = LAUNCHERS[launcher], ranks[0]["parameter_elements"]
     for facts in ranks:
         assert facts["distributed_type"] == f"DistributedType.{expected}" and facts["num_processes"] == 2, facts
-    params, optimizer, states = ([facts[f"{key}_elements_local"] for facts in ranks]
-                                 for key in ("parameter", "optimizer", "optimizer_state"))  # fmt: skip
+    params, optimizer, states = (
+        [facts[f"{key}_elements_local"] for facts in ranks] for key in ("parameter", "optimizer", "optimizer_state")
+    )
     if expected == "FSDP":
         assert all(facts["parameter_classes"] == ["DTensor"] for facts in ranks)
         assert sum(params) == total and max(params) < total  # Shard(0): every element on exactly one process
@@ -190,8 +221,10 @@ def test_launcher_trains_one_lopti_cycle_as_one_process_and_resumes_mid_cycle(se
         launcher_file = zero3_copy_with_every_parameter_sharded(tmp_path)
     rehearsal, seconds = rehearse(setup, launcher.removesuffix(".yaml"), launcher_file)
     probe = rehearsal.parent / f"{launcher.removesuffix('.yaml')}-probe"
-    records = {run: [json.loads((probe / f"{run}_rank{rank}.json").read_text()) for rank in range(2)]
-               for run in ("run", "resumed")}  # fmt: skip
+    records = {
+        run: [json.loads((probe / f"{run}_rank{rank}.json").read_text()) for rank in range(2)]
+        for run in ("run", "resumed")
+    }
     backend = assert_backend(launcher, records["run"])
     report = json.loads((rehearsal / "rehearsal.json").read_text())
     assert report["low_pass_steps"] == [1, 2] and report["high_pass_steps"] == [3, 4] and report["failures"] == []
@@ -199,9 +232,13 @@ def test_launcher_trains_one_lopti_cycle_as_one_process_and_resumes_mid_cycle(se
     # (b) 2 processes train the parameters 1 process trains on the same completions
     run, resumed = load_parameters(rehearsal / "run"), load_parameters(rehearsal / "resumed")
     deepspeed = LAUNCHERS[launcher] == "DEEPSPEED"
-    difference, moved = assert_parameters_close(run, setup["reference"], setup["initial"],
-                                                atol=DEEPSPEED_ATOL if deepspeed else EXACT,
-                                                relative_to_move=DEEPSPEED_RELATIVE if deepspeed else 0.0)  # fmt: skip
+    difference, moved = assert_parameters_close(
+        run,
+        setup["reference"],
+        setup["initial"],
+        atol=DEEPSPEED_ATOL if deepspeed else EXACT,
+        relative_to_move=DEEPSPEED_RELATIVE if deepspeed else 0.0,
+    )
     assert moved > 1.0  # far above every tolerance
     # (d) the checkpoint after the low pass resumes into the high pass of the stored batch, to the same parameters
     assert [facts["generations"] for facts in records["run"]] == [1, 1]
@@ -209,29 +246,45 @@ def test_launcher_trains_one_lopti_cycle_as_one_process_and_resumes_mid_cycle(se
     assert all(facts["step_at_start"] == 2 * facts["micro_steps_per_optimizer_step"] for facts in records["resumed"])
     assert report["checkpoint"].endswith("(with lopti_generation_batch_rank0.pt, lopti_generation_batch_rank1.pt)")
     resume_difference, _ = assert_parameters_close(resumed, run, setup["initial"], atol=RESUMED_EXACT)
-    report_row({
-        "launcher": launcher, "ran": True, "backend": backend, "max_2_vs_1_difference": difference,
-        "parameters_moved": moved, "resume_difference": resume_difference,
-        "parameter_dtype": records["run"][0]["parameter_dtypes"],
-        "optimizer_state_dtype": records["run"][0]["optimizer_state_dtypes"], "seconds": round(seconds, 1),
-    })  # fmt: skip
+    report_row(
+        {
+            "launcher": launcher,
+            "ran": True,
+            "backend": backend,
+            "max_2_vs_1_difference": difference,
+            "parameters_moved": moved,
+            "resume_difference": resume_difference,
+            "parameter_dtype": records["run"][0]["parameter_dtypes"],
+            "optimizer_state_dtype": records["run"][0]["optimizer_state_dtypes"],
+            "seconds": round(seconds, 1),
+        }
+    )
 
 
 def zero3_copy_with_every_parameter_sharded(folder: Path) -> Path:
     """zero3.yaml with its DeepSpeed settings in a config file that adds `stage3_param_persistence_threshold: 0`."""
     shipped = yaml.safe_load((ROOT / "configs/accelerate/zero3.yaml").read_text())
     ds = shipped["deepspeed_config"]
-    zero = {"stage": ds["zero_stage"], "offload_optimizer": {"device": ds["offload_optimizer_device"]},
-            "offload_param": {"device": ds["offload_param_device"]},
-            "stage3_gather_16bit_weights_on_model_save": ds["zero3_save_16bit_model"],
-            "stage3_param_persistence_threshold": 0}  # fmt: skip
-    automatic = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                 "gradient_clipping")
+    zero = {
+        "stage": ds["zero_stage"],
+        "offload_optimizer": {"device": ds["offload_optimizer_device"]},
+        "offload_param": {"device": ds["offload_param_device"]},
+        "stage3_gather_16bit_weights_on_model_save": ds["zero3_save_16bit_model"],
+        "stage3_param_persistence_threshold": 0,
+    }
+    automatic = (
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+    )
     deepspeed_config = {"zero_optimization": zero, "bf16": {"enabled": "auto"}, **dict.fromkeys(automatic, "auto")}
     (folder / "zero3_ds.json").write_text(json.dumps(deepspeed_config))
-    shipped["deepspeed_config"] = {"deepspeed_config_file": str(folder / "zero3_ds.json"),
-                                   "zero3_init_flag": ds["zero3_init_flag"],
-                                   "deepspeed_multinode_launcher": ds["deepspeed_multinode_launcher"]}  # fmt: skip
+    shipped["deepspeed_config"] = {
+        "deepspeed_config_file": str(folder / "zero3_ds.json"),
+        "zero3_init_flag": ds["zero3_init_flag"],
+        "deepspeed_multinode_launcher": ds["deepspeed_multinode_launcher"],
+    }
     (folder / "zero3.yaml").write_text(yaml.safe_dump(shipped))
     return folder / "zero3.yaml"
 
@@ -259,10 +312,18 @@ def test_rehearsal_of_a_3b_preset_under_the_shipped_fsdp2_launcher(tmp_path):
     assert min(report["low_pass_grad_norms"] + report["high_pass_grad_norms"]) > 0
     assert report["checkpoint"].endswith("(with lopti_generation_batch_rank0.pt, lopti_generation_batch_rank1.pt)")
     assert report["resume_max_abs_difference"] == 0.0
-    report_row({"launcher": "fsdp2.yaml, the preset as shipped (bf16)", "ran": True, "backend": report["backend"],
-                "parameter_dtype": held[0][2], "resume_difference": report["resume_max_abs_difference"],
-                "optimizer_state_dtype": held[0][7], "low_token_share": report["low_token_share"][0],
-                "seconds": round(seconds, 1)})  # fmt: skip
+    report_row(
+        {
+            "launcher": "fsdp2.yaml, the preset as shipped (bf16)",
+            "ran": True,
+            "backend": report["backend"],
+            "parameter_dtype": held[0][2],
+            "resume_difference": report["resume_max_abs_difference"],
+            "optimizer_state_dtype": held[0][7],
+            "low_token_share": report["low_token_share"][0],
+            "seconds": round(seconds, 1),
+        }
+    )
 
 
 @pytest.mark.slow
@@ -282,8 +343,10 @@ def test_rehearsal_of_a_math_preset_fails_when_a_pass_trains_no_token(tmp_path, 
     report = json.loads((folder / "rehearsal.json").read_text())
     assert (folder / "math.parquet").is_file() and report["backend"].startswith("NO on 1 process")
     assert report["low_token_share"] == [1.0] and report["high_pass_steps"] == [3, 4]
-    assert report["failures"] == ["the high pass trained no token (low-token share 1.0)",
-                                  "the high pass carried no gradient"]  # fmt: skip
+    assert report["failures"] == [
+        "the high pass trained no token (low-token share 1.0)",
+        "the high pass carried no gradient",
+    ]
     out = capsys.readouterr().out
     assert "8 local addition problems" in out and "rehearse: FAILED" in out
 
@@ -293,8 +356,9 @@ def test_rehearsal_of_the_vllm_server_preset_says_at_once_what_it_does_not_run(t
     from trl_lopti.cli.train import parse_train_args
 
     said = []
-    parsed = parse_train_args(["--config", str(ROOT / "configs/vllm/qwen2.5-3b-instruct_ar_lopti_server.yaml"),
-                               "--use_cpu", "true"])  # fmt: skip
+    parsed = parse_train_args(
+        ["--config", str(ROOT / "configs/vllm/qwen2.5-3b-instruct_ar_lopti_server.yaml"), "--use_cpu", "true"]
+    )
     flags = _scaled_flags(*parsed, tmp_path, said.append)
     assert flags["use_vllm"] is False and "NOT rehearsed" in said[0] and "NCCL" in said[0]
     assert flags["model_name_or_path"] == tmp_path / "tiny-qwen2" and flags["kk_source"] == "generated"
@@ -310,10 +374,21 @@ def trainer(tiny_model_path, tmp_path):
 
     from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
-    config = LoptiGRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2,
-                             gradient_accumulation_steps=2, steps_per_generation=4, report_to="none", use_cpu=True)
-    return LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
-                            args=config, train_dataset=Dataset.from_dict({"prompt": ["p"] * 8}))  # fmt: skip
+    config = LoptiGRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        report_to="none",
+        use_cpu=True,
+    )
+    return LoptiGRPOTrainer(
+        model=tiny_model_path,
+        reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": ["p"] * 8}),
+    )
 
 
 def test_a_checkpoint_inside_a_generation_batch_resumes_its_buffered_batch_at_its_micro_step(trainer, tmp_path):

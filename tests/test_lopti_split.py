@@ -6,9 +6,6 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, TrainerCallback
-from trl import GRPOTrainer
-
 from conftest import in_pass, micro_batches_as_generated, threshold_between_values
 from ddp_quantile_script import (
     ALPHA,
@@ -23,6 +20,9 @@ from reference_grpo import reference_grpo_loss
 from test_distributed import torchrun
 from test_schedule import PolicyPassCounter
 from test_training import ETA_FROM_EACH_BATCH, conversational_dataset, length_reward, logged, small_config
+from transformers import AutoModelForCausalLM, TrainerCallback
+from trl import GRPOTrainer
+
 from trl_lopti import LoptiGRPOTrainer
 from trl_lopti.core_algos import lopti_batch_threshold, low_probability_token_mask
 
@@ -79,10 +79,18 @@ def hand_run_cycle(initial_model, micro_batches, config, threshold_of_micro_batc
             advantages = micro_batch["advantages"][:, None] * (ALPHA * old_logps[index].exp() + 1 - ALPHA)
             logps = completion_logps(model, micro_batch)
             loss = reference_grpo_loss(
-                logps, torch.zeros_like(logps), old_logps[index], advantages, mask.double(), loss_type="dapo",
-                epsilon_low=config.epsilon, epsilon_high=config.epsilon_high or config.epsilon,
-                num_items_in_batch=num_items, gradient_accumulation_steps=config.gradient_accumulation_steps,
-                steps_per_generation=config.steps_per_generation, grad_mask=active.double(),
+                logps,
+                torch.zeros_like(logps),
+                old_logps[index],
+                advantages,
+                mask.double(),
+                loss_type="dapo",
+                epsilon_low=config.epsilon,
+                epsilon_high=config.epsilon_high or config.epsilon,
+                num_items_in_batch=num_items,
+                gradient_accumulation_steps=config.gradient_accumulation_steps,
+                steps_per_generation=config.steps_per_generation,
+                grad_mask=active.double(),
             )
             loss.backward()
             if (index + 1) % config.gradient_accumulation_steps == 0:
@@ -92,7 +100,9 @@ def hand_run_cycle(initial_model, micro_batches, config, threshold_of_micro_batc
 
 
 def largest_difference(model_a, model_b) -> float:
-    return max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(model_a.parameters(), model_b.parameters()))
+    return max(
+        float((a.detach() - b.detach()).abs().max()) for a, b in zip(model_a.parameters(), model_b.parameters())
+    )
 
 
 def whole_batch_quantile(tiny_model_path):
@@ -110,7 +120,12 @@ def whole_batch_quantile(tiny_model_path):
     ids=["pi_old-forward-made-for-the-quantile", "two-optimizer-steps-per-pass"],
 )
 def test_one_quantile_cycle_equals_hand_run_with_eta_of_the_whole_batch(
-    tiny_model_path, tmp_path, monkeypatch, single_thread, float64_norms, gradient_accumulation_steps,
+    tiny_model_path,
+    tmp_path,
+    monkeypatch,
+    single_thread,
+    float64_norms,
+    gradient_accumulation_steps,
     steps_per_generation,
 ):
     initial_model, batch, quantile = whole_batch_quantile(tiny_model_path)
@@ -136,8 +151,10 @@ def test_one_quantile_cycle_equals_hand_run_with_eta_of_the_whole_batch(
     difference = largest_difference(trainer.model, expected)
     power = largest_difference(trainer.model, per_micro_batch)
     moved = largest_difference(expected, initial_model)
-    print(f"quantile {quantile:.4f}: |trainer - hand run, whole-batch eta| = {difference:.2e}, "
-          f"|trainer - hand run, per-micro-batch eta| = {power:.2e}, moved {moved:.2e}")
+    print(
+        f"quantile {quantile:.4f}: |trainer - hand run, whole-batch eta| = {difference:.2e}, "
+        f"|trainer - hand run, per-micro-batch eta| = {power:.2e}, moved {moved:.2e}"
+    )
     assert difference < 1e-8  # float64 throughout (conftest.use_exact_log_prob_head)
     assert power > 1e-4
     assert moved > 1e-3
@@ -202,8 +219,15 @@ def test_two_process_ddp_gives_the_eta_and_parameters_of_one_process(
     monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", fixed_generation(batch))
     one_process = run_one_cycle(tiny_model_path, quantile_config(str(tmp_path / "one"), ROWS, 2, 2, quantile), batch)
     result_path = tmp_path / "ddp.pt"
-    torchrun("ddp_quantile_script.py", 2, tiny_model_path, str(tmp_path / "two"), str(result_path), str(quantile),
-             str(ROWS // 2))
+    torchrun(
+        "ddp_quantile_script.py",
+        2,
+        tiny_model_path,
+        str(tmp_path / "two"),
+        str(result_path),
+        str(quantile),
+        str(ROWS // 2),
+    )
     ddp = torch.load(result_path)
     assert ddp["world_size"] == 2 and "MULTI_CPU" in ddp["distributed_type"]
     with torch.no_grad():
@@ -211,8 +235,9 @@ def test_two_process_ddp_gives_the_eta_and_parameters_of_one_process(
     one_eta = [e["lopti/threshold"] for e in one_process.state.log_history if "lopti/threshold" in e]
     assert one_eta == pytest.approx([float(torch.quantile(probabilities, quantile))], rel=1e-12)
     assert ddp["thresholds"] == pytest.approx(one_eta, rel=1e-12)
-    difference = max(float((p.detach() - ddp["parameters"][name]).abs().max())
-                     for name, p in one_process.model.named_parameters())
+    difference = max(
+        float((p.detach() - ddp["parameters"][name]).abs().max()) for name, p in one_process.model.named_parameters()
+    )
     print(f"|one process - two processes| = {difference:.2e}")
     assert difference < 1e-8  # float64 throughout; the two runs sum gradients in another order
     assert largest_difference(one_process.model, initial_model) > 1e-3
@@ -233,9 +258,16 @@ class KeepOptimizerState(TrainerCallback):
 
 def test_an_empty_pass_is_an_adamw_step_with_zero_gradient(tiny_model_path, tmp_path):
     """No high token: the high pass still steps AdamW (momentum and weight decay move the weights), as the authors."""
-    config = small_config(tmp_path, lopti_threshold=0.999, max_steps=2, optim="adamw_torch", weight_decay=0.1,
-                          lr_scheduler_type="constant", max_grad_norm=1.0,
-                          model_init_kwargs={"dtype": torch.float64})
+    config = small_config(
+        tmp_path,
+        lopti_threshold=0.999,
+        max_steps=2,
+        optim="adamw_torch",
+        weight_decay=0.1,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        model_init_kwargs={"dtype": torch.float64},
+    )
     trainer = LoptiGRPOTrainer(
         model=tiny_model_path, reward_funcs=length_reward, args=config, train_dataset=conversational_dataset()
     )
@@ -248,8 +280,10 @@ def test_an_empty_pass_is_an_adamw_step_with_zero_gradient(tiny_model_path, tmp_
     # the same AdamW step from the state after the low pass, with a zero gradient, by hand
     replay = [p.clone().requires_grad_(True) for p in keep.parameters]
     index = {id(p): i for i, p in enumerate(trainer.model.parameters())}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [replay[index[id(p)]] for p in g["params"]]}
-              for g in trainer.optimizer.param_groups]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [replay[index[id(p)]] for p in g["params"]]}
+        for g in trainer.optimizer.param_groups
+    ]
     optimizer = torch.optim.AdamW(groups)
     optimizer.load_state_dict(keep.optimizer_state)
     for parameter in replay:
@@ -263,8 +297,16 @@ def test_an_empty_pass_is_an_adamw_step_with_zero_gradient(tiny_model_path, tmp_
 
 
 def test_adaptive_entropy_controller_updates_once_per_optimizer_step_empty_passes_included(tiny_model_path, tmp_path):
-    config = small_config(tmp_path, lopti_threshold=0.999, max_steps=6, use_adaptive_entropy=True, entropy_coef=0.01,
-                          entropy_coef_delta=0.005, entropy_target=1e6, entropy_coef_max=1.0)
+    config = small_config(
+        tmp_path,
+        lopti_threshold=0.999,
+        max_steps=6,
+        use_adaptive_entropy=True,
+        entropy_coef=0.01,
+        entropy_coef_delta=0.005,
+        entropy_target=1e6,
+        entropy_coef_max=1.0,
+    )
     trainer = LoptiGRPOTrainer(
         model=tiny_model_path, reward_funcs=length_reward, args=config, train_dataset=conversational_dataset()
     )

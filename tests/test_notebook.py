@@ -4,11 +4,10 @@ import json
 import math
 from pathlib import Path
 
+import nbclient  # the test extra installs both: missing, they fail here, not skip
+import nbformat
 import pytest
 
-
-import nbclient  # noqa: E402  (the test extra installs both: missing, they fail here, not skip)
-import nbformat  # noqa: E402
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "lopti_knights_knaves_colab.ipynb"
 COLAB_URL = (
@@ -50,7 +49,7 @@ def test_notebook_has_badge_parameters_and_install_cell():
     assert namespace["AR_ALPHA"] == 0.3 and namespace["LOPTI_ETA"] == 0.5
     sources = "\n".join(cell.source for cell in notebook.cells)
     assert "Qwen2.5-1.5B-Instruct" in sources
-    install = [cell for cell in notebook.cells if cell.cell_type == "code" and "pip\", \"install" in cell.source]
+    install = [cell for cell in notebook.cells if cell.cell_type == "code" and 'pip", "install' in cell.source]
     assert len(install) == 1 and "if INSTALL:" in install[0].source
     # The install source is one named parameter, used by the install cell and nowhere else.
     assert namespace["TRL_LOPTI_PIP_SOURCE"].startswith("trl_lopti[peft]")

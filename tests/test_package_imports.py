@@ -72,8 +72,7 @@ def test_trainer_import_checks_the_trl_version_before_importing_trl(run_without_
         assert result.returncode == 0, result.stderr
         assert (
             f"error: trl_lopti supports TRL >=1.10.0,<1.17,!=1.15.* (tested: 1.10.0, 1.11.0, 1.12.0, 1.13.0, 1.14.2, "
-            f"1.16.0), but TRL {FAKE_TRL_VERSION} is installed"
-            in result.stdout
+            f"1.16.0), but TRL {FAKE_TRL_VERSION} is installed" in result.stdout
         ), result.stdout
         assert "fake trl was imported" not in result.stdout
         assert "trl imported: False" in result.stdout
@@ -81,7 +80,6 @@ def test_trainer_import_checks_the_trl_version_before_importing_trl(run_without_
 
 def test_package_exports_the_trainer_lazily():
     import trl_lopti
-
     from trl_lopti.config import LoptiGRPOConfig
     from trl_lopti.trainer import LoptiGRPOTrainer
 

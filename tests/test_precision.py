@@ -36,9 +36,15 @@ def save_tiny_model(preset: Path, folder: Path) -> Path:
     """A random Qwen2 model of the preset model's family (tied or untied embeddings), saved in float32."""
     model_name = yaml.safe_load(preset.read_text())["model_name_or_path"]
     config = Qwen2Config(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=TIED_EMBEDDINGS[model_name],
-    )  # fmt: skip
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=TIED_EMBEDDINGS[model_name],
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder

@@ -8,7 +8,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", "configs/README.md", "benchmarks/README.md"]
-PATH_PATTERN = re.compile(r"(?<![\w/.-])((?:configs|notebooks|benchmarks|tests|trl_lopti)/[\w./-]*\w\.(?:ya?ml|ipynb|py|sh|md|json))")
+PATH_PATTERN = re.compile(
+    r"(?<![\w/.-])((?:configs|notebooks|benchmarks|tests|trl_lopti)/[\w./-]*\w\.(?:ya?ml|ipynb|py|sh|md|json))"
+)
 
 
 def named_paths(doc: str) -> list[str]:

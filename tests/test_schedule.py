@@ -4,14 +4,18 @@ import copy
 
 import pytest
 import torch
-from datasets import Dataset
-from transformers import AutoModelForCausalLM
-
 from conftest import (
-    FLOAT64, assert_parameters_close, micro_batches_as_generated, threshold_between_values, use_exact_log_prob_head,
+    FLOAT64,
+    assert_parameters_close,
+    micro_batches_as_generated,
+    threshold_between_values,
+    use_exact_log_prob_head,
 )
+from datasets import Dataset
 from reference_grpo import completion_logps_and_entropies, reference_grpo_loss
+from transformers import AutoModelForCausalLM
 from trl import GRPOTrainer
+
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
 
@@ -41,7 +45,9 @@ def fixed_generation_batch(model_path: str, num_rows: int, seed: int, beta: floa
         "completion_mask": completion_mask,
         "advantages": torch.randn(num_rows, generator=generator),
         "num_items_in_batch": completion_mask.sum(),
-        "row_id": torch.arange(num_rows),  # follows the rows through TRL's shuffle (conftest.micro_batches_as_generated)
+        "row_id": torch.arange(
+            num_rows
+        ),  # follows the rows through TRL's shuffle (conftest.micro_batches_as_generated)
     }
     with torch.no_grad():
         logps, _ = completion_logps_and_entropies(model, batch, TEMPERATURE)
@@ -52,8 +58,18 @@ def fixed_generation_batch(model_path: str, num_rows: int, seed: int, beta: floa
     return batch, eta
 
 
-def run_one_cycle(model_path, output_dir, gradient_accumulation_steps, steps_per_generation, num_iterations, beta,
-                  lopti_order="low_first", importance_sampling_level="token", loss_type="dapo", exact_head=True):
+def run_one_cycle(
+    model_path,
+    output_dir,
+    gradient_accumulation_steps,
+    steps_per_generation,
+    num_iterations,
+    beta,
+    lopti_order="low_first",
+    importance_sampling_level="token",
+    loss_type="dapo",
+    exact_head=True,
+):
     per_device_train_batch_size = 2
     num_rows = per_device_train_batch_size * steps_per_generation
     batch, eta = fixed_generation_batch(model_path, num_rows, seed=0, beta=beta)
@@ -132,13 +148,21 @@ def hand_run_cycle(initial_model, slices, config, eta_log, beta, pass_order):
             advantages = micro_batch["advantages"][:, None] * (0.3 * pi_old_logps.exp() + 0.7)
             logps, entropies = completion_logps_and_entropies(model, micro_batch, TEMPERATURE)
             loss = reference_grpo_loss(
-                logps, entropies, pi_old_logps, advantages, mask,
-                loss_type=config.loss_type, epsilon_low=config.epsilon,
-                epsilon_high=config.epsilon_high or config.epsilon, beta=beta,
-                ref_logps=micro_batch.get("ref_per_token_logps"), num_items_in_batch=num_items,
+                logps,
+                entropies,
+                pi_old_logps,
+                advantages,
+                mask,
+                loss_type=config.loss_type,
+                epsilon_low=config.epsilon,
+                epsilon_high=config.epsilon_high or config.epsilon,
+                beta=beta,
+                ref_logps=micro_batch.get("ref_per_token_logps"),
+                num_items_in_batch=num_items,
                 gradient_accumulation_steps=config.gradient_accumulation_steps,
                 steps_per_generation=config.steps_per_generation,
-                importance_sampling_level=config.importance_sampling_level, grad_mask=active,
+                importance_sampling_level=config.importance_sampling_level,
+                grad_mask=active,
             )
             loss.backward()
             if (micro_step + 1) % config.gradient_accumulation_steps == 0:
@@ -163,12 +187,27 @@ def hand_run_cycle(initial_model, slices, config, eta_log, beta, pass_order):
     ],
 )
 def test_one_lopti_cycle_equals_hand_run_two_step_update(
-    tiny_float64_model_path, tmp_path, float64_norms, gradient_accumulation_steps, steps_per_generation, num_iterations,
-    beta, lopti_order, is_level, loss_type,
+    tiny_float64_model_path,
+    tmp_path,
+    float64_norms,
+    gradient_accumulation_steps,
+    steps_per_generation,
+    num_iterations,
+    beta,
+    lopti_order,
+    is_level,
+    loss_type,
 ):
     trainer, initial_model, generation_calls, eta_log, batch = run_one_cycle(
-        tiny_float64_model_path, tmp_path, gradient_accumulation_steps, steps_per_generation, num_iterations, beta,
-        lopti_order, is_level, loss_type,
+        tiny_float64_model_path,
+        tmp_path,
+        gradient_accumulation_steps,
+        steps_per_generation,
+        num_iterations,
+        beta,
+        lopti_order,
+        is_level,
+        loss_type,
     )
     assert len(generation_calls) == 1, "one generation per Lopti cycle"
     pass_order = ("low", "high") if lopti_order == "low_first" else ("high", "low")
@@ -176,8 +215,10 @@ def test_one_lopti_cycle_equals_hand_run_two_step_update(
     expected_model = hand_run_cycle(initial_model, slices, trainer.args, eta_log, beta, pass_order)
     assert trainer.model.dtype == expected_model.dtype == torch.float64
     largest_difference, moved = assert_parameters_close(
-        dict(trainer.model.named_parameters()), dict(expected_model.named_parameters()),
-        dict(initial_model.named_parameters()), atol=PARAMETER_ATOL,
+        dict(trainer.model.named_parameters()),
+        dict(expected_model.named_parameters()),
+        dict(initial_model.named_parameters()),
+        atol=PARAMETER_ATOL,
     )
     print(f"largest parameter difference from the hand-run: {largest_difference:.3g} (moved {moved:.3g} in all)")
     assert moved > 1e-3, "the update must move the parameters"
@@ -195,14 +236,19 @@ def test_one_lopti_cycle_equals_hand_run_two_step_update(
 
 def test_one_lopti_cycle_in_float32_with_trls_own_log_prob_head(tiny_model_path, tmp_path):
     """The real dtype path (float32, TRL's fused head, Qwen2's float32 norms) against the same hand-run."""
-    trainer, initial_model, _, eta_log, batch = run_one_cycle(tiny_model_path, tmp_path, 2, 2, 1, 0.1, exact_head=False)
+    trainer, initial_model, _, eta_log, batch = run_one_cycle(
+        tiny_model_path, tmp_path, 2, 2, 1, 0.1, exact_head=False
+    )
     slices = micro_batches_as_generated(trainer, batch)
     expected_model = hand_run_cycle(initial_model, slices, trainer.args, eta_log, 0.1, ("low", "high"))
     assert trainer.model.dtype == torch.float32
     # float32 rounding of two forward implementations, amplified by lr 0.5: ~1e-5 of how far a tensor moved
     _, moved = assert_parameters_close(
-        dict(trainer.model.named_parameters()), dict(expected_model.named_parameters()),
-        dict(initial_model.named_parameters()), atol=1e-7, relative_to_move=1e-4,
+        dict(trainer.model.named_parameters()),
+        dict(expected_model.named_parameters()),
+        dict(initial_model.named_parameters()),
+        atol=1e-7,
+        relative_to_move=1e-4,
     )
     assert moved > 1e-3
 
@@ -246,8 +292,15 @@ class PolicyPassCounter:
 def count_passes(trainer_class, model_path, output_dir, num_generation_batches, **lopti_fields):
     config_class = LoptiGRPOConfig if trainer_class is LoptiGRPOTrainer else None
     common = dict(
-        output_dir=str(output_dir), per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
-        max_completion_length=6, report_to="none", use_cpu=True, save_strategy="no", bf16=False,
+        output_dir=str(output_dir),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        max_completion_length=6,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        bf16=False,
     )
     if config_class is None:
         from trl import GRPOConfig
@@ -258,8 +311,12 @@ def count_passes(trainer_class, model_path, output_dir, num_generation_batches, 
     steps_per_batch = 2 if (config_class is not None and config.lopti_threshold is not None) else 1
     config.max_steps = steps_per_batch * num_generation_batches
     dataset = Dataset.from_dict({"prompt": [f"prompt {i}" for i in range(16)]})
-    trainer = trainer_class(model=model_path, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-                            args=config, train_dataset=dataset)
+    trainer = trainer_class(
+        model=model_path,
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=config,
+        train_dataset=dataset,
+    )
     counter = PolicyPassCounter(trainer.model)
     trainer.train()
     return counter
@@ -271,12 +328,21 @@ def test_forward_and_backward_counts_per_generation_batch(tiny_model_path, tmp_p
     grpo = count_passes(GRPOTrainer, tiny_model_path, tmp_path / "grpo", batches)
     ar = count_passes(LoptiGRPOTrainer, tiny_model_path, tmp_path / "ar", batches, lopti_threshold=None)
     # both passes have tokens: each generation batch's threshold lies half-way in a wide gap of its pi_old
-    lopti = count_passes(LoptiGRPOTrainer, tiny_model_path, tmp_path / "lopti", batches,
-                         advantage_reweighting_alpha=0.3, lopti_threshold=0.5)
+    lopti = count_passes(
+        LoptiGRPOTrainer,
+        tiny_model_path,
+        tmp_path / "lopti",
+        batches,
+        advantage_reweighting_alpha=0.3,
+        lopti_threshold=0.5,
+    )
     assert len(batch_thresholds) == batches
     assert grpo.forwards_with_grad == 2 * batches and grpo.forwards_without_grad == 0
     assert (ar.forwards_with_grad, ar.forwards_without_grad, ar.backwards) == (
-        grpo.forwards_with_grad, grpo.forwards_without_grad, grpo.backwards)
+        grpo.forwards_with_grad,
+        grpo.forwards_without_grad,
+        grpo.backwards,
+    )
     assert lopti.forwards_with_grad == 2 * grpo.forwards_with_grad
     assert lopti.forwards_without_grad == len(batch_thresholds), "none but the fixture's, one per generation batch"
     assert lopti.backwards == 2 * grpo.backwards

@@ -187,7 +187,10 @@ def test_prefilled_prompt_renders_to_text_that_continues_the_think(tiny_model_pa
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     dataset = kk.generate_dataset(3, 2, seed=0, prefill_think=True)
-    assert dataset[0]["think_prefilled"] is True and dataset[0]["prompt"][-1] == {"role": "assistant", "content": "<think>"}
+    assert dataset[0]["think_prefilled"] is True and dataset[0]["prompt"][-1] == {
+        "role": "assistant",
+        "content": "<think>",
+    }
     rendered = kk.render_prompts_as_text(dataset, tokenizer)
     for row, original in zip(rendered, dataset):
         text = row["prompt"]
@@ -224,13 +227,19 @@ def test_module_solver_agrees_with_brute_force_on_random_statements():
 # ---------------------------------------------------------------------------------------------------------------------
 PUBLISHED_ROWS = [
     {
-        "quiz": 'A very special island is inhabited only by knights and knaves. Knights always tell the truth, and '
+        "quiz": "A very special island is inhabited only by knights and knaves. Knights always tell the truth, and "
         'knaves always lie. You meet 3 inhabitants: Michael, Zoey, and Ethan. Michael was heard saying, "Ethan is a '
         'knight if and only if Michael is a knight". "Zoey is a knight or Ethan is a knight," Zoey mentioned. Ethan '
         'asserted: "Michael is a knave if and only if Zoey is a knave". So who is a knight and who is a knave?',
         "names": ["Michael", "Zoey", "Ethan"],
-        "knight_knave": {"knight": "knight", "knave": "knave", "a_knight": "a knight", "a_knave": "a knave",
-                         "Knight": "Knight", "Knave": "Knave"},
+        "knight_knave": {
+            "knight": "knight",
+            "knave": "knave",
+            "a_knight": "a knight",
+            "a_knave": "a knave",
+            "Knight": "Knight",
+            "Knave": "Knave",
+        },
         "solution": [True, True, True],
         "solution_text": "Michael is a knight, Zoey is a knight, and Ethan is a knight.",
         "solution_text_format": "(1) Michael is a knight\n(2) Zoey is a knight\n(3) Ethan is a knight",
@@ -242,16 +251,22 @@ PUBLISHED_ROWS = [
         "index": 0,
     },
     {
-        "quiz": 'A very special island is inhabited only by knights and knaves. Knights always tell the truth, and '
-        'knaves always lie. You meet 7 inhabitants: Harper, Benjamin, Olivia, Daniel, Henry, Jackson, and Sebastian. '
+        "quiz": "A very special island is inhabited only by knights and knaves. Knights always tell the truth, and "
+        "knaves always lie. You meet 7 inhabitants: Harper, Benjamin, Olivia, Daniel, Henry, Jackson, and Sebastian. "
         'According to Harper, "Sebastian is a knave if and only if Henry is a knight". Benjamin asserted: "Henry is a '
         'knight if and only if Olivia is a knight". Olivia commented, "Benjamin is a knave and Daniel is a knave". '
         'Daniel stated, "Jackson is a knave". Henry told you that Olivia is not a knight. Jackson said that Harper is '
-        'a knight and Benjamin is a knight. Sebastian told you that Daniel is a knight and Jackson is a knight. So '
-        'who is a knight and who is a knave?',
+        "a knight and Benjamin is a knight. Sebastian told you that Daniel is a knight and Jackson is a knight. So "
+        "who is a knight and who is a knave?",
         "names": ["Harper", "Benjamin", "Olivia", "Daniel", "Henry", "Jackson", "Sebastian"],
-        "knight_knave": {"knight": "knight", "knave": "knave", "a_knight": "a knight", "a_knave": "a knave",
-                         "Knight": "Knight", "Knave": "Knave"},
+        "knight_knave": {
+            "knight": "knight",
+            "knave": "knave",
+            "a_knight": "a knight",
+            "a_knave": "a knave",
+            "Knight": "Knight",
+            "Knave": "Knave",
+        },
         "solution": [True, False, False, True, True, False, False],
         "solution_text": "Harper is a knight, Benjamin is a knave, Olivia is a knave, Daniel is a knight, Henry is a "
         "knight, Jackson is a knave, and Sebastian is a knave.",
@@ -265,7 +280,7 @@ PUBLISHED_ROWS = [
         "('telling-truth', 0), ('telling-truth', 1)), ('and', ('telling-truth', 3), ('telling-truth', 5)))",
         "index": 1000,
     },
-]  # fmt: skip
+]
 
 
 @pytest.fixture
@@ -327,10 +342,20 @@ REWARD_CASES = [
     ("all wrong", wrap("(1) Max is a knave\n(2) Maxwell is a knight\n(3) Ella is a knave"), False, 1.0, -1.5),
     ("person missing", wrap("(1) Max is a knight\n(2) Maxwell is a knave"), False, 1.0, -2.0),
     ("extra role word", wrap(RIGHT + "\nEveryone else is a knight"), False, 1.0, -2.0),
-    ("same-prefix name only", wrap("(1) Maxwell is a knight\n(2) Maxwell is a knave\n(3) Ella is a knight"),
-     False, 1.0, -2.0),
-    ("same-prefix names reversed", wrap("(1) Maxwell is a knave\n(2) Ella is a knight\n(3) Max is a knight"),
-     False, 1.0, 2.0),
+    (
+        "same-prefix name only",
+        wrap("(1) Maxwell is a knight\n(2) Maxwell is a knave\n(3) Ella is a knight"),
+        False,
+        1.0,
+        -2.0,
+    ),
+    (
+        "same-prefix names reversed",
+        wrap("(1) Maxwell is a knave\n(2) Ella is a knight\n(3) Max is a knight"),
+        False,
+        1.0,
+        2.0,
+    ),
     ("case differences", wrap("MAX IS A KNIGHT\nmaxwell is a KNAVE\nElla Is A Knight"), False, 1.0, 2.0),
     ("plural role", wrap("(1) Max is a knights\n(2) Maxwell is a knave\n(3) Ella is a knight"), False, 1.0, -2.0),
     ("prose answer", wrap("Max is a knight, Maxwell is a knave, and Ella is a knight."), False, 1.0, 2.0),
@@ -349,11 +374,16 @@ REWARD_CASES = [
     ("prefilled think not counted", f"Max says...</think><answer>{RIGHT}</answer>", False, -1.0, -2.0),
     ("think repeated after prefill", wrap(RIGHT), True, -1.0, -2.0),
     ("conversational", [{"role": "assistant", "content": wrap(RIGHT)}], False, 1.0, 2.0),
-    ("conversational prefilled", [{"role": "assistant", "content": f"x</think><answer>{WRONG}</answer>"}],
-     True, 1.0, -1.5),
+    (
+        "conversational prefilled",
+        [{"role": "assistant", "content": f"x</think><answer>{WRONG}</answer>"}],
+        True,
+        1.0,
+        -1.5,
+    ),
     ("content parts", [{"role": "assistant", "content": [{"type": "text", "text": wrap(RIGHT)}]}], False, 1.0, 2.0),
     ("None", None, False, -1.0, -2.0),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(

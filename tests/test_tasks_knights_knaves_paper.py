@@ -23,7 +23,7 @@ AUTHORS_PROMPT = (
     "<|im_start|>assistant\n<think>"
 )
 PUBLISHED_QUIZ = (
-    'A very special island is inhabited only by knights and knaves. Knights always tell the truth, and knaves always '
+    "A very special island is inhabited only by knights and knaves. Knights always tell the truth, and knaves always "
     'lie. You meet 3 inhabitants: Michael, Zoey, and Ethan. Michael was heard saying, "Ethan is a knight if and only if '
     'Michael is a knight". "Zoey is a knight or Ethan is a knight," Zoey mentioned. Ethan asserted: "Michael is a knave '
     'if and only if Zoey is a knave". So who is a knight and who is a knave?'
@@ -45,14 +45,25 @@ def test_paper_prompt_is_the_published_text_byte_for_byte():
 def authors_row(puzzle: dict, index: int, prompt_text: str | None = None) -> dict:
     """A row with the columns of the authors' parquet files (the extra verl columns included)."""
     return {
-        "quiz": puzzle["quiz"], "names": puzzle["names"], "solution": puzzle["solution"],
-        "solution_text": puzzle["solution_text"], "solution_text_format": puzzle["solution_text_format"],
-        "statements": puzzle["statements"], "index": index, "data_source": "kk_logic",
+        "quiz": puzzle["quiz"],
+        "names": puzzle["names"],
+        "solution": puzzle["solution"],
+        "solution_text": puzzle["solution_text"],
+        "solution_text_format": puzzle["solution_text_format"],
+        "statements": puzzle["statements"],
+        "index": index,
+        "data_source": "kk_logic",
         "prompt": [{"content": prompt_text or AUTHORS_PROMPT.format(quiz=puzzle["quiz"]), "role": "user"}],
-        "ability": "logic", "reward_model": {"ground_truth": {"solution_text_format": puzzle["solution_text_format"],
-                                                              "statements": puzzle["statements"]}, "style": "rule"},
+        "ability": "logic",
+        "reward_model": {
+            "ground_truth": {
+                "solution_text_format": puzzle["solution_text_format"],
+                "statements": puzzle["statements"],
+            },
+            "style": "rule",
+        },
         "extra_info": {"index": index, "split": "train" if index < 1000 else "test"},
-    }  # fmt: skip
+    }
 
 
 TRAIN_INDICES = list(range(96, 104))  # 96-99 lie outside the paper's train range (as in a 1,000-per-size file)
@@ -130,15 +141,38 @@ def test_paper_files_are_read_from_the_authors_repository_by_default(monkeypatch
 def cli_datasets(tmp_path, *flags):
     from trl_lopti.cli.train import build_datasets, parse_train_args
 
-    args = ["--model_name_or_path", "Qwen/Qwen2.5-3B-Instruct", "--use_cpu", "true", "--output_dir", str(tmp_path),
-            "--eval_strategy", "steps", "--kk_num_samples", "4", "--kk_num_eval_samples", "2", *flags]  # fmt: skip
+    args = [
+        "--model_name_or_path",
+        "Qwen/Qwen2.5-3B-Instruct",
+        "--use_cpu",
+        "true",
+        "--output_dir",
+        str(tmp_path),
+        "--eval_strategy",
+        "steps",
+        "--kk_num_samples",
+        "4",
+        "--kk_num_eval_samples",
+        "2",
+        *flags,
+    ]
     return build_datasets(*parse_train_args(args)[:2])
 
 
 def test_the_cli_trains_on_the_paper_split_and_evaluates_on_the_paper_test_set(tmp_path):
     data_dir = str(write_authors_layout(tmp_path / "kk"))
-    train, evaluation = cli_datasets(tmp_path, "--kk_source", "paper", "--kk_data_dir", data_dir, "--kk_num_people",
-                                     "3", "4", "--kk_prefill_think", "false")  # fmt: skip
+    train, evaluation = cli_datasets(
+        tmp_path,
+        "--kk_source",
+        "paper",
+        "--kk_data_dir",
+        data_dir,
+        "--kk_num_people",
+        "3",
+        "4",
+        "--kk_prefill_think",
+        "false",
+    )
     assert train.to_list() == kk.load_knights_knaves_dataset([3, 4], split="train", data_dir=data_dir).to_list()
     assert evaluation.to_list() == kk.load_knights_knaves_dataset([3, 4], split="test", data_dir=data_dir).to_list()
     assert all(prompt.endswith("<think>") for prompt in train["prompt"])  # the paper's prompts always pre-fill it

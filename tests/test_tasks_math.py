@@ -11,13 +11,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import math_verify  # noqa: F401  (the test extra installs it: a missing math-verify fails here, not skips)
 import pytest
 
-
-import math_verify  # noqa: E402, F401  (the test extra installs it: a missing math-verify fails here, not skips)
-from trl_lopti.tasks import math as math_task  # noqa: E402
-from trl_lopti.tasks import _time_limit  # noqa: E402
-from trl_lopti.tasks.math import math_reward, math_reward_lenient  # noqa: E402
+from trl_lopti.tasks import _time_limit
+from trl_lopti.tasks import math as math_task
+from trl_lopti.tasks.math import math_reward, math_reward_lenient
 
 
 # A sum of 59 rational terms: sympy needs more than 10 s to compare it with SLOW_REFERENCE in both grading modes (pure
@@ -299,8 +298,16 @@ LOCAL_SETS = {
         {"problem": "What is $1+1$?", "answer": "2", "solution": "It is $\\boxed{2}$."},
         {"problem": "Half of one?", "answer": "\\frac{1}{2}", "solution": "..."},
     ],
-    "math500": [{"problem": "Compute $3 \\cdot 4$.", "answer": "12", "subject": "Algebra", "level": 1,
-                 "unique_id": "test/algebra/1.json", "solution": "..."}],
+    "math500": [
+        {
+            "problem": "Compute $3 \\cdot 4$.",
+            "answer": "12",
+            "subject": "Algebra",
+            "level": 1,
+            "unique_id": "test/algebra/1.json",
+            "solution": "...",
+        }
+    ],
     "aime24": [{"id": 60, "problem": "Find $x$.", "solution": "...", "answer": "204", "url": "u", "year": "2024"}],
     "amc": [{"id": 0, "problem": "Find $m+n$.", "answer": 142.0, "url": "u"}],
     "minerva": [{"question": "Wavelength in Angstroms?", "answer": "9.6\n"}],
@@ -309,11 +316,24 @@ LOCAL_SETS = {
     ],
     "aime": [
         {"ID": "2020-I-1", "Year": 2020, "Problem Number": 1, "Question": "Old problem.", "Answer": "39", "Part": "I"},
-        {"ID": "2021-I-1", "Year": 2021, "Problem Number": 1, "Question": "Zou and Chou?", "Answer": "97", "Part": "I"},
-        {"ID": "2024-II-15", "Year": 2024, "Problem Number": 15, "Question": "Rectangles?", "Answer": "315",
-         "Part": "II"},
+        {
+            "ID": "2021-I-1",
+            "Year": 2021,
+            "Problem Number": 1,
+            "Question": "Zou and Chou?",
+            "Answer": "97",
+            "Part": "I",
+        },
+        {
+            "ID": "2024-II-15",
+            "Year": 2024,
+            "Problem Number": 15,
+            "Question": "Rectangles?",
+            "Answer": "315",
+            "Part": "II",
+        },
     ],
-}  # fmt: skip
+}
 
 EXPECTED = {  # (problem, solution) per kept row, written out by hand
     "deepscaler": [("What is $1+1$?", "2"), ("Half of one?", "\\frac{1}{2}")],
@@ -349,9 +369,11 @@ def test_load_math_dataset_from_local_files(name, tmp_path):
 def test_orz_pairs_from_local_file(tmp_path):
     pairs = [
         [{"from": "human", "value": "Compute $2^5$."}, {"from": "assistant", "ground_truth": {"value": "32"}}],
-        [{"from": "human", "value": "Simplify $\\frac{6}{8}$."},
-         {"from": "assistant", "ground_truth": {"value": "\\frac{3}{4}", "pass_at_n": 0.5}}],
-    ]  # fmt: skip
+        [
+            {"from": "human", "value": "Simplify $\\frac{6}{8}$."},
+            {"from": "assistant", "ground_truth": {"value": "\\frac{3}{4}", "pass_at_n": 0.5}},
+        ],
+    ]
     path = tmp_path / "orz_math_57k_collection.json"
     path.write_text(json.dumps(pairs))
     dataset = math_task.load_math_dataset("orz", data_files=str(path), system_prompt="Be precise.")
@@ -390,15 +412,17 @@ def test_hub_names_and_splits(monkeypatch, tmp_path):
     for name in sorted(LOCAL_SETS):
         dataset = math_task.load_math_dataset(name)
         assert [(row["problem"], row["solution"]) for row in dataset] == EXPECTED[name]
-    assert sorted(calls) == sorted([
-        ("agentica-org/DeepScaleR-Preview-Dataset", None, "train"),
-        ("HuggingFaceH4/MATH-500", None, "test"),
-        ("HuggingFaceH4/aime_2024", None, "train"),
-        ("di-zhang-fdu/AIME_1983_2024", None, "train"),
-        ("AI-MO/aimo-validation-amc", None, "train"),
-        ("math-ai/minervamath", None, "test"),
-        ("math-ai/olympiadbench", None, "test"),
-    ])  # fmt: skip
+    assert sorted(calls) == sorted(
+        [
+            ("agentica-org/DeepScaleR-Preview-Dataset", None, "train"),
+            ("HuggingFaceH4/MATH-500", None, "test"),
+            ("HuggingFaceH4/aime_2024", None, "train"),
+            ("di-zhang-fdu/AIME_1983_2024", None, "train"),
+            ("AI-MO/aimo-validation-amc", None, "train"),
+            ("math-ai/minervamath", None, "test"),
+            ("math-ai/olympiadbench", None, "test"),
+        ]
+    )
     orz = math_task.load_math_dataset("orz")
     assert downloads == [("Open-Reasoner-Zero/orz_math_57k_collection", "orz_math_57k_collection.json", "dataset")]
     assert orz[0]["solution"] == "1"
@@ -463,8 +487,20 @@ def test_cli_builds_dsr_uniform_from_a_local_copy(tmp_path):
 
     rows = [verl_math_row(f"Problem {i}?", str(i), float(i)) for i in range(5)]
     path = write_parquet(tmp_path / "dsr.parquet", rows)
-    args = ["--task", "math", "--dataset_name", "dsr_uniform", "--math_data_file", path, "--model_name_or_path",
-            "Qwen/Qwen2.5-7B", "--use_cpu", "true", "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    args = [
+        "--task",
+        "math",
+        "--dataset_name",
+        "dsr_uniform",
+        "--math_data_file",
+        path,
+        "--model_name_or_path",
+        "Qwen/Qwen2.5-7B",
+        "--use_cpu",
+        "true",
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
     script_args, training_args, _ = parse_train_args(args)
     train, evaluation = build_datasets(script_args, training_args)
     assert evaluation is None and train["prompt"] == [f"Problem {i}? {SUFFIX}" for i in range(5)]

@@ -5,11 +5,11 @@ import os
 
 import pytest
 import torch
+from conftest import FLOAT64, assert_parameters_close
 from datasets import Dataset
+from test_schedule import PolicyPassCounter
 from trl import GRPOConfig, GRPOTrainer
 
-from conftest import FLOAT64, assert_parameters_close
-from test_schedule import PolicyPassCounter
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
 
@@ -53,7 +53,10 @@ def small_config(output_dir, config_class=LoptiGRPOConfig, **overrides):
 
 def train(model, config, reward=length_reward, dataset=None, trainer_class=LoptiGRPOTrainer, **trainer_kwargs):
     trainer = trainer_class(
-        model=model, reward_funcs=reward, args=config, train_dataset=dataset or conversational_dataset(),
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset or conversational_dataset(),
         **trainer_kwargs,
     )
     initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
@@ -76,7 +79,9 @@ def assert_no_nan_in_logs(trainer):
 
 
 @pytest.mark.parametrize(
-    "alpha, eta", [(0.3, None), (0.0, ETA_FROM_EACH_BATCH), (0.3, ETA_FROM_EACH_BATCH)], ids=["ar", "lopti", "ar+lopti"]
+    "alpha, eta",
+    [(0.3, None), (0.0, ETA_FROM_EACH_BATCH), (0.3, ETA_FROM_EACH_BATCH)],
+    ids=["ar", "lopti", "ar+lopti"],
 )
 def test_training_changes_the_model_and_logs_lopti_metrics(tiny_model_path, tmp_path, batch_thresholds, alpha, eta):
     config = small_config(tmp_path, advantage_reweighting_alpha=alpha, lopti_threshold=eta)
@@ -100,8 +105,9 @@ def test_training_changes_the_model_and_logs_lopti_metrics(tiny_model_path, tmp_
 
 def test_both_methods_disabled_is_grpo_trainer(tiny_float64_model_path, tmp_path):
     """Two float64 runs: equal to 1e-8 on any CPU (a changed step, advantage or loss moves parameters by >1e-4)."""
-    grpo, _ = train(tiny_float64_model_path, small_config(tmp_path / "grpo", GRPOConfig, **FLOAT64),
-                    trainer_class=GRPOTrainer)
+    grpo, _ = train(
+        tiny_float64_model_path, small_config(tmp_path / "grpo", GRPOConfig, **FLOAT64), trainer_class=GRPOTrainer
+    )
     plain = small_config(tmp_path / "lopti", advantage_reweighting_alpha=0.0, lopti_threshold=None, **FLOAT64)
     lopti, initial = train(tiny_float64_model_path, plain)
     assert lopti.model.dtype == grpo.model.dtype == torch.float64
@@ -143,8 +149,11 @@ def test_lora_with_lopti_changes_only_adapter_weights(tiny_model_path, tmp_path,
         ("all rewards equal", dict(lopti_threshold=ETA_FROM_EACH_BATCH), constant_reward),
         ("no low tokens", dict(lopti_threshold=1e-6), length_reward),
         ("no high tokens", dict(lopti_threshold=0.999), length_reward),
-        ("empty completions", dict(mask_truncated_completions=True, max_completion_length=2, loss_type="grpo"),
-         length_reward),
+        (
+            "empty completions",
+            dict(mask_truncated_completions=True, max_completion_length=2, loss_type="grpo"),
+            length_reward,
+        ),
     ],
 )
 def test_degenerate_batches_do_not_produce_nan(tiny_model_path, tmp_path, request, case, overrides, reward):
@@ -176,22 +185,33 @@ def test_resume_between_the_two_passes_continues_the_batch_to_the_uninterrupted_
 
     def run(output_dir, **overrides):
         config = small_config(output_dir, lopti_threshold=ETA_FROM_EACH_BATCH, max_steps=4, **FLOAT64, **overrides)
-        return LoptiGRPOTrainer(model=tiny_float64_model_path, reward_funcs=length_reward, args=config,
-                                train_dataset=conversational_dataset())
+        return LoptiGRPOTrainer(
+            model=tiny_float64_model_path,
+            reward_funcs=length_reward,
+            args=config,
+            train_dataset=conversational_dataset(),
+        )
 
     uninterrupted = run(tmp_path / "whole", save_strategy="steps", save_steps=1)
     initial = {name: p.detach().clone() for name, p in uninterrupted.model.named_parameters()}
     stored_before_push, save_rng_state = {}, uninterrupted._save_rng_state
+
     def save_rng_state_and_look(output_dir):  # transformers saves the RNG state, then pushes the checkpoint
         stored_before_push[os.path.basename(output_dir)] = os.path.isfile(
-            os.path.join(output_dir, GENERATION_BATCH_FILE.format(0)))  # fmt: skip
+            os.path.join(output_dir, GENERATION_BATCH_FILE.format(0))
+        )
         save_rng_state(output_dir)
+
     uninterrupted._save_rng_state = save_rng_state_and_look
     uninterrupted.train()
     checkpoint = tmp_path / "whole" / "checkpoint-3"  # after the low pass of the second generation batch
     assert (checkpoint / GENERATION_BATCH_FILE.format(0)).is_file()
-    assert stored_before_push == {"checkpoint-1": True, "checkpoint-2": False, "checkpoint-3": True,
-                                  "checkpoint-4": False}  # fmt: skip
+    assert stored_before_push == {
+        "checkpoint-1": True,
+        "checkpoint-2": False,
+        "checkpoint-3": True,
+        "checkpoint-4": False,
+    }
     assert not (tmp_path / "whole" / "checkpoint-2" / GENERATION_BATCH_FILE.format(0)).exists()  # between batches
 
     resumed = run(tmp_path / "resumed")
@@ -201,8 +221,9 @@ def test_resume_between_the_two_passes_continues_the_batch_to_the_uninterrupted_
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 4 and generations == [], "the high pass of the stored batch, no generation"
     assert "lopti/loss_high_pass" in [e for e in resumed.state.log_history if e.get("step") == 4][0]
-    difference, moved = assert_parameters_close(dict(resumed.model.named_parameters()),
-                                                dict(uninterrupted.model.named_parameters()), initial, atol=1e-8)
+    difference, moved = assert_parameters_close(
+        dict(resumed.model.named_parameters()), dict(uninterrupted.model.named_parameters()), initial, atol=1e-8
+    )
     print(f"resumed vs uninterrupted: largest difference {difference:.3g} (moved {moved:.3g} in all)")
     assert moved > 1e-3
     assert_no_nan_in_logs(resumed)
@@ -236,20 +257,24 @@ def test_low_token_share_is_logged_once_per_generation_batch_over_the_whole_batc
     assert 0 < low < sum(int(b["completion_mask"].sum()) for b in micro_batches)
     total = sum(int(b["completion_mask"].sum()) for b in micro_batches)
     assert rows[2]["lopti/low_token_share"] == pytest.approx(low / total, abs=1e-6)
-    weights = sum(float(((0.3 * b["old_per_token_logps"].exp() + 0.7) * b["completion_mask"]).sum())
-                  for b in micro_batches)
+    weights = sum(
+        float(((0.3 * b["old_per_token_logps"].exp() + 0.7) * b["completion_mask"]).sum()) for b in micro_batches
+    )
     assert rows[2]["lopti/ar_weight_mean"] == pytest.approx(weights / total, rel=1e-5)
 
 
 def test_model_card_credits_the_method_and_its_settings(tiny_model_path, tmp_path):
     config = small_config(tmp_path, advantage_reweighting_alpha=0.3, lopti_threshold=0.4, max_steps=1)
-    trainer = LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=length_reward, args=config,
-                               train_dataset=conversational_dataset())
+    trainer = LoptiGRPOTrainer(
+        model=tiny_model_path, reward_funcs=length_reward, args=config, train_dataset=conversational_dataset()
+    )
     trainer.create_model_card(model_name="kk-lopti")
     card = (tmp_path / "README.md").read_text()
-    assert ("This model was trained with GRPO with Advantage Reweighting (alpha=0.3) and Low-Probability Token "
-            "Isolation (Lopti, eta=0.4, low tokens first), a method introduced in [Do Not Let Low-Probability "
-            "Tokens Over-Dominate in RL for LLMs](https://huggingface.co/papers/2505.12929)") in card
+    assert (
+        "This model was trained with GRPO with Advantage Reweighting (alpha=0.3) and Low-Probability Token "
+        "Isolation (Lopti, eta=0.4, low tokens first), a method introduced in [Do Not Let Low-Probability "
+        "Tokens Over-Dominate in RL for LLMs](https://huggingface.co/papers/2505.12929)"
+    ) in card
     assert "eprint       = {arXiv:2505.12929}" in card  # the method's BibTeX
     assert "eprint       = {arXiv:2402.03300}" in card  # and GRPO's, the base it builds on
     assert "method introduced in [DeepSeekMath" not in card
@@ -266,10 +291,16 @@ def test_reinforce_plus_plus_trains_on_batch_whitened_advantages(tiny_model_path
         rewards.extend(values)
         return values
 
-    config = small_config(tmp_path, advantage_estimator="reinforce_plus_plus", advantage_reweighting_alpha=0.1,
-                          lopti_threshold=ETA_FROM_EACH_BATCH, beta=0.05)
-    trainer = LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=reward, args=config,
-                               train_dataset=conversational_dataset())
+    config = small_config(
+        tmp_path,
+        advantage_estimator="reinforce_plus_plus",
+        advantage_reweighting_alpha=0.1,
+        lopti_threshold=ETA_FROM_EACH_BATCH,
+        beta=0.05,
+    )
+    trainer = LoptiGRPOTrainer(
+        model=tiny_model_path, reward_funcs=reward, args=config, train_dataset=conversational_dataset()
+    )
     generate = trainer._generate_and_score_completions
 
     def recorded(inputs):

@@ -10,11 +10,11 @@ import json
 import pytest
 import torch
 from datasets import Dataset, IterableDataset
+from test_distributed import torchrun
+from test_schedule import COMPLETION_LENGTH, TEMPERATURE, fixed_generation_batch
 from trl import GRPOConfig, GRPOTrainer
 
 import trl_lopti._compat as compat
-from test_distributed import torchrun
-from test_schedule import COMPLETION_LENGTH, TEMPERATURE, fixed_generation_batch
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
 
@@ -23,9 +23,19 @@ def reward(completions, **kwargs):
 
 
 def grpo_trainer(model_path, output_dir, **overrides) -> GRPOTrainer:
-    values = dict(output_dir=str(output_dir), per_device_train_batch_size=2, num_generations=2,
-                  max_completion_length=COMPLETION_LENGTH, temperature=TEMPERATURE, report_to="none", use_cpu=True,
-                  bf16=False, save_strategy="no", logging_steps=1, shuffle_dataset=False)
+    values = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=COMPLETION_LENGTH,
+        temperature=TEMPERATURE,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        logging_steps=1,
+        shuffle_dataset=False,
+    )
     values.update(overrides)
     dataset = Dataset.from_dict({"prompt": [f"p{i}" for i in range(16)]})
     trainer = GRPOTrainer(model=model_path, reward_funcs=reward, args=GRPOConfig(**values), train_dataset=dataset)
@@ -95,9 +105,14 @@ def test_prepare_inputs_generates_every_steps_per_generation_times_num_iteration
     tiny_model_path, tmp_path
 ):
     steps_per_generation, num_iterations, gradient_accumulation_steps, optimizer_steps = 2, 2, 2, 4
-    trainer = grpo_trainer(tiny_model_path, tmp_path, steps_per_generation=steps_per_generation,
-                           num_iterations=num_iterations, gradient_accumulation_steps=gradient_accumulation_steps,
-                           max_steps=optimizer_steps)
+    trainer = grpo_trainer(
+        tiny_model_path,
+        tmp_path,
+        steps_per_generation=steps_per_generation,
+        num_iterations=num_iterations,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        max_steps=optimizer_steps,
+    )
     rows = 2 * steps_per_generation
     generations, served = [], []
 
@@ -131,11 +146,15 @@ def test_prepare_inputs_generates_every_steps_per_generation_times_num_iteration
 # ------------------------------------------------------------------------------------------------------ fact 3
 def test_train_sampler_repeats_each_generation_batch_as_num_iterations_says_when_built(tiny_model_path, tmp_path):
     trainer = grpo_trainer(tiny_model_path, tmp_path, steps_per_generation=2)
-    batches = [sorted(batch["prompt"] if isinstance(batch, dict) else [e["prompt"] for e in batch])
-               for batch in trainer.get_train_dataloader()]
+    batches = [
+        sorted(batch["prompt"] if isinstance(batch, dict) else [e["prompt"] for e in batch])
+        for batch in trainer.get_train_dataloader()
+    ]
     trainer.num_iterations = 3  # read while the dataloader is built (Lopti multiplies it by its number of passes)
-    repeated = [sorted(batch["prompt"] if isinstance(batch, dict) else [e["prompt"] for e in batch])
-                for batch in trainer.get_train_dataloader()]
+    repeated = [
+        sorted(batch["prompt"] if isinstance(batch, dict) else [e["prompt"] for e in batch])
+        for batch in trainer.get_train_dataloader()
+    ]
     assert len(repeated) == 3 * len(batches) > 0
     distinct = [b for i, b in enumerate(batches) if i == 0 or b != batches[i - 1]]
     assert [repeated[i] for i in range(0, len(repeated), 3 * len(batches) // len(distinct))] == distinct
@@ -148,20 +167,31 @@ def test_lopti_serves_each_generation_batch_twice(tiny_model_path, tmp_path, ite
     if iterable:
         dataset = dataset.to_iterable_dataset()
         assert isinstance(dataset, IterableDataset)
-    common = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, report_to="none",
-                  use_cpu=True, max_steps=1)
+    common = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        report_to="none",
+        use_cpu=True,
+        max_steps=1,
+    )
     grpo = GRPOTrainer(model=tiny_model_path, reward_funcs=reward, args=GRPOConfig(**common), train_dataset=dataset)
-    lopti = LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=reward, args=LoptiGRPOConfig(**common),
-                             train_dataset=dataset)
+    lopti = LoptiGRPOTrainer(
+        model=tiny_model_path, reward_funcs=reward, args=LoptiGRPOConfig(**common), train_dataset=dataset
+    )
     grpo_batches = [batch for batch in grpo.get_train_dataloader()]
     lopti_batches = [batch for batch in lopti.get_train_dataloader()]
     assert len(lopti_batches) == 2 * len(grpo_batches) > 0
     assert lopti.num_iterations == 1, "num_iterations is only doubled while the dataloader is built"
     # the same prompts, each generation batch served twice in a row
-    as_prompts = [sorted(example["prompt"] if isinstance(example, dict) else [e["prompt"] for e in example])
-                  for example in lopti_batches]
-    grpo_prompts = [sorted(example["prompt"] if isinstance(example, dict) else [e["prompt"] for e in example])
-                    for example in grpo_batches]
+    as_prompts = [
+        sorted(example["prompt"] if isinstance(example, dict) else [e["prompt"] for e in example])
+        for example in lopti_batches
+    ]
+    grpo_prompts = [
+        sorted(example["prompt"] if isinstance(example, dict) else [e["prompt"] for e in example])
+        for example in grpo_batches
+    ]
     assert as_prompts[0::2] == grpo_prompts and as_prompts[1::2] == grpo_prompts
 
 
@@ -251,10 +281,18 @@ def test_liger_is_refused_at_config_construction_below_the_release_that_routes_i
 
 def test_a_loss_that_no_longer_runs_the_log_prob_forward_stops_the_trainer(tiny_model_path, tmp_path, monkeypatch):
     """The runtime check of fact 2: a TRL whose loss bypasses the hook (as Liger below 1.14 does) fails loudly."""
-    config = LoptiGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
-                             max_completion_length=COMPLETION_LENGTH, report_to="none", use_cpu=True, bf16=False)
-    trainer = LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=reward, args=config,
-                               train_dataset=Dataset.from_dict({"prompt": ["p"] * 4}))
+    config = LoptiGRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=COMPLETION_LENGTH,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+    )
+    trainer = LoptiGRPOTrainer(
+        model=tiny_model_path, reward_funcs=reward, args=config, train_dataset=Dataset.from_dict({"prompt": ["p"] * 4})
+    )
     trainer.current_gradient_accumulation_steps = 1
     batch, _ = fixed_generation_batch(tiny_model_path, 2, seed=0, beta=0.0)
     monkeypatch.setattr(GRPOTrainer, "_compute_loss", lambda self, model, inputs: torch.zeros((), requires_grad=True))

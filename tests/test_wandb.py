@@ -5,13 +5,11 @@ import struct
 from pathlib import Path
 
 import pytest
+import wandb  # the test extra installs it: a missing wandb fails here, not skips
 from datasets import Dataset
+from wandb.proto import wandb_internal_pb2
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
-
-
-import wandb  # noqa: E402  (the test extra installs it: a missing wandb fails here, not skips)
-from wandb.proto import wandb_internal_pb2  # noqa: E402
 
 
 LOPTI_METRICS = (
@@ -103,7 +101,9 @@ def test_report_to_wandb_logs_lopti_metrics_offline(tiny_model_path, tmp_path, m
     )
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Count to {i}."}] for i in range(8)]})
     try:
-        trainer = LoptiGRPOTrainer(model=tiny_model_path, reward_funcs=length_reward, args=config, train_dataset=dataset)
+        trainer = LoptiGRPOTrainer(
+            model=tiny_model_path, reward_funcs=length_reward, args=config, train_dataset=dataset
+        )
         trainer.train()
         assert wandb.run is not None and wandb.run.offline
     finally:

@@ -40,14 +40,21 @@ def unsupported_trl_message(installed: str) -> str:
     """What a user with TRL `installed` (outside `SUPPORTED_TRL`) is told: the range and what to do."""
     supported = f"trl_lopti supports TRL {SUPPORTED_TRL_SPEC} (tested: {', '.join(TESTED_TRL_RELEASES)})"
     if Version(installed) < Version("1.10.0"):
-        return (f"{supported}, but TRL {installed} is installed: its GRPO losses differ from the ones trl_lopti is "
-                f"exact for. Upgrade: pip install 'trl{SUPPORTED_TRL_SPEC}'")
-    untested = "its fused log-prob head needs Triton, so no CPU test runs it" if installed.startswith("1.15.") else (
-        "this release was not tested")
-    return (f"{supported}, but TRL {installed} is installed: trl_lopti relies on GRPOTrainer internals (see "
-            f"trl_lopti/trainer.py) and {untested}. Install a supported release (pip install "
-            f"'trl{SUPPORTED_TRL_SPEC}'), or check this one: in a checkout of trl_lopti run {ALLOW_UNTESTED_TRL}=1 "
-            f"python -m pytest {_CONTRACT_TESTS}; if they pass, {ALLOW_UNTESTED_TRL}=1 lets you train with it")
+        return (
+            f"{supported}, but TRL {installed} is installed: its GRPO losses differ from the ones trl_lopti is "
+            f"exact for. Upgrade: pip install 'trl{SUPPORTED_TRL_SPEC}'"
+        )
+    untested = (
+        "its fused log-prob head needs Triton, so no CPU test runs it"
+        if installed.startswith("1.15.")
+        else ("this release was not tested")
+    )
+    return (
+        f"{supported}, but TRL {installed} is installed: trl_lopti relies on GRPOTrainer internals (see "
+        f"trl_lopti/trainer.py) and {untested}. Install a supported release (pip install "
+        f"'trl{SUPPORTED_TRL_SPEC}'), or check this one: in a checkout of trl_lopti run {ALLOW_UNTESTED_TRL}=1 "
+        f"python -m pytest {_CONTRACT_TESTS}; if they pass, {ALLOW_UNTESTED_TRL}=1 lets you train with it"
+    )
 
 
 def check_trl_version() -> str:
@@ -64,7 +71,9 @@ def check_trl_version() -> str:
     if Version(installed) in SUPPORTED_TRL:
         return installed
     if os.environ.get(ALLOW_UNTESTED_TRL) == "1":
-        warnings.warn(unsupported_trl_message(installed) + f" ({ALLOW_UNTESTED_TRL}=1: importing anyway)", stacklevel=2)
+        warnings.warn(
+            unsupported_trl_message(installed) + f" ({ALLOW_UNTESTED_TRL}=1: importing anyway)", stacklevel=2
+        )
         return installed
     raise ImportError(unsupported_trl_message(installed))
 

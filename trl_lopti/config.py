@@ -7,7 +7,10 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-from . import _compat  # noqa: I001  (checks the TRL version before TRL is imported)
+from . import _compat  # (checks the TRL version before TRL is imported)
+
+
+# isort: split
 from trl import GRPOConfig
 
 from .core_algos import ADVANTAGE_ESTIMATORS, LOPTI_PASS_ORDERS
@@ -96,14 +99,17 @@ class LoptiGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
-        self.advantage_reweighting_alpha = _number_in("advantage_reweighting_alpha", self.advantage_reweighting_alpha,
-                                                      closed=True, disabled_by="0 disables AR")  # fmt: skip
+        self.advantage_reweighting_alpha = _number_in(
+            "advantage_reweighting_alpha", self.advantage_reweighting_alpha, closed=True, disabled_by="0 disables AR"
+        )
         if self.lopti_threshold is not None:
-            self.lopti_threshold = _number_in("lopti_threshold", self.lopti_threshold, closed=False,
-                                              disabled_by="None disables Lopti")  # fmt: skip
+            self.lopti_threshold = _number_in(
+                "lopti_threshold", self.lopti_threshold, closed=False, disabled_by="None disables Lopti"
+            )
         if self.lopti_quantile is not None:
-            self.lopti_quantile = _number_in("lopti_quantile", self.lopti_quantile, closed=False,
-                                             disabled_by="None splits at lopti_threshold")  # fmt: skip
+            self.lopti_quantile = _number_in(
+                "lopti_quantile", self.lopti_quantile, closed=False, disabled_by="None splits at lopti_threshold"
+            )
             if self.lopti_threshold not in (None, LoptiGRPOConfig.lopti_threshold):  # its default gives way
                 raise ValueError(
                     f"lopti_threshold={self.lopti_threshold:g} and lopti_quantile={self.lopti_quantile:g} are two "
@@ -113,8 +119,9 @@ class LoptiGRPOConfig(GRPOConfig):
         if self.lopti_order not in LOPTI_PASS_ORDERS:
             raise ValueError(f"lopti_order must be one of {sorted(LOPTI_PASS_ORDERS)}, got {self.lopti_order!r}")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage_estimator must be one of {list(ADVANTAGE_ESTIMATORS)}, got "
-                             f"{self.advantage_estimator!r}")  # fmt: skip
+            raise ValueError(
+                f"advantage_estimator must be one of {list(ADVANTAGE_ESTIMATORS)}, got {self.advantage_estimator!r}"
+            )
         super().__post_init__()
         _compat.check_features(self)  # e.g. Liger below TRL 1.14
         aggregation = self.multi_objective_aggregation

@@ -57,9 +57,7 @@ def token_level_advantages(advantages: torch.Tensor, num_tokens: int) -> torch.T
     raise ValueError(f"advantages must have shape (B,) or (B, {num_tokens}), got {tuple(advantages.shape)}")
 
 
-def reweight_advantages(
-    advantages: torch.Tensor, old_per_token_logps: torch.Tensor, alpha: float
-) -> torch.Tensor:
+def reweight_advantages(advantages: torch.Tensor, old_per_token_logps: torch.Tensor, alpha: float) -> torch.Tensor:
     """Advantage Reweighting: the token-level (B, T) `A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i)` of
     advantages (B,) or (B, T), for behaviour-policy log-probabilities (B, T) and alpha in [0, 1]."""
     weights = advantage_reweighting_weights(old_per_token_logps, alpha)

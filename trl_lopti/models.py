@@ -133,4 +133,3 @@ def build_tiny_model(
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return str(output_dir)
-

@@ -22,6 +22,7 @@ from .core_algos import loss_token_mask, reinforce_plus_plus_advantages
 
 class ReinforcePlusPlusMixin:
     """`GRPOTrainer` mixin: REINFORCE++ advantages in place of GRPO's when `args.advantage_estimator` says so."""
+
     _rewards_of_scored_batch: torch.Tensor | None = None  # the batch being scored: every process, a column per reward
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):

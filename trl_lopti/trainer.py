@@ -41,7 +41,10 @@ from typing import Any
 
 import torch
 
-from . import _compat  # noqa: F401, I001  (checks the TRL version before TRL is imported)
+from . import _compat  # noqa: F401  (checks the TRL version before TRL is imported)
+
+
+# isort: split
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
@@ -64,8 +67,18 @@ THRESHOLD_KEY = "lopti_threshold"  # 0-dim, in each micro-batch of a quantile-sp
 GENERATION_BATCH_FILE = "lopti_generation_batch_rank{}.pt"  # in a checkpoint taken inside a generation batch
 UNSPLIT_REPORTING_THRESHOLD = 0.5  # the eta of `lopti/low_token_share` when Lopti is off (the paper's)
 # The model inputs besides ids and masks that TRL's `_compute_loss` passes to its log-prob forward (multimodal).
-EXTRA_FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
-                      "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+EXTRA_FORWARD_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 
 LOPTI_PAPER_CITATION = textwrap.dedent("""\
     @article{yang2025lopti,
@@ -120,8 +133,10 @@ def as_lopti_config(args: GRPOConfig | None, model: Any) -> LoptiGRPOConfig:
     try:
         config = LoptiGRPOConfig(**values)
     except ValueError as error:
-        raise ValueError(f"{upgrade}: {error} (with a plain GRPOConfig: pass "
-                         "trl_lopti.LoptiGRPOConfig(..., lopti_threshold=None) to train without Lopti)") from None
+        raise ValueError(
+            f"{upgrade}: {error} (with a plain GRPOConfig: pass "
+            "trl_lopti.LoptiGRPOConfig(..., lopti_threshold=None) to train without Lopti)"
+        ) from None
     warnings.warn(
         f"{upgrade}: Advantage Reweighting (advantage_reweighting_alpha={config.advantage_reweighting_alpha}) and "
         f"Lopti (lopti_threshold={config.lopti_threshold}, lopti_order={config.lopti_order!r}). Lopti trains each "
@@ -225,8 +240,10 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
         with _temporarily_set(self, "_loss_call", call):
             loss = super().compute_loss(model, loss_inputs, return_outputs, num_items_in_batch)
         if call.policy_forwards != 1:  # fact 2, checked at every step
-            raise RuntimeError(f"GRPOTrainer._compute_loss ran {call.policy_forwards} policy forwards through "
-                               "_get_per_token_logps_and_entropies, not one: trl_lopti does not support this TRL")
+            raise RuntimeError(
+                f"GRPOTrainer._compute_loss ran {call.policy_forwards} policy forwards through "
+                "_get_per_token_logps_and_entropies, not one: trl_lopti does not support this TRL"
+            )
         if token_group is not None:
             self._log_pass_loss(token_group, loss.detach())
         return loss
@@ -320,8 +337,10 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
     def _load_optimizer_and_scheduler(self, checkpoint):
         saved = glob.glob(os.path.join(checkpoint, GENERATION_BATCH_FILE.format("*"))) if checkpoint else []
         if saved and len(saved) != self.accelerator.num_processes:  # each process resumes its own part of the batch
-            raise ValueError(f"{checkpoint} was saved inside a generation batch by {len(saved)} processes: resume it "
-                             f"with {len(saved)} processes, or from a checkpoint between generation batches")
+            raise ValueError(
+                f"{checkpoint} was saved inside a generation batch by {len(saved)} processes: resume it "
+                f"with {len(saved)} processes, or from a checkpoint between generation batches"
+            )
         super()._load_optimizer_and_scheduler(checkpoint)
         if saved:  # resume inside the batch's schedule, at the micro-step it stopped at
             device = self.accelerator.device  # torch.load maps to "cpu", not to an indexed "cpu:0"
@@ -340,7 +359,8 @@ def describe_method(config: LoptiGRPOConfig) -> str:
     if config.lopti_enabled:
         order = "low tokens first" if config.lopti_order == "low_first" else "high tokens first, the paper's ablation"
         split = (
-            f"eta={config.lopti_threshold:g}" if config.lopti_quantile is None
+            f"eta={config.lopti_threshold:g}"
+            if config.lopti_quantile is None
             else f"eta at the {config.lopti_quantile:g} quantile of each batch"
         )
         parts.append(f"Low-Probability Token Isolation (Lopti, {split}, {order})")

@@ -86,8 +86,10 @@ def check_backend(accelerator) -> str:
     asked = ["NO"] if world_size == 1 else ["MULTI_CPU", "MULTI_GPU"]
     asked = ["FSDP"] if launcher_uses("FSDP") else ["DEEPSPEED"] if launcher_uses("DEEPSPEED") else asked
     if runs not in asked or accelerator.num_processes != world_size:
-        raise RuntimeError(f"the launcher asked for {asked} on {world_size} processes, accelerate runs {runs} on "
-                           f"{accelerator.num_processes} (see {__name__})")  # fmt: skip
+        raise RuntimeError(
+            f"the launcher asked for {asked} on {world_size} processes, accelerate runs {runs} on "
+            f"{accelerator.num_processes} (see {__name__})"
+        )
     offload = getattr(getattr(accelerator.state, "fsdp_plugin", None), "cpu_offload", None)
     offload = f", {offload!r}" if hasattr(offload, "pin_memory") else ""
     processes = f"{accelerator.num_processes} process(es), {accelerator.device}"

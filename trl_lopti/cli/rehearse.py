@@ -23,8 +23,12 @@ from .errors import CliError
 from .train import DEFAULT_REWARD_FUNCS, parse_train_args, run_training
 
 
-REHEARSAL_SCALE = {"rows_per_optimizer_step": 8, "per_device_train_batch_size": 2, "max_completion_length": 16,
-                   "prompts": 32}  # fmt: skip
+REHEARSAL_SCALE = {
+    "rows_per_optimizer_step": 8,
+    "per_device_train_batch_size": 2,
+    "max_completion_length": 16,
+    "prompts": 32,
+}
 """What a rehearsal shrinks (completions per optimizer step: on all processes). The optimizer steps per generation
 batch and every method, loss, optimizer and precision setting stay the preset's."""
 
@@ -40,6 +44,7 @@ def letter_share_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     """The share of letters among a completion's characters (0 for an empty one): it varies on any model."""
     texts = [completion_to_text(completion) for completion in completions]
     return [sum(char.isalpha() for char in text) / max(1, len(text)) for text in texts]
+
 
 RESUME_TOLERANCE = 1e-6
 """The largest parameter difference between the resumed and the uninterrupted run (measured: 0 on every launcher)."""
@@ -70,23 +75,32 @@ def main(argv: list[str]) -> int:
     trainer = run_training(*parse(scale), end=False)
     checkpoint = folder / "run" / f"checkpoint-{scale['save_steps']}"
     batches = ", ".join(sorted(path.name for path in checkpoint.glob("lopti_generation_batch*")))  # mid-cycle resume
-    report = {"backend": cpu_backends.check_backend(trainer.accelerator), "cpu_overrides": overrides,
-              **_holdings(trainer), **_passes(trainer), "checkpoint": f"{checkpoint} (with {batches or 'no batch'})"}
+    report = {
+        "backend": cpu_backends.check_backend(trainer.accelerator),
+        "cpu_overrides": overrides,
+        **_holdings(trainer),
+        **_passes(trainer),
+        "checkpoint": f"{checkpoint} (with {batches or 'no batch'})",
+    }
     del trainer
     resumed = run_training(*parse(scale, {"resume_from_checkpoint": checkpoint, "output_dir": folder / "resumed"}))
     if resumed.accelerator.is_main_process:  # its final model against the uninterrupted run's
         run, rerun = (load_file(folder / name / "model.safetensors") for name in ("run", "resumed"))
-        difference = report["resume_max_abs_difference"] = max(float((run[k].double() - rerun[k].double()).abs().max())
-                                                                for k in run)  # fmt: skip
+        difference = report["resume_max_abs_difference"] = max(
+            float((run[k].double() - rerun[k].double()).abs().max()) for k in run
+        )
         if difference > RESUME_TOLERANCE:
-            report["failures"].append(f"the resumed run ended {difference:.3g} from the uninterrupted run's "
-                                      "parameters")  # fmt: skip
+            report["failures"].append(
+                f"the resumed run ended {difference:.3g} from the uninterrupted run's parameters"
+            )
         report["seconds"] = round(time.perf_counter() - start, 1)
         (folder / "rehearsal.json").write_text(json.dumps(report, indent=2, default=str))
         for key, value in report.items():
             say(f"rehearse: {key}: {value}")
-        say(f"rehearse: {'FAILED' if report['failures'] else 'passed'} (report {folder / 'rehearsal.json'}); nothing "
-            "here measures GPU memory or speed")  # fmt: skip
+        say(
+            f"rehearse: {'FAILED' if report['failures'] else 'passed'} (report {folder / 'rehearsal.json'}); nothing "
+            "here measures GPU memory or speed"
+        )
     return 1 if report["failures"] else 0
 
 
@@ -97,8 +111,10 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
     per_device = min(REHEARSAL_SCALE["per_device_train_batch_size"], rows // world)
     steps_per_pass, rest = divmod(training_args.lopti_pass_micro_steps, training_args.gradient_accumulation_steps)
     if world not in (1, 2, 4, 8) or rest:
-        raise CliError(f"rehearse: needs 1, 2, 4 or 8 processes (got {world}) and steps_per_generation * "
-                       "num_iterations a multiple of gradient_accumulation_steps")  # fmt: skip
+        raise CliError(
+            f"rehearse: needs 1, 2, 4 or 8 processes (got {world}) and steps_per_generation * "
+            "num_iterations a multiple of gradient_accumulation_steps"
+        )
     accumulation, max_steps = rows // (per_device * world), training_args.lopti_num_passes * steps_per_pass
     model = Path(model_args.model_name_or_path).expanduser()  # a local model under 100 MB as it is, else a tiny one
     if not (model.is_dir() and sum(file.stat().st_size for file in model.glob("*.safetensors")) < 100e6):
@@ -110,20 +126,29 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
         if not (model / "config.json").is_file():
             build_tiny_model(model, architecture=family, initializer_range=TINY_MODEL_INIT_STD)
     flags = {
-        "per_device_train_batch_size": per_device, "gradient_accumulation_steps": accumulation,
-        "steps_per_generation": steps_per_pass * accumulation // training_args.num_iterations, "max_steps": max_steps,
-        "max_completion_length": REHEARSAL_SCALE["max_completion_length"], "save_strategy": "steps",
-        "save_steps": max(1, max_steps // 2), "eval_strategy": "no", "report_to": "none", "push_to_hub": False,
+        "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": accumulation,
+        "steps_per_generation": steps_per_pass * accumulation // training_args.num_iterations,
+        "max_steps": max_steps,
+        "max_completion_length": REHEARSAL_SCALE["max_completion_length"],
+        "save_strategy": "steps",
+        "save_steps": max(1, max_steps // 2),
+        "eval_strategy": "no",
+        "report_to": "none",
+        "push_to_hub": False,
         "logging_steps": 1,  # one log per optimizer step: the passes are read from the logs
-        "output_dir": folder / "run", "model_name_or_path": model,
+        "output_dir": folder / "run",
+        "model_name_or_path": model,
         "reward_funcs": [*(script_args.reward_funcs or DEFAULT_REWARD_FUNCS[script_args.task]), REHEARSAL_REWARD],
-    }  # fmt: skip
+    }
     if training_args.reward_weights is not None:
         flags["reward_weights"] = [*training_args.reward_weights, 1.0]
     if training_args.use_vllm:
         flags["use_vllm"] = False
-        say(f"rehearse: vLLM ({training_args.vllm_mode} mode) needs CUDA GPUs (server mode syncs weights over NCCL): "
-            "NOT rehearsed; completions come from transformers' generate")  # fmt: skip
+        say(
+            f"rehearse: vLLM ({training_args.vllm_mode} mode) needs CUDA GPUs (server mode syncs weights over NCCL): "
+            "NOT rehearsed; completions come from transformers' generate"
+        )
     data = script_args.dataset_name
     if script_args.task == "knights_knaves":
         flags.update(kk_source="generated", kk_num_samples=REHEARSAL_SCALE["prompts"])
@@ -131,15 +156,28 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
     elif script_args.task == "math":  # in the authors' parquet layout
         flags.update(dataset_name="dsr_uniform", math_data_file=folder / "math.parquet")
         data = "8 local addition problems in the authors' format"
-        problems = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}? Let's think step by step and output "
-                     "the final answer within \\boxed{}."}], "reward_model": {"ground_truth": str(a + b)}}
-                    for a in range(3, 7) for b in range(11, 13)]  # fmt: skip
+        problems = [
+            {
+                "prompt": [
+                    {
+                        "role": "user",
+                        "content": f"What is {a} + {b}? Let's think step by step and output "
+                        "the final answer within \\boxed{}.",
+                    }
+                ],
+                "reward_model": {"ground_truth": str(a + b)},
+            }
+            for a in range(3, 7)
+            for b in range(11, 13)
+        ]
         if not flags["math_data_file"].is_file():  # written once, by the main process
             Dataset.from_list(problems).to_parquet(flags["math_data_file"])
-    say(f"rehearse: model {model_args.model_name_or_path} -> {model}; data: {data}; rewards: "
+    say(
+        f"rehearse: model {model_args.model_name_or_path} -> {model}; data: {data}; rewards: "
         f"{', '.join(flags['reward_funcs'])} (the last added: it varies on any model); schedule: {max_steps} optimizer "
         f"steps of {rows} completions on {world} process(es) ({per_device} x {accumulation} micro-steps), checkpoint "
-        f"after step {flags['save_steps']}, then a resume")  # fmt: skip
+        f"after step {flags['save_steps']}, then a resume"
+    )
     return flags
 
 
@@ -155,8 +193,12 @@ def _holdings(trainer) -> dict[str, str]:
     state = [value for values in trainer.optimizer.state.values() for value in values.values() if value.dim()]
     kind = f"{type(parameters[0]).__name__} {getattr(parameters[0], 'ds_tensor', parameters[0]).dtype}"
     total = sum(getattr(p, "ds_numel", p.numel()) for p in parameters)
-    held = gather_object([f"parameters {kind}, {sum(map(local, parameters)):,} of {total:,} elements; "
-                          f"{trainer.args.optim.value} state {sum(map(local, state)):,} {state[0].dtype} elements"])
+    held = gather_object(
+        [
+            f"parameters {kind}, {sum(map(local, parameters)):,} of {total:,} elements; "
+            f"{trainer.args.optim.value} state {sum(map(local, state)):,} {state[0].dtype} elements"
+        ]
+    )
     return {f"process_{rank}": words for rank, words in enumerate(held)}
 
 
@@ -164,10 +206,15 @@ def _passes(trainer) -> dict[str, Any]:
     """From the logs: each pass's optimizer steps and gradient norms, eta, the low-token share, and what failed."""
     logs, lopti = [entry for entry in trainer.state.log_history if "grad_norm" in entry], trainer.args.lopti_enabled
     shares = [entry["lopti/low_token_share"] for entry in logs if "lopti/low_token_share" in entry]
-    report = {"eta": [entry["lopti/threshold"] for entry in logs if "lopti/threshold" in entry],
-              "low_token_share": shares}  # fmt: skip
-    failures = [f"the {'low' if share == 0 else 'high'} pass trained no token (low-token share {share})"
-                for share in shares if lopti and not 0 < share < 1]  # fmt: skip
+    report = {
+        "eta": [entry["lopti/threshold"] for entry in logs if "lopti/threshold" in entry],
+        "low_token_share": shares,
+    }
+    failures = [
+        f"the {'low' if share == 0 else 'high'} pass trained no token (low-token share {share})"
+        for share in shares
+        if lopti and not 0 < share < 1
+    ]
     for group in ("low", "high") if lopti else ("single",):
         entries = [entry for entry in logs if not lopti or f"lopti/loss_{group}_pass" in entry]
         report[f"{group}_pass_steps"] = [entry["step"] for entry in entries]

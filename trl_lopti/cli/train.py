@@ -127,15 +127,20 @@ def resolved_config(script_args, training_args, model_args) -> dict[str, Any]:
     arguments that differ from their defaults."""
 
     def changed(arguments) -> dict[str, Any]:
-        defaults = {f.name: f.default_factory() if f.default_factory is not MISSING else f.default
-                    for f in fields(arguments) if f.init}  # fmt: skip
+        defaults = {
+            f.name: f.default_factory() if f.default_factory is not MISSING else f.default
+            for f in fields(arguments)
+            if f.init
+        }
         return {name: getattr(arguments, name) for name in defaults if getattr(arguments, name) != defaults[name]}
 
     return {
         "reward_funcs": list(resolve_reward_funcs(script_args)),
         "lopti": {name: getattr(training_args, name) for name in LOPTI_FIELD_NAMES},
-        "script": changed(script_args), "model": changed(model_args), "training": changed(training_args),
-    }  # fmt: skip
+        "script": changed(script_args),
+        "model": changed(model_args),
+        "training": changed(training_args),
+    }
 
 
 def build_datasets(script_args: LoptiScriptArguments, training_args) -> tuple:
@@ -144,16 +149,22 @@ def build_datasets(script_args: LoptiScriptArguments, training_args) -> tuple:
     kk_source = args.kk_source or ("hub" if args.dataset_name else "generated")
     if args.task == "knights_knaves" and kk_source == "generated":  # held out: the puzzles after the training ones
         total = args.kk_num_samples + (args.kk_num_eval_samples if with_eval else 0)
-        puzzles = tasks.generate_dataset(args.kk_num_people, total, seed=args.kk_seed,
-                                         prefill_think=args.kk_prefill_think)  # fmt: skip
+        puzzles = tasks.generate_dataset(
+            args.kk_num_people, total, seed=args.kk_seed, prefill_think=args.kk_prefill_think
+        )
 
     def load(split: str, train: bool):
         if args.task == "knights_knaves" and kk_source == "generated":
             return puzzles.select(range(args.kk_num_samples) if train else range(args.kk_num_samples, total))
         if args.task == "knights_knaves":
-            return tasks.load_knights_knaves_dataset(args.kk_num_people, split, kk_source, args.kk_data_dir,
-                                                     args.dataset_name or tasks.KNIGHTS_KNAVES_HUB_ID,
-                                                     prefill_think=args.kk_prefill_think)  # fmt: skip
+            return tasks.load_knights_knaves_dataset(
+                args.kk_num_people,
+                split,
+                kk_source,
+                args.kk_data_dir,
+                args.dataset_name or tasks.KNIGHTS_KNAVES_HUB_ID,
+                prefill_think=args.kk_prefill_think,
+            )
         if args.task == "math":  # two math sets: dataset_name, and dataset_test_split to evaluate on
             name = args.dataset_name if train else split
             if name in tasks.PAPER_MATH_FILES:
@@ -162,7 +173,9 @@ def build_datasets(script_args: LoptiScriptArguments, training_args) -> tuple:
         path = Path(args.dataset_name).expanduser()
         if path.is_file():  # all its rows in either split; the builder (json, parquet, ...) follows from its extension
             return datasets.load_dataset(str(path.parent), data_files=path.name, split="train")
-        return datasets.load_dataset(args.dataset_name, args.dataset_config, split=split)  # also `save_to_disk` folders
+        return datasets.load_dataset(
+            args.dataset_name, args.dataset_config, split=split
+        )  # also `save_to_disk` folders
 
     try:
         train = load(args.dataset_train_split, train=True)
@@ -176,9 +189,13 @@ def build_datasets(script_args: LoptiScriptArguments, training_args) -> tuple:
 
 def policy_model_init_kwargs(training_args, model_args) -> dict[str, Any]:
     """How TRL loads the policy (and reference model) from the path, as `trl/scripts/grpo.py` sets it."""
-    return {"revision": model_args.model_revision, "trust_remote_code": training_args.trust_remote_code,
-            "attn_implementation": model_args.attn_implementation, "dtype": model_args.dtype,
-            **(training_args.model_init_kwargs or {})}  # fmt: skip
+    return {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+        **(training_args.model_init_kwargs or {}),
+    }
 
 
 def build_trainer(script_args, training_args, model_args, num_train_prompts: int | None = None):
@@ -191,8 +208,11 @@ def build_trainer(script_args, training_args, model_args, num_train_prompts: int
         train_dataset = train_dataset.select(range(min(num_train_prompts, len(train_dataset))))
     if script_args.task == "knights_knaves" and script_args.kk_prefill_think:
         # GRPOTrainer never continues a final assistant message: give it the "<think>"-prefilled prompts as text.
-        tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
-                                                  trust_remote_code=training_args.trust_remote_code)  # fmt: skip
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_args.model_name_or_path,
+            revision=model_args.model_revision,
+            trust_remote_code=training_args.trust_remote_code,
+        )
         train_dataset = tasks.render_prompts_as_text(train_dataset, tokenizer)
         eval_dataset = tasks.render_prompts_as_text(eval_dataset, tokenizer) if eval_dataset is not None else None
     return LoptiGRPOTrainer(

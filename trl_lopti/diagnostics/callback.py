@@ -15,8 +15,12 @@ def flatten_report(report: dict[str, Any], prefix: str = "diagnostics/") -> dict
     `diagnostics/abs_w_mean_q1`, `diagnostics/quartile_edge_1`, `diagnostics/lowest_over_highest/summed_grad_norm`,
     `diagnostics/full_grad_norm` (with the default `prefix`); `None` values are left out."""
     gradients = report.get("gradients", report)
-    flat = {f"{prefix}{key}_q{j}": value for j, row in enumerate(gradients["quartiles"], start=1)
-            for key, value in row.items() if not isinstance(value, (str, bool))}  # fmt: skip
+    flat = {
+        f"{prefix}{key}_q{j}": value
+        for j, row in enumerate(gradients["quartiles"], start=1)
+        for key, value in row.items()
+        if not isinstance(value, (str, bool))
+    }
     flat.update({f"{prefix}quartile_edge_{j}": edge for j, edge in enumerate(gradients["quartile_edges"], start=1)})
     ratios = gradients["lowest_over_highest"]
     flat.update({f"{prefix}lowest_over_highest/{key}": value for key, value in ratios.items()})
@@ -60,8 +64,13 @@ class TokenDiagnosticsCallback(TrainerCallback):
         batch = generation_batch(self.trainer)
         if batch is None:
             return {}
-        report = run_token_diagnostics(self.trainer, batch, summed_gradients=self.summed_gradients, probe_methods=(),
-                                       micro_batch_size=self.micro_batch_size)  # fmt: skip
+        report = run_token_diagnostics(
+            self.trainer,
+            batch,
+            summed_gradients=self.summed_gradients,
+            probe_methods=(),
+            micro_batch_size=self.micro_batch_size,
+        )
         self.last_report = report["gradients"]
         return flatten_report(report)
 

@@ -14,9 +14,18 @@ from ..tasks._text import completion_to_text
 
 
 TRL_BATCH_KEYS = (
-    "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "num_items_in_batch",
-    "old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps", "importance_sampling_ratio", "tool_mask",
-)  # fmt: skip
+    "prompt_ids",
+    "prompt_mask",
+    "completion_ids",
+    "completion_mask",
+    "advantages",
+    "num_items_in_batch",
+    "old_per_token_logps",
+    "ref_per_token_logps",
+    "sampling_per_token_logps",
+    "importance_sampling_ratio",
+    "tool_mask",
+)
 """The keys of a batch of TRL 1.16's `_generate_and_score_completions` that its loss reads (text models)."""
 
 
@@ -73,7 +82,10 @@ def sample_generation_batch(trainer: GRPOTrainer, rows: Sequence[dict[str, Any]]
 
 
 def trl_forward(
-    trainer: GRPOTrainer, model: torch.nn.Module, inputs: dict[str, Any], rows: slice = slice(None),
+    trainer: GRPOTrainer,
+    model: torch.nn.Module,
+    inputs: dict[str, Any],
+    rows: slice = slice(None),
     micro_batch_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probabilities and entropies of the completions of `rows`, by TRL's own forward (its fused LM head,
@@ -81,7 +93,12 @@ def trl_forward(
     input_ids = torch.cat([inputs["prompt_ids"][rows], inputs["completion_ids"][rows]], dim=1)
     attention_mask = torch.cat([inputs["prompt_mask"][rows], inputs["completion_mask"][rows]], dim=1)
     logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(
-        trainer, model, input_ids, attention_mask, inputs["completion_ids"].size(1), batch_size=micro_batch_size,
+        trainer,
+        model,
+        input_ids,
+        attention_mask,
+        inputs["completion_ids"].size(1),
+        batch_size=micro_batch_size,
         compute_entropy=True,
     )
     return logps, entropies
@@ -104,7 +121,9 @@ def shadowed(obj: Any, **values: Any) -> Iterator[None]:
 def metrics_kept(trainer: GRPOTrainer) -> Iterator[None]:
     """Restores `trainer._metrics` after the block: what TRL's loss logs during a diagnostic call never reaches the
     training logs."""
-    saved = {mode: {key: list(values) for key, values in metrics.items()} for mode, metrics in trainer._metrics.items()}
+    saved = {
+        mode: {key: list(values) for key, values in metrics.items()} for mode, metrics in trainer._metrics.items()
+    }
     try:
         yield
     finally:
@@ -114,7 +133,10 @@ def metrics_kept(trainer: GRPOTrainer) -> Iterator[None]:
 
 
 def trl_loss_gradients(
-    trainer: GRPOTrainer, inputs: dict[str, Any], per_token_logps: torch.Tensor, entropies: torch.Tensor,
+    trainer: GRPOTrainer,
+    inputs: dict[str, Any],
+    per_token_logps: torch.Tensor,
+    entropies: torch.Tensor,
     without_kl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """
@@ -153,8 +175,11 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def summed_parameter_gradients(
-    trainer: GRPOTrainer, model: torch.nn.Module, inputs: dict[str, Any],
-    token_gradients: Sequence[tuple[torch.Tensor, torch.Tensor]], micro_batch_size: int = 4,
+    trainer: GRPOTrainer,
+    model: torch.nn.Module,
+    inputs: dict[str, Any],
+    token_gradients: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    micro_batch_size: int = 4,
 ) -> list[torch.Tensor]:
     """
     Flat parameter gradients `sum_t (g_t * d log pi_t / d theta + h_t * d H_t / d theta)`, one per `(g, h)` pair of
@@ -178,10 +203,13 @@ def summed_parameter_gradients(
             logps, entropies = trl_forward(trainer, model, inputs, rows)
         for position, (index, g, h) in enumerate(pairs):
             outputs, weights = ((logps, entropies), (g, h)) if h.any() else ((logps,), (g,))
-            grads = torch.autograd.grad(outputs, params, weights, retain_graph=position < len(pairs) - 1,
-                                        allow_unused=True)  # fmt: skip
-            sums[index] += torch.cat([
-                (grad if grad is not None else torch.zeros_like(param)).reshape(-1).to(dtype)
-                for grad, param in zip(grads, params)
-            ])  # fmt: skip
+            grads = torch.autograd.grad(
+                outputs, params, weights, retain_graph=position < len(pairs) - 1, allow_unused=True
+            )
+            sums[index] += torch.cat(
+                [
+                    (grad if grad is not None else torch.zeros_like(param)).reshape(-1).to(dtype)
+                    for grad, param in zip(grads, params)
+                ]
+            )
     return sums

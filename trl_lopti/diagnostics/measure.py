@@ -15,8 +15,12 @@ from trl import GRPOTrainer
 
 from ..config import LoptiGRPOConfig
 from ..core_algos import (
-    lopti_batch_threshold, loss_token_mask, low_probability_token_mask, reweight_advantages, token_group_mask,
-)  # fmt: skip
+    lopti_batch_threshold,
+    loss_token_mask,
+    low_probability_token_mask,
+    reweight_advantages,
+    token_group_mask,
+)
 from .loss import (
     summed_parameter_gradients,
     trainable_parameters,
@@ -32,13 +36,30 @@ QUARTILE_LABELS = ("Q1 (lowest)", "Q2", "Q3", "Q4 (highest)")
 PROBE_METHODS = ("grpo", "ar", "lopti", "lopti_ar", "lowest_quartile_only", "highest_quartile_only")
 DEFAULT_PROBE_METHODS = ("grpo", "ar", "lopti", "lowest_quartile_only", "highest_quartile_only")
 FIRST_UPDATE = {  # probe method -> (advantages, active tokens) of its first update; Lopti's second updates "high"
-    "grpo": ("A", "all"), "ar": ("AR", "all"), "lopti": ("A", "low"), "lopti_ar": ("AR", "low"),
-    "lowest_quartile_only": ("A", "q0"), "highest_quartile_only": ("A", "q3"),
-}  # fmt: skip
+    "grpo": ("A", "all"),
+    "ar": ("AR", "all"),
+    "lopti": ("A", "low"),
+    "lopti_ar": ("AR", "low"),
+    "lowest_quartile_only": ("A", "q0"),
+    "highest_quartile_only": ("A", "q3"),
+}
 LOPTI_DEFAULTS = {field.name: field.default for field in dataclasses.fields(LoptiGRPOConfig)}
-LOSS_SETTINGS = ("loss_type", "importance_sampling_level", "beta", "epsilon", "epsilon_high", "delta", "temperature",
-                 "use_bias_correction_kl", "top_entropy_quantile", "entropy_coef", "use_adaptive_entropy",
-                 "off_policy_mask_threshold", "use_vllm", "vllm_importance_sampling_correction")  # fmt: skip
+LOSS_SETTINGS = (
+    "loss_type",
+    "importance_sampling_level",
+    "beta",
+    "epsilon",
+    "epsilon_high",
+    "delta",
+    "temperature",
+    "use_bias_correction_kl",
+    "top_entropy_quantile",
+    "entropy_coef",
+    "use_adaptive_entropy",
+    "off_policy_mask_threshold",
+    "use_vllm",
+    "vllm_importance_sampling_correction",
+)
 
 
 def probability_quartiles(
@@ -54,15 +75,21 @@ def probability_quartiles(
     mask = mask.bool()
     probs = probs.detach().double()
     if not mask.any():
-        return torch.full((len(quantiles),), math.nan, dtype=torch.float64), torch.full_like(mask, -1, dtype=torch.long)
+        return torch.full((len(quantiles),), math.nan, dtype=torch.float64), torch.full_like(
+            mask, -1, dtype=torch.long
+        )
     edges = torch.quantile(probs[mask], torch.tensor(quantiles, dtype=torch.float64, device=probs.device))
     group = torch.bucketize(probs, edges, right=True)
     return edges.cpu(), torch.where(mask, group, torch.full_like(group, -1))
 
 
 def hidden_state_gradient_norms(
-    logits: torch.Tensor, token_ids: torch.Tensor, lm_head_weight: torch.Tensor, temperature: float = 1.0,
-    d_logps: torch.Tensor | None = None, d_entropies: torch.Tensor | None = None,
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    temperature: float = 1.0,
+    d_logps: torch.Tensor | None = None,
+    d_entropies: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """
     Closed-form norms of gradients w.r.t. the last hidden state `h_t` (the LM head's input, `logits = h @ W.T + b`).
@@ -107,8 +134,12 @@ def hidden_state_gradient_norms(
 
 @torch.no_grad()
 def completion_statistics(
-    model: torch.nn.Module, inputs: dict[str, Any], temperature: float, micro_batch_size: int = 4,
-    d_logps: torch.Tensor | None = None, d_entropies: torch.Tensor | None = None,
+    model: torch.nn.Module,
+    inputs: dict[str, Any],
+    temperature: float,
+    micro_batch_size: int = 4,
+    d_logps: torch.Tensor | None = None,
+    d_entropies: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """`logps` (float64) and, with `d_logps`, `hidden_state_gradient_norms` of every completion token, from the
     model's plain forward (no gradient), 0 on padding."""
@@ -122,8 +153,11 @@ def completion_statistics(
         ids, scaled = inputs["completion_ids"][rows], logits[:, :-1].double() / temperature
         norms = {"logps": scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)}
         if d_logps is not None:
-            norms.update(hidden_state_gradient_norms(logits[:, :-1], ids, lm_head_weight(model), temperature,
-                                                     d_logps[rows], d_entropies[rows]))  # fmt: skip
+            norms.update(
+                hidden_state_gradient_norms(
+                    logits[:, :-1], ids, lm_head_weight(model), temperature, d_logps[rows], d_entropies[rows]
+                )
+            )
         for key, value in norms.items():
             stats.setdefault(key, []).append(value.double())
     mask = loss_token_mask(inputs).bool()
@@ -209,8 +243,14 @@ def run_token_diagnostics(
         groups = {"all": mask, **{f"q{j}": quartile == j for j in range(4)}}
         scale = max(int(mask.sum()), 1)  # w = -N dL/dlog pi: for dapo and bnpo, each token's own weight
         advantages = batch["advantages"].unsqueeze(1) if batch["advantages"].dim() == 1 else batch["advantages"]
-        stats.update(w=-scale * d_logps, w_no_kl=-scale * d_no_kl, entropy_weight=-scale * d_entropies,
-                     loss=scale * stats["loss"], advantages=advantages.expand_as(mask), pi_old=old_logps.exp())
+        stats.update(
+            w=-scale * d_logps,
+            w_no_kl=-scale * d_no_kl,
+            entropy_weight=-scale * d_entropies,
+            loss=scale * stats["loss"],
+            advantages=advantages.expand_as(mask),
+            pi_old=old_logps.exp(),
+        )
         quartile_grads = None
         if summed_gradients:
             pairs = [(d_logps * groups[f"q{j}"], d_entropies * groups[f"q{j}"]) for j in range(4)]
@@ -220,8 +260,9 @@ def run_token_diagnostics(
         report["gradients"]["kl_reference"] = kl_reference
         report["time_s"] = {"gradients": time.perf_counter() - started}
         if probe_methods:
-            report["probe"] = probe(trainer, model, batch, values, groups, stats, split, probe_methods, lr, optimizer,
-                                    micro_batch_size)  # fmt: skip
+            report["probe"] = probe(
+                trainer, model, batch, values, groups, stats, split, probe_methods, lr, optimizer, micro_batch_size
+            )
             report["time_s"]["probe"] = time.perf_counter() - started - report["time_s"]["gradients"]
     return report
 
@@ -254,8 +295,12 @@ def probe_split(
 
 
 def quartile_table(
-    trainer: GRPOTrainer, model: torch.nn.Module, groups: dict[str, torch.Tensor], edges: torch.Tensor,
-    stats: dict[str, torch.Tensor], quartile_grads: list[torch.Tensor] | None,
+    trainer: GRPOTrainer,
+    model: torch.nn.Module,
+    groups: dict[str, torch.Tensor],
+    edges: torch.Tensor,
+    stats: dict[str, torch.Tensor],
+    quartile_grads: list[torch.Tensor] | None,
 ) -> dict[str, Any]:
     """The `gradients` part of a report: one row of figures per probability quartile of pi_old."""
     probs, nonzero = stats["pi_old"], stats["advantages"] != 0
@@ -266,9 +311,14 @@ def quartile_table(
         group = groups[f"q{j}"]
         w, w_no_kl = stats["w"][group].abs(), stats["w_no_kl"][group].abs()
         row = {
-            "label": QUARTILE_LABELS[j], "count": int(group.sum()), "prob_min": _stat(probs[group], "min"),
-            "prob_max": _stat(probs[group], "max"), "prob_mean": _stat(probs[group]),
-            "abs_w_mean": _stat(w), "abs_w_median": _stat(w, "median"), "abs_w_no_kl_mean": _stat(w_no_kl),
+            "label": QUARTILE_LABELS[j],
+            "count": int(group.sum()),
+            "prob_min": _stat(probs[group], "min"),
+            "prob_max": _stat(probs[group], "max"),
+            "prob_mean": _stat(probs[group]),
+            "abs_w_mean": _stat(w),
+            "abs_w_median": _stat(w, "median"),
+            "abs_w_no_kl_mean": _stat(w_no_kl),
             "abs_w_no_kl_median": _stat(w_no_kl, "median"),
             "abs_w_kl_part_mean": _stat((stats["w"] - stats["w_no_kl"])[group].abs()),
             "abs_entropy_weight_mean": _stat(stats["entropy_weight"][group].abs()),
@@ -276,33 +326,56 @@ def quartile_table(
             "no_gradient_share": _stat(stats["w_no_kl"][group & nonzero] == 0),
             "hidden_grad_norm_mean": _stat(stats["loss"][group]),
             "unit_hidden_grad_norm_mean": _stat(stats["unit"][group]),
-            "ratio_to_one_minus_p_mean": _stat(ratio[group]), "ratio_to_one_minus_p_max": _stat(ratio[group], "max"),
-        }  # fmt: skip
+            "ratio_to_one_minus_p_mean": _stat(ratio[group]),
+            "ratio_to_one_minus_p_max": _stat(ratio[group], "max"),
+        }
         if full is not None:
-            row.update(summed_grad_norm=_norm(quartile_grads[j]), cos_with_full=_cosine(quartile_grads[j], full),
-                       contribution_to_full=_dot(quartile_grads[j], full) / max(_dot(full, full), 1e-300))  # fmt: skip
+            row.update(
+                summed_grad_norm=_norm(quartile_grads[j]),
+                cos_with_full=_cosine(quartile_grads[j], full),
+                contribution_to_full=_dot(quartile_grads[j], full) / max(_dot(full, full), 1e-300),
+            )
         rows.append(row)
     sigma = float(torch.linalg.matrix_norm(lm_head_weight(model).detach().double(), ord=2))
     table = {
-        "num_completions": int(groups["all"].size(0)), "num_tokens": int(groups["all"].sum()),
+        "num_completions": int(groups["all"].size(0)),
+        "num_tokens": int(groups["all"].sum()),
         "quartile_edges": [edge if math.isfinite(edge) else None for edge in edges.tolist()],
         "loss": {name: getattr(trainer.args, name, None) for name in LOSS_SETTINGS},
-        "quartiles": rows, "bound": {"lm_head_spectral_norm": sigma,
-                                     "ratio_to_one_minus_p_upper_bound": math.sqrt(2) * sigma / trainer.temperature},
-    }  # fmt: skip
+        "quartiles": rows,
+        "bound": {
+            "lm_head_spectral_norm": sigma,
+            "ratio_to_one_minus_p_upper_bound": math.sqrt(2) * sigma / trainer.temperature,
+        },
+    }
     if full is not None:
         table["full_grad_norm"] = _norm(full)
         table["summed_grad_cosine"] = [[_cosine(a, b) for b in quartile_grads] for a in quartile_grads]
-    keys = ("hidden_grad_norm_mean", "unit_hidden_grad_norm_mean", "summed_grad_norm", "abs_w_mean", "abs_w_no_kl_mean")
+    keys = (
+        "hidden_grad_norm_mean",
+        "unit_hidden_grad_norm_mean",
+        "summed_grad_norm",
+        "abs_w_mean",
+        "abs_w_no_kl_mean",
+    )
     ratios = [(rows[0].get(key), rows[-1].get(key)) for key in keys]
-    table["lowest_over_highest"] = {key: low / high if low is not None and high else None
-                                    for key, (low, high) in zip(keys, ratios)}  # fmt: skip
+    table["lowest_over_highest"] = {
+        key: low / high if low is not None and high else None for key, (low, high) in zip(keys, ratios)
+    }
     return table
 
 
 def probe(
-    trainer: GRPOTrainer, model: torch.nn.Module, batch: dict[str, Any], values: tuple, groups: dict[str, torch.Tensor],
-    stats: dict[str, torch.Tensor], split: dict[str, Any], methods: Sequence[str], lr: float, optimizer: str,
+    trainer: GRPOTrainer,
+    model: torch.nn.Module,
+    batch: dict[str, Any],
+    values: tuple,
+    groups: dict[str, torch.Tensor],
+    stats: dict[str, torch.Tensor],
+    split: dict[str, Any],
+    methods: Sequence[str],
+    lr: float,
+    optimizer: str,
     micro_batch_size: int,
 ) -> dict[str, Any]:
     """One update of the model per method (AR's alpha and Lopti's eta from `probe_split`), the shift of every token's
@@ -311,8 +384,10 @@ def probe(
     if split["eta"] is not None:
         low = low_probability_token_mask(old_logps, mask, split["eta"])
         groups = dict(groups, low=token_group_mask(low, mask, "low"), high=token_group_mask(low, mask, "high"))
-    variants = {"A": batch, "AR": dict(batch, advantages=reweight_advantages(batch["advantages"], old_logps,
-                                                                             split["alpha"]))}  # fmt: skip
+    variants = {
+        "A": batch,
+        "AR": dict(batch, advantages=reweight_advantages(batch["advantages"], old_logps, split["alpha"])),
+    }
     params = trainable_parameters(model)
     start = [param.detach().clone() for param in params]
     results = {}
@@ -335,8 +410,13 @@ def probe(
 
 
 def gradient_step(
-    trainer: GRPOTrainer, model: torch.nn.Module, batch: dict[str, Any], optimizer: torch.optim.Optimizer,
-    tokens: torch.Tensor, micro_batch_size: int, values: tuple | None = None,
+    trainer: GRPOTrainer,
+    model: torch.nn.Module,
+    batch: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+    tokens: torch.Tensor,
+    micro_batch_size: int,
+    values: tuple | None = None,
 ) -> None:
     """One `optimizer` step with the part of the gradient of TRL's loss on `batch` that flows through `tokens`
     (`values`: TRL's per-token values at the current parameters, if known); the parameters' `.grad` are kept."""
@@ -371,8 +451,12 @@ def shift_table(groups: dict[str, torch.Tensor], stats: dict[str, torch.Tensor],
         entry: dict[str, Any] = {"label": "all" if name == "all" else QUARTILE_LABELS[int(name[1:])]}
         for sign, direction in (("positive", 1.0), ("negative", -1.0)):
             tokens = groups[name] & (advantages * direction > 0)
-            entry[sign] = {"count": int(tokens.sum()), "share_in_direction": _stat(delta_logp[tokens] * direction > 0),
-                           "mean_delta_prob": _stat(delta_p[tokens]), "mean_delta_logp": _stat(delta_logp[tokens])}
+            entry[sign] = {
+                "count": int(tokens.sum()),
+                "share_in_direction": _stat(delta_logp[tokens] * direction > 0),
+                "mean_delta_prob": _stat(delta_p[tokens]),
+                "mean_delta_logp": _stat(delta_logp[tokens]),
+            }
         entry["zero_advantage_count"] = int((groups[name] & (advantages == 0)).sum())
         table[name] = entry
     return table
@@ -427,4 +511,3 @@ def _stat(values: torch.Tensor, how: str = "mean") -> float | None:
     if values.numel() == 0:
         return None
     return float(torch.quantile(values, 0.5) if how == "median" else getattr(values, how)())  # median: mid-point mean
-

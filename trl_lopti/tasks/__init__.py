@@ -44,4 +44,3 @@ from .math import (
     math_reward,
     math_reward_lenient,
 )
-

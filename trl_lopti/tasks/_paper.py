@@ -11,4 +11,3 @@ AUTHORS_COMMIT = "cbeb333376decdfe571fa8613bdebcfcc526628d"
 
 AUTHORS_DATA_URL = f"https://raw.githubusercontent.com/{AUTHORS_REPOSITORY}/{AUTHORS_COMMIT}"
 """Base URL of the files of [`AUTHORS_REPOSITORY`] at [`AUTHORS_COMMIT`]."""
-

@@ -200,13 +200,28 @@ def evaluate_held_out(
         encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
         prompt_len = encoded["input_ids"].shape[1]
         with torch.no_grad():
-            greedy = model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id,
-                                    temperature=None, top_p=None, top_k=None)  # fmt: skip
+            greedy = model.generate(
+                **encoded,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+            )
             greedy_texts = tokenizer.batch_decode(greedy[:, prompt_len:], skip_special_tokens=True)
             greedy_rewards = reward_func(greedy_texts, answer=answers)
             torch.manual_seed(seed)
-            sampled = model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
-                                     top_p=1.0, top_k=0, num_return_sequences=samples, pad_token_id=pad_id)  # fmt: skip
+            sampled = model.generate(
+                **encoded,
+                max_new_tokens=max_new_tokens,
+                do_sample=True,
+                temperature=temperature,
+                top_p=1.0,
+                top_k=0,
+                num_return_sequences=samples,
+                pad_token_id=pad_id,
+            )
             sampled_texts = tokenizer.batch_decode(sampled[:, prompt_len:], skip_special_tokens=True)
             sampled_rewards = reward_func(sampled_texts, answer=[answer for answer in answers for _ in range(samples)])
     finally:

@@ -46,8 +46,8 @@ from .rewards import (
     ANSWER_CORRECT_REWARD,
     ANSWER_UNPARSABLE_REWARD,
     ANSWER_WRONG_REWARD,
-    FORMAT_REWARD,
     ASSISTANT_MARKER,
+    FORMAT_REWARD,
     THINK_PREFILL,
     extract_answer,
     has_valid_format,
@@ -60,4 +60,3 @@ from .rewards import (
     score_format,
     scored_response,
 )
-

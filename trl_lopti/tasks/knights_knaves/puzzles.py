@@ -38,12 +38,58 @@ OPERATORS = ("telling-truth", "lying", "not", "and", "or", "->", "<=>")
 MIN_PEOPLE, MAX_PEOPLE = 2, 8
 
 NAMES = (
-    "Emma", "Liam", "Olivia", "Noah", "Ava", "Ethan", "Sophia", "Mason", "Isabella", "William", "Mia", "James",
-    "Charlotte", "Benjamin", "Amelia", "Lucas", "Harper", "Henry", "Evelyn", "Alexander", "Abigail", "Michael",
-    "Emily", "Daniel", "Elizabeth", "Jacob", "Sofia", "Logan", "Avery", "Jackson", "Ella", "Sebastian", "Scarlett",
-    "Jack", "Grace", "Aiden", "Chloe", "Owen", "Victoria", "Samuel", "Riley", "Matthew", "Aria", "Joseph", "Lily",
-    "Luke", "Aurora", "David", "Zoey", "Oliver", "Penelope",
-)  # fmt: skip
+    "Emma",
+    "Liam",
+    "Olivia",
+    "Noah",
+    "Ava",
+    "Ethan",
+    "Sophia",
+    "Mason",
+    "Isabella",
+    "William",
+    "Mia",
+    "James",
+    "Charlotte",
+    "Benjamin",
+    "Amelia",
+    "Lucas",
+    "Harper",
+    "Henry",
+    "Evelyn",
+    "Alexander",
+    "Abigail",
+    "Michael",
+    "Emily",
+    "Daniel",
+    "Elizabeth",
+    "Jacob",
+    "Sofia",
+    "Logan",
+    "Avery",
+    "Jackson",
+    "Ella",
+    "Sebastian",
+    "Scarlett",
+    "Jack",
+    "Grace",
+    "Aiden",
+    "Chloe",
+    "Owen",
+    "Victoria",
+    "Samuel",
+    "Riley",
+    "Matthew",
+    "Aria",
+    "Joseph",
+    "Lily",
+    "Luke",
+    "Aurora",
+    "David",
+    "Zoey",
+    "Oliver",
+    "Penelope",
+)
 """The name pool of the published puzzles (all 51 occur in the authors' 5,000 puzzles, and no other name does)."""
 
 SPEECH_TEMPLATES = (
@@ -68,6 +114,7 @@ SPEECH_TEMPLATES = (
 )
 """How a person's claim is introduced, as in the published puzzles (punctuation included: only `said, "..."` puts the
 period inside the quotes; a claim "If A then B" keeps its capital also in reported speech, "said that If ...")."""
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Solving

@@ -17,6 +17,7 @@ from typing import Any
 from .._paper import AUTHORS_DATA_URL
 from .grading import normalize_reference
 
+
 PAPER_MATH_FILES: dict[str, str] = {
     "dsr_uniform": "data/deepscaler_c/deepscaler_uniform_train.parquet",
     "aime_dsr": "data/deepscaler/aime_dsr.parquet",
@@ -72,7 +73,10 @@ MATH_DATASETS: dict[str, MathDatasetSpec] = {
     # Training sets
     "deepscaler": MathDatasetSpec("agentica-org/DeepScaleR-Preview-Dataset", "train", "problem", "answer"),
     "orz": MathDatasetSpec(
-        "Open-Reasoner-Zero/orz_math_57k_collection", "train", "value", "ground_truth",
+        "Open-Reasoner-Zero/orz_math_57k_collection",
+        "train",
+        "value",
+        "ground_truth",
         data_file="orz_math_57k_collection.json",
     ),
     # Evaluation sets
@@ -84,7 +88,7 @@ MATH_DATASETS: dict[str, MathDatasetSpec] = {
     "amc": MathDatasetSpec("AI-MO/aimo-validation-amc", "train", "problem", "answer"),
     "minerva": MathDatasetSpec("math-ai/minervamath", "test", "question", "answer"),
     "olympiadbench": MathDatasetSpec("math-ai/olympiadbench", "test", "question", "final_answer"),
-}  # fmt: skip
+}
 """The paper's math sets by short name. `"aime"` is AIME 2021-2024 (the paper's AIME set), `"aime24"` AIME 2024 only;
 `"amc"` is AMC 2022-2023 (83 problems), `"minerva"` Minerva-Math (272), `"olympiadbench"` the 675 open-ended
 English text-only math problems of OlympiadBench. Pass a [`MathDatasetSpec`] to [`load_math_dataset`] for another
