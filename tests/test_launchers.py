@@ -6,7 +6,7 @@ vLLM server mode syncs weights to the server over NCCL, which needs CUDA GPUs. T
 `configs/kk/qwen2.5-3b-instruct_ar_lopti.yaml` (AR, Lopti, KL, bnpo, clipping, gradient clipping and checkpointing)
 with the changes of `TEST_SETTINGS` and `LAUNCH_FLAGS`; the rehearsal scales it down (`REHEARSAL_SCALE`): one Lopti
 cycle of 2 optimizer steps per pass, a checkpoint after the low pass, the final save, and a resume from the
-checkpoint. What a CPU forces is `trl_lopti.cli.cpu_backends.CPU_OVERRIDES` and nothing else. The test-only
+checkpoint. What a CPU forces is `trl_lopti.cpu_backends.accelerate.CPU_OVERRIDES` and nothing else. The test-only
 instrumentation (one fixed generation batch, records of what each process holds) is `tests/launcher_probe.py`, which
 says what it patches and why.
 
@@ -33,7 +33,7 @@ import torch
 import yaml
 from conftest import assert_parameters_close, threshold_between_values
 
-from trl_lopti.cli.cpu_backends import CPU_OVERRIDES
+from trl_lopti.cpu_backends.accelerate import CPU_OVERRIDES
 from trl_lopti.cli.rehearse import REHEARSAL_SCALE
 
 

