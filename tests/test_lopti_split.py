@@ -25,6 +25,7 @@ from trl import GRPOTrainer
 
 from trl_lopti import LoptiGRPOTrainer
 from trl_lopti.core_algos import lopti_batch_threshold, low_probability_token_mask
+from trl_lopti.trainer import ETA_KEY
 
 
 ROWS = 8  # completions per generation batch
@@ -166,7 +167,7 @@ def test_low_plus_high_is_plain_grpo_on_a_batch_split_at_its_quantile(tiny_model
     trainer = run_one_cycle(tiny_model_path, quantile_config(str(tmp_path), ROWS, 2, 2, quantile), batch)
     trainer.model.train()
     micro_batch = trainer._buffered_inputs[0]  # split with the whole batch's eta
-    eta = float(micro_batch["lopti_threshold"])
+    eta = float(micro_batch[ETA_KEY])
     low = (micro_batch["old_per_token_logps"].exp() < eta) & micro_batch["completion_mask"].bool()
     assert low.any() and (micro_batch["completion_mask"].bool() & ~low).any(), "neither pass is empty"
     gradients = {}
@@ -197,7 +198,7 @@ def test_a_quantile_alone_trains_at_one_no_grad_forward_per_generation_batch(tin
     thresholds = logged(trainer, "lopti/threshold")
     assert len(thresholds) == 2
     assert thresholds[-1] == pytest.approx(float(torch.quantile(logps.exp(), 0.4)), rel=1e-6)
-    assert all(float(entry["lopti_threshold"]) == pytest.approx(thresholds[-1], rel=1e-6) for entry in entries)
+    assert all(float(entry[ETA_KEY]) == pytest.approx(thresholds[-1], rel=1e-6) for entry in entries)
 
 
 def test_fixed_eta_needs_no_extra_forward_and_logs_it(tiny_model_path, tmp_path):
