@@ -184,7 +184,7 @@ def evaluate_held_out(
         completions = generated[:, encoded["input_ids"].shape[1] :]
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
         ids = [row[row != pad_id].tolist() for row in completions]
-        return reward_func(texts, answer=[answer for answer in answers for _ in range(repeats)], completion_ids=ids)
+        return reward_func(completions=texts, answer=[a for a in answers for _ in range(repeats)], completion_ids=ids)
 
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
     was_training = model.training
