@@ -144,22 +144,22 @@ def cost_markdown(report: dict[str, Any]) -> str:
         for batch in run["batches"]
         for share in batch["logged"].get("lopti/low_token_share", [])
     ]  # fixed eta
-    conditions = [
+    low_token_share = f", low-token share {statistics.median(shares):.2f} (median over batches)" if shares else ""
+    conditions = (
         f"Size `{size['name']}`: model `{report['model']}`, {size['prompts_per_batch']} prompts x "
         f"{size['num_generations']} completions of {size['max_completion_length']} tokens per generation batch, "
         f"micro-batch {size['per_device_train_batch_size']} x {size['gradient_accumulation_steps']} accumulation steps "
         f"(on-policy), {env['device']}, {'bf16 autocast' if size['bf16'] else 'float32'}, gradient checkpointing "
-        f"{'on' if size['gradient_checkpointing'] else 'off'}, torch threads {env['torch_threads']}.",
+        f"{'on' if size['gradient_checkpointing'] else 'off'}, torch threads {env['torch_threads']}. "
         f"Medians over {runs[0]['medians']['measured_batches'] if runs else 0} generation batches after "
-        f"{size['warmup_batches']} warm-up batch(es) per configuration.",
-        f"Lopti threshold {report['lopti_threshold']:.4g}"
-        + (f", low-token share {statistics.median(shares):.2f} (median over batches)." if shares else "."),
+        f"{size['warmup_batches']} warm-up batch(es) per configuration. "
+        f"Lopti threshold {report['lopti_threshold']:.4g}{low_token_share}. "
         f"1-minute load average {report['load_average_at_start'][0]:.1f} at the start and "
-        f"{report['load_average_at_end'][0]:.1f} at the end on {env['cpu_count']} CPUs.",
-    ]
+        f"{report['load_average_at_end'][0]:.1f} at the end on {env['cpu_count']} CPUs."
+    )
     if report.get("skipped"):
-        conditions.append("Skipped: " + ", ".join(report["skipped"]) + ".")
-    return "\n".join(lines + [" ".join(conditions)]) + "\n"
+        conditions += " Skipped: " + ", ".join(report["skipped"]) + "."
+    return "\n".join([*lines, conditions]) + "\n"
 
 
 def compare_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -261,16 +261,20 @@ def compare_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# {' vs '.join(summary)} at equal rollouts",
         "",
-        f"Model: {report['model']}. Task `{settings['task']}`, reward `{settings['reward']}`. "
-        f"{settings['rollout_batches']} generation batches of {settings['prompts_per_batch']} prompts x "
-        f"{settings['num_generations']} completions ({settings['max_completion_length']} tokens) per run, temperature "
-        f"{settings['temperature']:g}, constant lr {settings['learning_rate']:g}, seeds {report['seeds']}. Figures: "
-        "mean over seeds [95% t interval].",
+        (
+            f"Model: {report['model']}. Task `{settings['task']}`, reward `{settings['reward']}`. "
+            f"{settings['rollout_batches']} generation batches of {settings['prompts_per_batch']} prompts x "
+            f"{settings['num_generations']} completions ({settings['max_completion_length']} tokens) per run, temperature "
+            f"{settings['temperature']:g}, constant lr {settings['learning_rate']:g}, seeds {report['seeds']}. Figures: "
+            "mean over seeds [95% t interval]."
+        ),
         "",
         f"Command: `{report['command']}`",
         "",
-        f"Held-out problems ({report['num_heldout']}; greedy accuracy, and the mean reward of "
-        f"{settings['eval_samples']} samples each):",
+        (
+            f"Held-out problems ({report['num_heldout']}; greedy accuracy, and the mean reward of "
+            f"{settings['eval_samples']} samples each):"
+        ),
         "",
         *markdown_table(
             "method | opt. steps / gen. batches | greedy before | greedy after | change | sampled before | sampled after "
@@ -285,9 +289,11 @@ def compare_markdown(report: dict[str, Any]) -> str:
             paired,
         ),
         "",
-        "Fig.-3 statistic over every generation batch: share of positive-advantage tokens whose probability rose, and "
-        "of negative-advantage tokens whose probability fell, after the last optimizer step trained on their batch, "
-        "by `pi_old` quartile of the batch. Cells: pooled share (in direction / tokens); mean of the per-seed shares.",
+        (
+            "Fig.-3 statistic over every generation batch: share of positive-advantage tokens whose probability rose, and "
+            "of negative-advantage tokens whose probability fell, after the last optimizer step trained on their batch, "
+            "by `pi_old` quartile of the batch. Cells: pooled share (in direction / tokens); mean of the per-seed shares."
+        ),
         "",
         *markdown_table(f"method | sign | {quartiles}", fig3),
         "",
@@ -297,8 +303,10 @@ def compare_markdown(report: dict[str, Any]) -> str:
         "",
         *markdown_table("method | train wall (s) | train CPU (s) | of which Fig.-3 probe (s) | `‖θ_end − θ_0‖`", cost),
         "",
-        f"Machine: {env['machine']}, {env['cpu_count']} CPUs, torch threads {env['torch_threads']}, 1-minute load "
-        f"average {report['load_average_at_end'][0]:.1f} at the end.",
+        (
+            f"Machine: {env['machine']}, {env['cpu_count']} CPUs, torch threads {env['torch_threads']}, 1-minute load "
+            f"average {report['load_average_at_end'][0]:.1f} at the end."
+        ),
     ]
     return "\n".join(lines) + "\n"
 

@@ -13,7 +13,7 @@ from conftest import mid_gap_eta_trainer
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+from trl_lopti import LoptiGRPOConfig
 
 
 def length_reward(completions, **kwargs):

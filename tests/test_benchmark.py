@@ -8,7 +8,6 @@ import json
 import math
 
 import pytest
-import torch
 from conftest import load_benchmark_script
 from scipy import stats
 

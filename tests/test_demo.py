@@ -49,7 +49,7 @@ def test_dataset_draws_only_training_problems():
     dataset = arithmetic.build_train_dataset(train, 100, seed=0)
     assert len(dataset) == 100
     assert set(dataset["family"]) == {"add", "sub", "mul", "add3"}
-    rows = set(zip(dataset["prompt"], dataset["answer"]))
+    rows = set(zip(dataset["prompt"], dataset["answer"], strict=True))
     assert rows <= {problem for problems in train.values() for problem in problems}
     assert not {prompt for prompt, _ in rows} & {prompt for _, prompt, _ in held_out}
     for prompt, answer in rows:
@@ -69,7 +69,7 @@ class ScriptedModel(torch.nn.Module):
 
     def generate(self, input_ids, attention_mask, max_new_tokens, do_sample, num_return_sequences=1, **kwargs):
         rows = []
-        for ids, mask in zip(input_ids, attention_mask):
+        for ids, mask in zip(input_ids, attention_mask, strict=True):
             prompt = self.tokenizer.decode(ids[mask.bool()])
             a, b = (int(x) for x in prompt.split("?")[0].split("What is ")[-1].split(" + "))
             for sample in range(num_return_sequences):  # HF order: the samples of a prompt are adjacent

@@ -211,7 +211,7 @@ def sgd_step_of_trl_loss(trainer, inputs, lr, active=None):
     with mock.patch.object(trainer, "_get_per_token_logps_and_entropies", forward):
         grads = torch.autograd.grad(GRPOTrainer._compute_loss(trainer, trainer.model, inputs), params)
     with torch.no_grad():
-        for param, grad in zip(params, grads):
+        for param, grad in zip(params, grads, strict=True):
             param -= lr * grad
 
 

@@ -33,7 +33,12 @@ def run_without_trl(tmp_path):
 
     def run(code: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", textwrap.dedent(code)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
         )
 
     return run

@@ -9,7 +9,7 @@ import wandb  # the test extra installs it: a missing wandb fails here, not skip
 from datasets import Dataset
 from wandb.proto import wandb_internal_pb2
 
-from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+from trl_lopti import LoptiGRPOConfig
 
 
 LOPTI_METRICS = (

@@ -38,7 +38,7 @@ def download_wheel(requirement: str, dest_dir: Path) -> Path:
         str(dest_dir),
         requirement,
     ]
-    result = subprocess.run(command, capture_output=True, text=True)
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(
             f"`{' '.join(command)}` failed: check that pip can reach the package index, or put the wheel in "

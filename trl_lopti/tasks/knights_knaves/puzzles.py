@@ -313,10 +313,11 @@ def render_quiz(statements: Sequence[Statement], names: Sequence[str], rng: rand
     Returns:
         `str`: The puzzle, ending with the question.
     """
-    sentences = [
+    introduction = (
         "A very special island is inhabited only by knights and knaves. Knights always tell the truth, and knaves "
         f"always lie. You meet {len(names)} inhabitants: {_join_names(names)}."
-    ]
+    )
+    sentences = [introduction]
     for speaker, statement in enumerate(statements):
         template = rng.choice(SPEECH_TEMPLATES)
         sentences.append(template.format(name=names[speaker], claim=render_statement(statement, names)))

@@ -21,6 +21,7 @@ Requires `sympy` and `pylatexenc` (the `math` extra).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 
@@ -292,10 +293,8 @@ def sympy_normalize(answer: str) -> str:
     if value is not None and _is_whole(value):
         answer = str(round(value))
     if "\\" in answer:
-        try:
+        with contextlib.suppress(Exception):  # unreadable LaTeX stays as it is, as in the authors' grader
             answer = _latex_to_plain(answer)
-        except Exception:  # noqa: BLE001 - unreadable LaTeX stays as it is, as in the authors' grader
-            pass
     answer = re.sub("- *", "-", answer)
     answer = re.sub("([0-9]) +([0-9])", r"\1+\2", answer)  # a mixed number `7 3/4` -> `7+3/4`
     answer = answer.replace(" ", "").replace("{", "").replace("}", "").lower()
