@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trl_lopti.diagnostics.report import markdown_table
+from trl_lopti.diagnostics.report import markdown_table, new_figure, save_figure
 
 
 BASELINE = "grpo"
@@ -313,14 +313,10 @@ def compare_markdown(report: dict[str, Any]) -> str:
 
 def compare_plots(report: dict[str, Any], path: Path) -> str:
     """Training reward per batch, Fig.-3 shares per quartile (means over seeds), held-out greedy accuracy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import pandas as pd
 
     summary = report["summary"]
-    figure, axes = plt.subplots(2, 2, figsize=(12, 8))
+    figure, axes = new_figure(2, 2, figsize=(12, 8))
     curves = {name: [point["mean"] for point in s["training_reward_curve"]] for name, s in summary.items()}
     curves = pd.DataFrame(curves, index=range(1, len(next(iter(curves.values()))) + 1))
     curves.plot(
@@ -341,8 +337,4 @@ def compare_plots(report: dict[str, Any], path: Path) -> str:
     pd.DataFrame(accuracy, index=list(summary)).plot.bar(
         ax=axes[1, 1], title="Held-out greedy accuracy", ylim=(0, 1), rot=0
     )
-    figure.suptitle("Method comparison at equal rollouts")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return str(path)
+    return save_figure(figure, path, "Method comparison at equal rollouts")

@@ -23,6 +23,7 @@ import torch
 from trl import ModelConfig, TrlParser
 
 from ..config import LoptiGRPOConfig
+from ..diagnostics.report import new_figure, save_figure
 from ..tasks.arithmetic import build_train_dataset, evaluate_held_out, exact_answer_reward, split_problems
 from ..trainer import LoptiGRPOTrainer
 from .demo_model import get_smollm2
@@ -79,23 +80,14 @@ def format_table(before: dict[str, float], after: dict[str, float], temperature:
 
 def plot_curve(path: Path, batches: list[int], rewards: list[float], before: dict, after: dict) -> str:
     """The training reward per generation batch, with the held-out reward before and after as lines; returns `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(6, 4))
+    figure, axis = new_figure(figsize=(6, 4))
     axis.plot(batches, rewards, marker="o", markersize=3, label="training reward")
     for color, (name, result) in enumerate((("before", before), ("after", after)), start=1):
         label = f"held-out reward {name}: {result['reward']:.2f}"
         axis.axhline(result["reward"], linestyle="--", color=f"C{color}", label=label)
     axis.set(xlabel="generation batch", ylabel="reward (1 = correct sum)", ylim=(-0.02, 1.02))
-    axis.set_title("GRPO + AR + Lopti on single-digit addition")
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return str(path)
+    return save_figure(figure, path, "GRPO + AR + Lopti on single-digit addition")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

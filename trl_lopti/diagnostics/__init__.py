@@ -55,26 +55,3 @@ from .measure import (
     run_token_diagnostics,
 )
 from .report import format_tables, plot_report
-
-
-__all__ = [
-    "DEFAULT_PROBE_METHODS",
-    "PROBE_METHODS",
-    "QUARTILE_LABELS",
-    "TokenDiagnosticsCallback",
-    "advance_policy_on_batch",
-    "check_probe_methods",
-    "completion_log_probs",
-    "flatten_report",
-    "format_tables",
-    "generation_batch",
-    "hidden_state_gradient_norms",
-    "plot_report",
-    "probability_quartiles",
-    "probability_shift",
-    "run_token_diagnostics",
-    "sample_generation_batch",
-    "summed_parameter_gradients",
-    "trl_batch",
-    "trl_loss_gradients",
-]

@@ -42,16 +42,8 @@ def markdown_table(header: str, rows: Sequence[Sequence[Any]]) -> list[str]:
 
 
 def format_tables(report: dict[str, Any]) -> str:
-    """
-    Renders the main figures of a `run_token_diagnostics` report as Markdown tables.
-
-    Args:
-        report (`dict[str, Any]`):
-            Output of `run_token_diagnostics` (an `inner_steps` entry, from `advance_policy_on_batch`, is shown).
-
-    Returns:
-        `str`: Markdown text.
-    """
+    """The main figures of a `run_token_diagnostics` report (with an `inner_steps` entry, from
+    `advance_policy_on_batch`, shown) as Markdown text."""
     gradients, lines = report["gradients"], []
     if report.get("inner_steps"):
         inner = report["inner_steps"]
@@ -113,18 +105,12 @@ def plot_report(report: dict[str, Any], output_dir: str | os.PathLike) -> list[s
     Writes bar charts by probability quartile (the paper's Fig. 1 and Fig. 3) of a `run_token_diagnostics` report.
 
     Args:
-        report (`dict[str, Any]`):
-            Output of `run_token_diagnostics`.
-        output_dir (`str` or `os.PathLike`):
-            Folder for the PNG files (created if missing).
+        report (`dict[str, Any]`), output_dir (`str` or `os.PathLike`):
+            Output of `run_token_diagnostics`, and the folder for the PNG files (created if missing).
 
     Returns:
         `list[str]`: The files written: `gradients.png`, and `probability_shift.png` when the report has a probe.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import pandas as pd
 
     output_dir = Path(output_dir)
@@ -140,7 +126,7 @@ def plot_report(report: dict[str, Any], output_dir: str | os.PathLike) -> list[s
     if "summed_grad_norm" in rows[0]:
         panels["‖summed parameter gradient‖"] = {"norm": "summed_grad_norm"}
         panels["cosine with the full gradient"] = {"cosine": "cos_with_full"}
-    figure, axes = plt.subplots(-(-len(panels) // 2), 2, figsize=(12, 4 * -(-len(panels) // 2)), squeeze=False)
+    figure, axes = new_figure(-(-len(panels) // 2), 2, figsize=(12, 4 * -(-len(panels) // 2)), squeeze=False)
     for axis, (title, series) in zip(axes.flat, panels.items(), strict=False):  # an odd count leaves one axis empty
         values = {name: [row.get(key) or 0.0 for row in rows] for name, key in series.items()}
         pd.DataFrame(values, index=labels).plot.bar(ax=axis, title=title, rot=0, fontsize=8)
@@ -151,10 +137,12 @@ def plot_report(report: dict[str, Any], output_dir: str | os.PathLike) -> list[s
     for axis in list(axes.flat)[len(panels) :]:
         axis.set_axis_off()
     edges = ", ".join(_fmt(edge) for edge in gradients["quartile_edges"])
-    written.append(_save(figure, output_dir / "gradients.png", f"Token diagnostics by π_old quartile (edges {edges})"))
+    written.append(
+        save_figure(figure, output_dir / "gradients.png", f"Token diagnostics by π_old quartile (edges {edges})")
+    )
     probe = report.get("probe")
     if probe and probe.get("methods"):
-        figure, axes = plt.subplots(2, 2, figsize=(12, 8))
+        figure, axes = new_figure(2, 2, figsize=(12, 8))
         titles = {"share_in_direction": "share of {} tokens moved their way", "mean_delta_prob": "mean Δπ, {} tokens"}
         for row, (key, title) in zip(axes, titles.items(), strict=True):
             for axis, sign in zip(row, SIGNS, strict=True):
@@ -167,14 +155,26 @@ def plot_report(report: dict[str, Any], output_dir: str | os.PathLike) -> list[s
                     ax=axis, title=title.format(f"{sign}-advantage"), rot=0, fontsize=8, ylim=ylim
                 )
         title = f"One {probe['optimizer']} update (lr={probe['lr']:g}, α={probe['alpha']:g}, η={_fmt(probe['eta'])})"
-        written.append(_save(figure, output_dir / "probability_shift.png", title))
+        written.append(save_figure(figure, output_dir / "probability_shift.png", title))
     return written
 
 
-def _save(figure, path: Path, title: str) -> str:
+def new_figure(rows: int = 1, columns: int = 1, **kwargs: Any):
+    """`matplotlib.pyplot.subplots(rows, columns, **kwargs)` on matplotlib's file backend (Agg: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure.suptitle(title)
+    return plt.subplots(rows, columns, **kwargs)
+
+
+def save_figure(figure, path: str | os.PathLike, title: str | None = None) -> str:
+    """Writes `figure` (with the title `title`) to the PNG `path`, closes it and returns the path."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
