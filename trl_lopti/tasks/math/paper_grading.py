@@ -192,24 +192,11 @@ def mathd_normalize(answer: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------------
 # The sympy check and its normaliser
 # ---------------------------------------------------------------------------------------------------------------------
+# fmt: skip below: a list of words reads best as lines of words, not as a column of one word a line
 _UNIT_WORDS = (
-    "degree",
-    "cm",
-    "centimeter",
-    "meter",
-    "mile",
-    "second",
-    "minute",
-    "hour",
-    "day",
-    "week",
-    "month",
-    "year",
-    "foot",
-    "feet",
-    "inch",
-    "yard",
-)
+    "degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week", "month", "year",
+    "foot", "feet", "inch", "yard",
+)  # fmt: skip
 _UNIT_PATTERNS = tuple(re.compile(word + r"(es)?(s)? *(\^[0-9]+)?") for word in _UNIT_WORDS)
 _SCALE_WORDS = (("million", "*10^6"), ("billion", "*10^9"), ("trillion", "*10^12"))
 _UNICODE_TO_SYMPY = (("√", "sqrt"), ("π", "pi"), ("∞", "inf"), ("∪", "U"), ("·", "*"), ("×", "*"))
