@@ -117,7 +117,10 @@ def cost_markdown(report: dict[str, Any]) -> str:
         return f"{text} ({value / reference:.2f}x)" if reference else text
 
     memory = "peak CUDA mem (MB)" if on_gpu else "peak RSS (MB)"
-    header = f"configuration | step (s) | generation (s) | scoring (s) | loss+bwd+opt (s) | fwd grad / no-grad | bwd | opt steps | {memory} | compl. tok/s"
+    header = (
+        "configuration | step (s) | generation (s) | scoring (s) | loss+bwd+opt (s) | fwd grad / no-grad | bwd | "
+        f"opt steps | {memory} | compl. tok/s"
+    )
     timed = [("step_s", 2), ("generation_s", 2), ("scoring_s", 3), ("loss_backward_optimizer_s", 2)]
     lines = []
     for clock, title in [("wall", "Wall-clock time"), ("cpu", "Process CPU time (all threads)")][: 1 if on_gpu else 2]:
@@ -148,8 +151,8 @@ def cost_markdown(report: dict[str, Any]) -> str:
     conditions = (
         f"Size `{size['name']}`: model `{report['model']}`, {size['prompts_per_batch']} prompts x "
         f"{size['num_generations']} completions of {size['max_completion_length']} tokens per generation batch, "
-        f"micro-batch {size['per_device_train_batch_size']} x {size['gradient_accumulation_steps']} accumulation steps "
-        f"(on-policy), {env['device']}, {'bf16 autocast' if size['bf16'] else 'float32'}, gradient checkpointing "
+        f"micro-batch {size['per_device_train_batch_size']} x {size['gradient_accumulation_steps']} accumulation "
+        f"steps (on-policy), {env['device']}, {'bf16 autocast' if size['bf16'] else 'float32'}, gradient checkpointing "
         f"{'on' if size['gradient_checkpointing'] else 'off'}, torch threads {env['torch_threads']}. "
         f"Medians over {runs[0]['medians']['measured_batches'] if runs else 0} generation batches after "
         f"{size['warmup_batches']} warm-up batch(es) per configuration. "
@@ -264,9 +267,9 @@ def compare_markdown(report: dict[str, Any]) -> str:
         (
             f"Model: {report['model']}. Task `{settings['task']}`, reward `{settings['reward']}`. "
             f"{settings['rollout_batches']} generation batches of {settings['prompts_per_batch']} prompts x "
-            f"{settings['num_generations']} completions ({settings['max_completion_length']} tokens) per run, temperature "
-            f"{settings['temperature']:g}, constant lr {settings['learning_rate']:g}, seeds {report['seeds']}. Figures: "
-            "mean over seeds [95% t interval]."
+            f"{settings['num_generations']} completions ({settings['max_completion_length']} tokens) per run, "
+            f"temperature {settings['temperature']:g}, constant lr {settings['learning_rate']:g}, seeds "
+            f"{report['seeds']}. Figures: mean over seeds [95% t interval]."
         ),
         "",
         f"Command: `{report['command']}`",
@@ -277,8 +280,8 @@ def compare_markdown(report: dict[str, Any]) -> str:
         ),
         "",
         *markdown_table(
-            "method | opt. steps / gen. batches | greedy before | greedy after | change | sampled before | sampled after "
-            "| change",
+            "method | opt. steps / gen. batches | greedy before | greedy after | change | sampled before | "
+            "sampled after | change",
             heldout,
         ),
         "",
@@ -290,9 +293,10 @@ def compare_markdown(report: dict[str, Any]) -> str:
         ),
         "",
         (
-            "Fig.-3 statistic over every generation batch: share of positive-advantage tokens whose probability rose, and "
-            "of negative-advantage tokens whose probability fell, after the last optimizer step trained on their batch, "
-            "by `pi_old` quartile of the batch. Cells: pooled share (in direction / tokens); mean of the per-seed shares."
+            "Fig.-3 statistic over every generation batch: share of positive-advantage tokens whose probability rose, "
+            "and of negative-advantage tokens whose probability fell, after the last optimizer step trained on their "
+            "batch, by `pi_old` quartile of the batch. Cells: pooled share (in direction / tokens); mean of the "
+            "per-seed shares."
         ),
         "",
         *markdown_table(f"method | sign | {quartiles}", fig3),

@@ -97,5 +97,6 @@ def test_two_process_ddp_equals_one_process_with_twice_the_batch(tiny_float64_mo
     single, distributed = results[1]["parameters"], results[2]["parameters"]
     assert all(parameter.dtype == torch.float64 for parameter in single.values())
     largest_difference, moved = assert_parameters_close(distributed, single, initial, atol=1e-8)
-    print(f"largest parameter difference, 2 processes vs 1: {largest_difference:.3g} (moved {moved:.3g} in all)")  # noqa: T201 - the measured figure, for the record (pytest -s)
+    # the measured figure, for the record (pytest -s)
+    print(f"2 processes vs 1: largest difference {largest_difference:.3g}, moved {moved:.3g} in all")  # noqa: T201
     assert moved > 1e-3, "the cycle must move the parameters"

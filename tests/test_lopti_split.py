@@ -242,7 +242,8 @@ def test_two_process_ddp_gives_the_eta_and_parameters_of_one_process(
     difference = max(
         float((p.detach() - ddp["parameters"][name]).abs().max()) for name, p in one_process.model.named_parameters()
     )
-    print(f"|one process - two processes| = {difference:.2e}")  # noqa: T201 - the measured figure, for the record (pytest -s)
+    # the measured figure, for the record (pytest -s)
+    print(f"|one process - two processes| = {difference:.2e}")  # noqa: T201
     assert difference < 1e-8  # float64 throughout; the two runs sum gradients in another order
     assert largest_difference(one_process.model, initial_model) > 1e-3
 

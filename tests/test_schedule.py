@@ -220,7 +220,8 @@ def test_one_lopti_cycle_equals_hand_run_two_step_update(
         dict(initial_model.named_parameters()),
         atol=PARAMETER_ATOL,
     )
-    print(f"largest parameter difference from the hand-run: {largest_difference:.3g} (moved {moved:.3g} in all)")  # noqa: T201 - the measured figure, for the record (pytest -s)
+    # the measured figure, for the record (pytest -s)
+    print(f"trainer vs hand-run: largest difference {largest_difference:.3g}, moved {moved:.3g} in all")  # noqa: T201
     assert moved > 1e-3, "the update must move the parameters"
     # and the second pass matters: stopping after the first pass gives different parameters
     first_pass_only = hand_run_cycle(initial_model, slices, trainer.args, eta_log, beta, pass_order[:1])

@@ -223,7 +223,8 @@ def test_resume_between_the_two_passes_continues_the_batch_to_the_uninterrupted_
     difference, moved = assert_parameters_close(
         dict(resumed.model.named_parameters()), dict(uninterrupted.model.named_parameters()), initial, atol=1e-8
     )
-    print(f"resumed vs uninterrupted: largest difference {difference:.3g} (moved {moved:.3g} in all)")  # noqa: T201 - the measured figure, for the record (pytest -s)
+    # the measured figure, for the record (pytest -s)
+    print(f"resumed vs uninterrupted: largest difference {difference:.3g} (moved {moved:.3g} in all)")  # noqa: T201
     assert moved > 1e-3
     assert_no_nan_in_logs(resumed)
 
