@@ -49,7 +49,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 from transformers.utils import logging as transformers_logging  # noqa: E402
 
 from trl_lopti.core_algos import low_probability_token_mask, token_group_mask  # noqa: E402
-from trl_lopti.tasks import arithmetic  # noqa: E402
+from trl_lopti.diagnostics.report import markdown_table  # noqa: E402
+from trl_lopti.tasks import arithmetic, token_parity_reward  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -225,7 +226,7 @@ def cost(
             run = harness.measure_training(
                 model_path,
                 dataset,
-                [harness.answer_reward, harness.token_parity_reward],
+                [harness.answer_reward, token_parity_reward],
                 num_batches,
                 lopti,
                 after_scoring=harness.add_old_logps_forward if reference_style else None,
@@ -283,11 +284,11 @@ _COMPARE_SMOLLM2 = dict(
 )
 COMPARE_SIZES: dict[str, dict[str, Any]] = {
     "smollm2": _COMPARE_SMOLLM2,
-    # a random model never answers: the shaped `digits` reward gives it non-zero advantages
+    # a random model never answers: `token_parity` gives it non-zero advantages
     "tiny": {
         **_COMPARE_SMOLLM2,
         "model": "random-qwen2",
-        "reward": "digits",
+        "reward": "token_parity",
         "rollout_batches": 2,
         "prompts_per_batch": 2,
         "num_generations": 4,
@@ -483,7 +484,7 @@ def isolation(output_dir: str = "benchmarks/results", command: str | None = None
                 run = harness.measure_training(
                     model_path,
                     harness.addition_prompts(1, seed=0),
-                    harness.token_parity_reward,
+                    token_parity_reward,
                     1,
                     lopti,
                     after_scoring=after_scoring,
@@ -498,14 +499,14 @@ def isolation(output_dir: str = "benchmarks/results", command: str | None = None
                     float(gradient[token_group_mask(low, inputs["completion_mask"], "high")].sum()),
                 ]
             rows[name] = sums
-    header = ["setup", "zeroed advantages: active", "inactive", "general form (LoptiGRPOTrainer): active", "inactive"]
-    markdown = "\n".join(report.table(header, [[name, *(f"{v:.4g}" for v in sums)] for name, sums in rows.items()]))
+    header = "setup | zeroed advantages: active | inactive | general form (LoptiGRPOTrainer): active | inactive"
+    markdown = "\n".join(markdown_table(header, [[name, *sums] for name, sums in rows.items()]))
     data = {
         "experiment": "isolation",
         "command": command,
         "lopti_threshold": eta,
         "summed_abs_grad": rows,
-        "columns": header[1:],
+        "columns": header.split(" | ")[1:],
         "markdown": markdown,
     }
     harness.write_json(Path(output_dir) / "isolation.json", data)

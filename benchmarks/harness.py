@@ -37,7 +37,8 @@ from transformers import PrinterCallback, TrainerCallback, set_seed
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
-from trl_lopti.core_algos import lopti_batch_threshold
+from trl_lopti.diagnostics import completion_log_probs, probability_quartiles, probability_shift
+from trl_lopti.trainer import trl_completion_logps
 
 
 PHASES = ("generation_s", "scoring_s", "loss_backward_optimizer_s", "probe_s", "step_s")
@@ -73,8 +74,9 @@ class Probe(TrainerCallback):
             Called on every training generation batch after `_generate_and_score_completions`, within `scoring_s`
             (e.g. [`add_old_logps_forward`]).
         fig3 (`bool`, *optional*, defaults to `False`):
-            Keep in `fig3_batches` the Fig.-3 counts ([`shift_counts`]) of every batch, scored after generation
-            (`pi_old`) and after the last optimizer step trained on it (uncounted forwards, timed as `probe_s`).
+            Keep in `fig3_batches` the Fig.-3 statistic (`trl_lopti.diagnostics.probability_shift`, and the quartile
+            `edges`) of every batch, its tokens scored after generation (`pi_old`) and after the last optimizer step
+            trained on it (uncounted forwards, timed as `probe_s`).
         capture_token_gradients (`bool`, *optional*, defaults to `False`):
             Keep in `token_gradients` the micro-batch and the per-token log-probabilities (with `.grad`) of the first
             training forward.
@@ -227,16 +229,16 @@ class Probe(TrainerCallback):
     def _score(self, batch: dict[str, Any]) -> torch.Tensor:
         self._uncounted = True
         try:
-            return completion_logps(self.trainer.model, batch, self.trainer.temperature).cpu()
+            return completion_log_probs(self.trainer.model, batch, self.trainer.temperature).cpu()
         finally:
             self._uncounted = False
 
     def _rescore(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            after = self._score(pending)
-            mask = pending["completion_mask"].cpu()
-            self.fig3_batches.append(shift_counts(pending["logps"], after, pending["advantages"].cpu(), mask))
+            edges, quartile = probability_quartiles(pending["logps"], pending["completion_mask"].cpu())
+            shift = probability_shift(pending["logps"], self._score(pending), pending["advantages"].cpu(), quartile)
+            self.fig3_batches.append({"edges": edges, **shift})
 
     def finalize(self) -> list[dict[str, Any]]:
         """Removes the hooks and fills in `step_s` of every batch; returns the batches."""
@@ -251,85 +253,16 @@ class Probe(TrainerCallback):
         return self.batches
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Log-probabilities and the Fig.-3 counts
-# ---------------------------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def completion_logps(model, batch: dict[str, Any], temperature: float, chunk: int = 64) -> torch.Tensor:
-    """
-    Log-probabilities of a TRL batch's completion tokens from a plain forward of `model`, in float64 (0 on padding).
-
-    `batch` holds `prompt_ids`, `prompt_mask`, `completion_ids`, `completion_mask`; logits are divided by
-    `temperature`, as in TRL's loss; `chunk` sequences go through one forward.
-    """
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    num_tokens = batch["completion_ids"].size(1)
-    parts = []
-    for rows in torch.arange(input_ids.size(0)).split(chunk):
-        output = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows], logits_to_keep=num_tokens + 1)
-        logits = output.logits[:, :-1]  # the positions that predict the completion tokens
-        log_probs = torch.log_softmax(logits.double() / temperature, dim=-1)
-        parts.append(log_probs.gather(-1, batch["completion_ids"][rows].unsqueeze(-1)).squeeze(-1))
-    return torch.cat(parts).masked_fill(~batch["completion_mask"].bool(), 0.0)
-
-
-def shift_counts(logps_before, logps_after, advantages, mask) -> dict[str, Any]:
-    """
-    The paper's Fig.-3 counts of one generation batch, by `pi_old` quartile and sign of the advantage.
-
-    Quartile edges are the batch's 0.25, 0.5 and 0.75 quantiles of `pi_old` over its completion tokens (the quantile of
-    `trl_lopti.core_algos.lopti_batch_threshold`); Q1 = `[min, e1)`, ..., Q4 = `[e3, max]`.
-
-    Args:
-        logps_before (`torch.Tensor`), logps_after (`torch.Tensor`):
-            Log-probabilities at `pi_old` and after the last optimizer step trained on the batch, shape (B, T).
-        advantages (`torch.Tensor`):
-            Shape (B,) or (B, T) (only the sign counts).
-        mask (`torch.Tensor`):
-            Completion mask, shape (B, T).
-
-    Returns:
-        `dict`: `edges`; per sign (`positive`, `negative`), lists of 4: `count` (tokens) and `in_direction`
-        (probability rose for positive, fell for negative); `zero_advantage_tokens`; `completion_tokens`.
-    """
-    mask = mask.bool()
-    edges = [lopti_batch_threshold(logps_before, mask, level) for level in (0.25, 0.5, 0.75)]
-    probs = logps_before.double().exp()
-    quartile = sum((probs >= edge).long() for edge in edges)
-    sign = torch.sign(advantages.double() if advantages.dim() == 2 else advantages.double()[:, None]).expand_as(mask)
-    delta = logps_after.double() - logps_before.double()
-    counts: dict[str, Any] = {"edges": edges}
-    for name, direction in (("positive", 1.0), ("negative", -1.0)):
-        tokens = [mask & (sign == direction) & (quartile == q) for q in range(4)]
-        counts[name] = {
-            "count": [int(t.sum()) for t in tokens],
-            "in_direction": [int((t & (delta * direction > 0)).sum()) for t in tokens],
-        }
-    counts["zero_advantage_tokens"] = int((mask & (sign == 0)).sum())
-    counts["completion_tokens"] = int(mask.sum())
-    return counts
-
-
 def add_old_logps_forward(trainer, batch: dict[str, Any]) -> None:
     """
-    The reference implementation's separate no-grad forward for `pi_old`, after generation (an `after_scoring` hook).
-
-    Computes `old_per_token_logps` with TRL's own log-prob head (`GRPOTrainer`'s, whatever a subclass overrides), in
-    micro-batches of `per_device_train_batch_size`, where TRL did not compute it already.
+    The reference implementation's separate no-grad forward for `pi_old`, after generation (an `after_scoring` hook):
+    `old_per_token_logps` by TRL's own log-prob forward, in micro-batches of `per_device_train_batch_size`, where TRL
+    did not compute it already.
     """
     if batch.get("old_per_token_logps") is None:
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         with torch.no_grad():
-            batch["old_per_token_logps"] = GRPOTrainer._get_per_token_logps_and_entropies(
-                trainer,
-                trainer.model,
-                input_ids,
-                attention_mask,
-                batch["completion_ids"].size(1),
-                batch_size=trainer.args.per_device_train_batch_size,
-            )[0]
+            batch_size = trainer.args.per_device_train_batch_size
+            batch["old_per_token_logps"] = trl_completion_logps(trainer, batch, batch_size=batch_size)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -463,11 +396,6 @@ def answer_reward(completions: list, answer: list[str], **kwargs) -> list[float]
     """1 when the reference answer appears in the completion, else 0."""
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
     return [1.0 if ref in text else 0.0 for text, ref in zip(texts, answer, strict=True)]
-
-
-def token_parity_reward(completion_ids: list[list[int]], **kwargs) -> list[float]:
-    """Share of even token ids: varies within every group, so advantages are never all zero (random models too)."""
-    return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
 
 
 def environment() -> dict[str, Any]:

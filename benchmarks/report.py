@@ -1,7 +1,5 @@
-"""The benchmarks' one statistics helper and one report writer: medians per batch, Student-t intervals, markdown, plots.
-
-Plots go through the package's one plotting helper, `trl_lopti.diagnostics.plots.plot_panels`.
-"""
+"""The benchmarks' one statistics helper and one report writer: medians per batch, Student-t intervals (scipy),
+Markdown (`trl_lopti.diagnostics.report.markdown_table`) and plots (pandas and matplotlib)."""
 
 from __future__ import annotations
 
@@ -10,6 +8,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from trl_lopti.diagnostics.report import markdown_table, new_figure, save_figure
 
 
 BASELINE = "grpo"
@@ -23,7 +23,7 @@ SIGNS = ("positive", "negative")
 # ---------------------------------------------------------------------------------------------------------------------
 def t_interval(values: Sequence[float | None], confidence: float = 0.95) -> dict[str, Any]:
     """
-    Mean and two-sided Student-t confidence interval of the mean, `mean +- t_{(1+c)/2, n-1} * sd / sqrt(n)`.
+    Mean and two-sided Student-t confidence interval of the mean (`scipy.stats.t.interval`).
 
     Args:
         values (`Sequence[float]`):
@@ -41,9 +41,8 @@ def t_interval(values: Sequence[float | None], confidence: float = 0.95) -> dict
     mean = sum(values) / n if n else None
     if n < 2:
         return {"mean": mean, "low": None, "high": None, "sd": None, "n": n}
-    sd = statistics.stdev(values)
-    half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
-    return {"mean": mean, "low": mean - half, "high": mean + half, "sd": sd, "n": n}
+    low, high = stats.t.interval(confidence, n - 1, loc=mean, scale=stats.sem(values))
+    return {"mean": mean, "low": float(low), "high": float(high), "sd": statistics.stdev(values), "n": n}
 
 
 def paired_difference(values: dict[int, float | None], baseline: dict[int, float | None]) -> dict[str, Any]:
@@ -77,11 +76,12 @@ def batch_medians(batches: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def fig3_shares(fig3_batches: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Sums Fig.-3 counts over batches; per sign: `count`, `in_direction`, `share` per quartile, and `all` (share)."""
+    """Pools the Fig.-3 statistic (`trl_lopti.diagnostics.probability_shift`) over batches; per sign: `count`,
+    `in_direction`, `share` per quartile, and `all` (share)."""
     pooled = {}
     for sign in SIGNS:
-        count = [sum(batch[sign]["count"][q] for batch in fig3_batches) for q in range(4)]
-        hits = [sum(batch[sign]["in_direction"][q] for batch in fig3_batches) for q in range(4)]
+        count = [sum(batch[f"q{q}"][sign]["count"] for batch in fig3_batches) for q in range(4)]
+        hits = [sum(batch[f"q{q}"][sign]["in_direction"] for batch in fig3_batches) for q in range(4)]
         pooled[sign] = {
             "count": count,
             "in_direction": hits,
@@ -94,11 +94,6 @@ def fig3_shares(fig3_batches: Sequence[dict[str, Any]]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------------------
 # Markdown
 # ---------------------------------------------------------------------------------------------------------------------
-def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """A markdown table."""
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
-
-
 def interval(stat: dict[str, Any] | None, digits: int = 3) -> str:
     """`mean [low, high]`, or the mean alone, or `n/a`."""
     if not stat or stat.get("mean") is None:
@@ -121,18 +116,11 @@ def cost_markdown(report: dict[str, Any]) -> str:
         text = f"{value:.{digits}f}"
         return f"{text} ({value / reference:.2f}x)" if reference else text
 
-    header = [
-        "configuration",
-        "step (s)",
-        "generation (s)",
-        "scoring (s)",
-        "loss+bwd+opt (s)",
-        "fwd grad / no-grad",
-        "bwd",
-        "opt steps",
-        "peak CUDA mem (MB)" if on_gpu else "peak RSS (MB)",
-        "compl. tok/s",
-    ]
+    memory = "peak CUDA mem (MB)" if on_gpu else "peak RSS (MB)"
+    header = (
+        "configuration | step (s) | generation (s) | scoring (s) | loss+bwd+opt (s) | fwd grad / no-grad | bwd | "
+        f"opt steps | {memory} | compl. tok/s"
+    )
     timed = [("step_s", 2), ("generation_s", 2), ("scoring_s", 3), ("loss_backward_optimizer_s", 2)]
     lines = []
     for clock, title in [("wall", "Wall-clock time"), ("cpu", "Process CPU time (all threads)")][: 1 if on_gpu else 2]:
@@ -151,7 +139,7 @@ def cost_markdown(report: dict[str, Any]) -> str:
                     with_ratio(medians["completion_tokens_per_s"], reference.get("completion_tokens_per_s"), 1),
                 ]
             )
-        lines += [f"{title} per generation batch (median):", "", *table(header, rows), ""]
+        lines += [f"{title} per generation batch (median):", "", *markdown_table(header, rows), ""]
     shares = [
         share
         for run in runs
@@ -159,22 +147,22 @@ def cost_markdown(report: dict[str, Any]) -> str:
         for batch in run["batches"]
         for share in batch["logged"].get("lopti/low_token_share", [])
     ]  # fixed eta
-    conditions = [
+    low_token_share = f", low-token share {statistics.median(shares):.2f} (median over batches)" if shares else ""
+    conditions = (
         f"Size `{size['name']}`: model `{report['model']}`, {size['prompts_per_batch']} prompts x "
         f"{size['num_generations']} completions of {size['max_completion_length']} tokens per generation batch, "
-        f"micro-batch {size['per_device_train_batch_size']} x {size['gradient_accumulation_steps']} accumulation steps "
-        f"(on-policy), {env['device']}, {'bf16 autocast' if size['bf16'] else 'float32'}, gradient checkpointing "
-        f"{'on' if size['gradient_checkpointing'] else 'off'}, torch threads {env['torch_threads']}.",
+        f"micro-batch {size['per_device_train_batch_size']} x {size['gradient_accumulation_steps']} accumulation "
+        f"steps (on-policy), {env['device']}, {'bf16 autocast' if size['bf16'] else 'float32'}, gradient checkpointing "
+        f"{'on' if size['gradient_checkpointing'] else 'off'}, torch threads {env['torch_threads']}. "
         f"Medians over {runs[0]['medians']['measured_batches'] if runs else 0} generation batches after "
-        f"{size['warmup_batches']} warm-up batch(es) per configuration.",
-        f"Lopti threshold {report['lopti_threshold']:.4g}"
-        + (f", low-token share {statistics.median(shares):.2f} (median over batches)." if shares else "."),
+        f"{size['warmup_batches']} warm-up batch(es) per configuration. "
+        f"Lopti threshold {report['lopti_threshold']:.4g}{low_token_share}. "
         f"1-minute load average {report['load_average_at_start'][0]:.1f} at the start and "
-        f"{report['load_average_at_end'][0]:.1f} at the end on {env['cpu_count']} CPUs.",
-    ]
+        f"{report['load_average_at_end'][0]:.1f} at the end on {env['cpu_count']} CPUs."
+    )
     if report.get("skipped"):
-        conditions.append("Skipped: " + ", ".join(report["skipped"]) + ".")
-    return "\n".join(lines + [" ".join(conditions)]) + "\n"
+        conditions += " Skipped: " + ", ".join(report["skipped"]) + "."
+    return "\n".join([*lines, conditions]) + "\n"
 
 
 def compare_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -226,7 +214,7 @@ def compare_markdown(report: dict[str, Any]) -> str:
     """The tables of a method comparison: held-out, paired differences, Fig. 3 per quartile (and paired), cost."""
     summary, settings = report["summary"], report["settings"]
     others = [name for name in summary if name != BASELINE and "paired" in summary[name]]
-    quartiles = ["Q1 (lowest)", "Q2", "Q3", "Q4 (highest)"]
+    quartiles = "Q1 (lowest) | Q2 | Q3 | Q4 (highest)"
     heldout = []
     for name, s in summary.items():
         steps = f"{'/'.join(map(str, s['optimizer_steps']))} / {'/'.join(map(str, s['generation_batches']))}"
@@ -276,93 +264,81 @@ def compare_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# {' vs '.join(summary)} at equal rollouts",
         "",
-        f"Model: {report['model']}. Task `{settings['task']}`, reward `{settings['reward']}`. "
-        f"{settings['rollout_batches']} generation batches of {settings['prompts_per_batch']} prompts x "
-        f"{settings['num_generations']} completions ({settings['max_completion_length']} tokens) per run, temperature "
-        f"{settings['temperature']:g}, constant lr {settings['learning_rate']:g}, seeds {report['seeds']}. Figures: "
-        "mean over seeds [95% t interval].",
+        (
+            f"Model: {report['model']}. Task `{settings['task']}`, reward `{settings['reward']}`. "
+            f"{settings['rollout_batches']} generation batches of {settings['prompts_per_batch']} prompts x "
+            f"{settings['num_generations']} completions ({settings['max_completion_length']} tokens) per run, "
+            f"temperature {settings['temperature']:g}, constant lr {settings['learning_rate']:g}, seeds "
+            f"{report['seeds']}. Figures: mean over seeds [95% t interval]."
+        ),
         "",
         f"Command: `{report['command']}`",
         "",
-        f"Held-out problems ({report['num_heldout']}; greedy accuracy, and the mean reward of "
-        f"{settings['eval_samples']} samples each):",
+        (
+            f"Held-out problems ({report['num_heldout']}; greedy accuracy, and the mean reward of "
+            f"{settings['eval_samples']} samples each):"
+        ),
         "",
-        *table(
-            [
-                "method",
-                "opt. steps / gen. batches",
-                "greedy before",
-                "greedy after",
-                "change",
-                "sampled before",
-                "sampled after",
-                "change",
-            ],
+        *markdown_table(
+            "method | opt. steps / gen. batches | greedy before | greedy after | change | sampled before | "
+            "sampled after | change",
             heldout,
         ),
         "",
         f"Difference to `{BASELINE}` on the same seed:",
         "",
-        *table(
-            [
-                "method",
-                "greedy after",
-                "sampled after",
-                "mean training reward",
-                "Fig. 3: A > 0 rose",
-                "Fig. 3: A < 0 fell",
-            ],
+        *markdown_table(
+            "method | greedy after | sampled after | mean training reward | Fig. 3: A > 0 rose | Fig. 3: A < 0 fell",
             paired,
         ),
         "",
-        "Fig.-3 statistic over every generation batch: share of positive-advantage tokens whose probability rose, and "
-        "of negative-advantage tokens whose probability fell, after the last optimizer step trained on their batch, "
-        "by `pi_old` quartile of the batch. Cells: pooled share (in direction / tokens); mean of the per-seed shares.",
+        (
+            "Fig.-3 statistic over every generation batch: share of positive-advantage tokens whose probability rose, "
+            "and of negative-advantage tokens whose probability fell, after the last optimizer step trained on their "
+            "batch, by `pi_old` quartile of the batch. Cells: pooled share (in direction / tokens); mean of the "
+            "per-seed shares."
+        ),
         "",
-        *table(["method", "sign", *quartiles], fig3),
+        *markdown_table(f"method | sign | {quartiles}", fig3),
         "",
         f"Fig.-3 shares minus `{BASELINE}`'s on the same seed:",
         "",
-        *table(["method", "sign", *quartiles], fig3_paired),
+        *markdown_table(f"method | sign | {quartiles}", fig3_paired),
         "",
-        *table(["method", "train wall (s)", "train CPU (s)", "of which Fig.-3 probe (s)", "`‖θ_end − θ_0‖`"], cost),
+        *markdown_table("method | train wall (s) | train CPU (s) | of which Fig.-3 probe (s) | `‖θ_end − θ_0‖`", cost),
         "",
-        f"Machine: {env['machine']}, {env['cpu_count']} CPUs, torch threads {env['torch_threads']}, 1-minute load "
-        f"average {report['load_average_at_end'][0]:.1f} at the end.",
+        (
+            f"Machine: {env['machine']}, {env['cpu_count']} CPUs, torch threads {env['torch_threads']}, 1-minute load "
+            f"average {report['load_average_at_end'][0]:.1f} at the end."
+        ),
     ]
     return "\n".join(lines) + "\n"
 
 
 def compare_plots(report: dict[str, Any], path: Path) -> str:
     """Training reward per batch, Fig.-3 shares per quartile (means over seeds), held-out greedy accuracy."""
-    from trl_lopti.diagnostics.plots import Panel, plot_panels
+    import pandas as pd
 
     summary = report["summary"]
-    curves = {}
-    for name, s in summary.items():
-        points = s["training_reward_curve"]
-        curves[name] = (list(range(1, len(points) + 1)), [point["mean"] for point in points])
-    panels = [Panel("Training reward (mean over seeds)", curves, xlabel="generation batch", ylim=(0, 1))]
-    for sign, title in (
-        ("positive", "A > 0: share whose probability rose"),
-        ("negative", "A < 0: share whose probability fell"),
+    figure, axes = new_figure(2, 2, figsize=(12, 8))
+    curves = {name: [point["mean"] for point in s["training_reward_curve"]] for name, s in summary.items()}
+    curves = pd.DataFrame(curves, index=range(1, len(next(iter(curves.values()))) + 1))
+    curves.plot(
+        ax=axes[0, 0], marker="o", title="Training reward (mean over seeds)", ylim=(0, 1), xlabel="generation batch"
+    )
+    quartiles = ["Q1 (lowest pi_old)", "Q2", "Q3", "Q4"]
+    for axis, sign, title in (
+        (axes[0, 1], "positive", "A > 0: share whose probability rose"),
+        (axes[1, 0], "negative", "A < 0: share whose probability fell"),
     ):
         shares = {
-            name: ([0, 1, 2, 3], [s[f"fig3_{sign}_share_q{q + 1}"]["mean"] or 0.0 for q in range(4)])
-            for name, s in summary.items()
+            name: [s[f"fig3_{sign}_share_q{q + 1}"]["mean"] or 0.0 for q in range(4)] for name, s in summary.items()
         }
-        panels.append(
-            Panel(
-                f"Fig. 3, {title}",
-                shares,
-                kind="bar",
-                ylim=(0, 1),
-                xticklabels=["Q1 (lowest pi_old)", "Q2", "Q3", "Q4"],
-            )
-        )
+        pd.DataFrame(shares, index=quartiles).plot.bar(ax=axis, title=f"Fig. 3, {title}", ylim=(0, 1), rot=0)
     accuracy = {
-        when: (list(range(len(summary))), [s[f"heldout_accuracy_{when}"]["mean"] for s in summary.values()])
-        for when in ("before", "after")
+        when: [s[f"heldout_accuracy_{when}"]["mean"] for s in summary.values()] for when in ("before", "after")
     }
-    panels.append(Panel("Held-out greedy accuracy", accuracy, kind="bar", ylim=(0, 1), xticklabels=list(summary)))
-    return plot_panels(path, panels, title="Method comparison at equal rollouts")
+    pd.DataFrame(accuracy, index=list(summary)).plot.bar(
+        ax=axes[1, 1], title="Held-out greedy accuracy", ylim=(0, 1), rot=0
+    )
+    return save_figure(figure, path, "Method comparison at equal rollouts")

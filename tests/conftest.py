@@ -244,64 +244,48 @@ def threshold_between_values(values, min_relative_gap: float = 1e-3) -> float:
     return midpoint
 
 
-def batch_log_probability_threshold(trainer, batch: dict) -> float:
+class MidGapEta:
     """
-    A Lopti threshold (in log space) half-way in a wide gap of a generation batch's pi_old, over every process.
+    A `LoptiGRPOTrainer` mixin whose eta, for each training generation batch, lies half-way in a wide gap of that
+    batch's pi_old over every process (`threshold_between_values`): the trainer's own `lopti_eta`, overridden.
 
-    pi_old is computed as the trainer's first pass computes it (TRL's own log-prob forward, at the current parameters),
-    so each token falls on the same side of the threshold in the trainer's split, on any CPU.
+    A fixed eta near 1/vocab (where a random tiny model's probabilities cluster) splits a batch differently on different
+    CPUs. pi_old is computed as the trainer's first pass computes it (TRL's own log-prob forward, at the current
+    parameters), so each token falls on the same side of eta in the trainer's split, on any CPU. Each eta chosen
+    (probability space) is appended to the class's `etas`.
     """
-    import torch
-    from accelerate.utils import gather_object
-    from trl import GRPOTrainer
 
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    with torch.no_grad():
-        logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
-            trainer, trainer.model, input_ids, attention_mask, batch["completion_ids"].size(1)
-        )
-    mask = batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
-    local = logps[mask.bool()].tolist()
-    every_process = gather_object([local]) if trainer.accelerator.num_processes > 1 else [local]
-    return threshold_between_values([value for values in every_process for value in values])
+    etas: list[float]
+
+    def lopti_eta(self, batch: dict) -> float:
+        import torch
+        from accelerate.utils import gather_object
+
+        from trl_lopti.core_algos import loss_token_mask
+        from trl_lopti.trainer import trl_completion_logps
+
+        if not self.model.training or self.args.lopti_quantile is not None:
+            return super().lopti_eta(batch)
+        with torch.no_grad():
+            logps, _ = trl_completion_logps(self, batch)
+        local = logps[loss_token_mask(batch).bool()].tolist()
+        every_process = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
+        eta = math.exp(threshold_between_values([value for values in every_process for value in values]))
+        self.etas.append(eta)
+        return eta
 
 
-def split_each_batch_mid_gap(monkeypatch=None) -> list[float]:
-    """
-    Gives every Lopti generation batch a threshold chosen from that batch (`batch_log_probability_threshold`).
-
-    A fixed eta near 1/vocab (where a random tiny model's probabilities cluster) splits a batch differently on
-    different CPUs. This wraps GRPOTrainer's generation so that, before the Lopti trainer splits a new batch, its
-    threshold (`args.lopti_threshold`) is set from that batch. `monkeypatch` undoes it
-    after the test; a script keeps it. Returns the list the thresholds used are appended to (probability space).
-    """
-    from trl import GRPOTrainer
-
+def mid_gap_eta_trainer():
+    """A new `LoptiGRPOTrainer` subclass with `MidGapEta` (its own empty `etas`)."""
     from trl_lopti import LoptiGRPOTrainer
 
-    thresholds = []
-    generate = GRPOTrainer._generate_and_score_completions
-
-    def generate_and_choose_threshold(self, inputs):
-        output = generate(self, inputs)
-        if isinstance(self, LoptiGRPOTrainer) and self.args.lopti_threshold is not None and self.model.training:
-            eta = math.exp(batch_log_probability_threshold(self, output))
-            self.args.lopti_threshold = eta
-            thresholds.append(eta)
-        return output
-
-    if monkeypatch is None:
-        GRPOTrainer._generate_and_score_completions = generate_and_choose_threshold
-    else:
-        monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", generate_and_choose_threshold)
-    return thresholds
+    return type("MidGapEtaTrainer", (MidGapEta, LoptiGRPOTrainer), {"etas": []})
 
 
 @pytest.fixture
-def batch_thresholds(monkeypatch) -> list[float]:
-    """`split_each_batch_mid_gap` for one test: the Lopti thresholds it chose, one per generation batch."""
-    return split_each_batch_mid_gap(monkeypatch)
+def mid_gap_trainer():
+    """`mid_gap_eta_trainer()` for one test: train with it; its `etas` are the ones chosen, one per generation batch."""
+    return mid_gap_eta_trainer()
 
 
 @contextlib.contextmanager

@@ -9,11 +9,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-from conftest import split_each_batch_mid_gap
+from conftest import mid_gap_eta_trainer
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+from trl_lopti import LoptiGRPOConfig
 
 
 def length_reward(completions, **kwargs):
@@ -89,7 +89,7 @@ class RecordAdvantages:
 
 
 def main(model_path: str, output_dir: str, result_path: str, advantage_estimator: str = "grpo") -> None:
-    thresholds = split_each_batch_mid_gap()  # one threshold for both processes, from the tokens of both
+    trainer_class = mid_gap_eta_trainer()  # one eta for both processes, from the tokens of both
     config = LoptiGRPOConfig(
         output_dir=output_dir,
         per_device_train_batch_size=2,
@@ -103,7 +103,7 @@ def main(model_path: str, output_dir: str, result_path: str, advantage_estimator
         report_to="none",
         use_cpu=True,
         advantage_reweighting_alpha=0.3,
-        lopti_threshold=0.5,  # replaced for each generation batch, half-way in a wide gap of its pi_old
+        lopti_threshold=0.5,  # in place of it, each generation batch's eta lies half-way in a wide gap of its pi_old
         advantage_estimator=advantage_estimator,
         seed=3,
     )
@@ -111,7 +111,7 @@ def main(model_path: str, output_dir: str, result_path: str, advantage_estimator
     recorder = RecordAfterEachStep()
     advantages = RecordAdvantages() if advantage_estimator == "reinforce_plus_plus" else None
     reward = advantages.reward if advantages is not None else length_reward
-    trainer = LoptiGRPOTrainer(
+    trainer = trainer_class(
         model=model_path, reward_funcs=reward, args=config, train_dataset=dataset, callbacks=[recorder]
     )
     recorder.trainer = trainer
@@ -138,7 +138,7 @@ def main(model_path: str, output_dir: str, result_path: str, advantage_estimator
                 e["lopti/loss_high_pass"] for e in trainer.state.log_history if "lopti/loss_high_pass" in e
             ],
             "per_rank_batches": per_rank_batches,
-            "thresholds": thresholds,
+            "thresholds": trainer_class.etas,
             "low_token_shares": [
                 e["lopti/low_token_share"] for e in trainer.state.log_history if "lopti/low_token_share" in e
             ],

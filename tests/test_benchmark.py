@@ -8,7 +8,6 @@ import json
 import math
 
 import pytest
-import torch
 from conftest import load_benchmark_script
 from scipy import stats
 
@@ -99,9 +98,9 @@ def test_comparison_counts_and_pairing(comparison):
         passes = 2 if run["name"] == "lopti" else 1
         assert run["generation_batches"] == len(run["fig3_batches"]) == len(run["training_reward"]) == 2
         assert run["optimizer_steps"] == run["global_step"] == passes * 2
-        for batch in run["fig3_batches"]:  # every completion token is counted once: by sign and quartile, or A = 0
-            counted = sum(batch[sign]["count"][q] for sign in ("positive", "negative") for q in range(4))
-            assert counted + batch["zero_advantage_tokens"] == batch["completion_tokens"]
+        for batch, fig3 in zip(run["batches"], run["fig3_batches"], strict=True):  # every completion token is counted
+            counted = sum(fig3[f"q{q}"][sign]["count"] for sign in ("positive", "negative") for q in range(4))
+            assert counted + fig3["all"]["zero_advantage_count"] == batch["completion_tokens"]  # once: sign, quartile
     # Same seed: the same first generation batch (before any update) and the same starting evaluation.
     for seed in (0, 1):
         runs = [run for run in data["runs"] if run["seed"] == seed]
@@ -132,19 +131,3 @@ def test_statistics_against_scipy(benchmarks):
     expected = stats.ttest_rel([0.70, 0.52, 0.75], [0.61, 0.55, 0.72]).confidence_interval(0.95)
     assert paired["n"] == 3
     assert (paired["low"], paired["high"]) == pytest.approx((expected.low, expected.high), rel=1e-12)
-
-
-def test_fig3_counts_by_hand(benchmarks):
-    harness = benchmarks.harness
-    # 2 completions x 5 tokens, the last two of the second one padding: 8 tokens, no quartile edge on a token.
-    before = torch.log(torch.tensor([[0.1, 0.2, 0.6, 0.9, 0.35], [0.3, 0.5, 0.8, 0.4, 0.4]], dtype=torch.float64))
-    after = torch.log(torch.tensor([[0.2, 0.1, 0.7, 0.9, 0.5], [0.2, 0.6, 0.7, 0.9, 0.9]], dtype=torch.float64))
-    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
-    counts = harness.shift_counts(before, after, torch.tensor([1.5, -0.5]), mask)
-    # pi_old sorted: 0.1 0.2 0.3 0.35 0.5 0.6 0.8 0.9; linear quantiles at positions 1.75, 3.5, 5.25.
-    assert counts["edges"] == pytest.approx([0.275, 0.425, 0.65])
-    # positive (row 0): 0.1 rose (Q1), 0.2 fell (Q1), 0.35 rose (Q2), 0.6 rose (Q3), 0.9 unchanged (Q4)
-    assert counts["positive"] == {"count": [2, 1, 1, 1], "in_direction": [1, 1, 1, 0]}
-    # negative (row 1): 0.3 fell (Q2), 0.5 rose (Q3), 0.8 fell (Q4); padding not counted
-    assert counts["negative"] == {"count": [0, 1, 1, 1], "in_direction": [0, 1, 0, 1]}
-    assert counts["zero_advantage_tokens"] == 0 and counts["completion_tokens"] == 8

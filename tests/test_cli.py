@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from trl_lopti.cli import CliError
@@ -47,6 +48,7 @@ def test_python_dash_m_runs_the_cli(tmp_path, base):
         text=True,
         cwd=REPO,
         timeout=300,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     resolved = json.loads(result.stdout[result.stdout.index("{\n") :])  # after any banner a library prints on import
@@ -250,3 +252,70 @@ def test_train_knights_knaves_gives_grpo_the_prefilled_think_as_text(tmp_path, b
     prompts = trainer.train_dataset["prompt"]
     assert len(prompts) == 2 and all(text.endswith("<|im_start|>assistant\n<think>") for text in prompts)
     assert trainer.state.global_step == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Each command on a machine without an accelerator (this one in CI), run as a user runs it: `python -m trl_lopti ...`
+# ---------------------------------------------------------------------------------------------------------------------
+def run_command(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trl_lopti", *argv], capture_output=True, text=True, cwd=cwd, timeout=600, check=False
+    )
+
+
+def cpu_notices(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "no accelerator on this machine" in line]
+
+
+SIDE_TOOLS = {  # command -> (extra arguments, the CPU settings it takes, the file it writes under its output folder)
+    "demo": (
+        ["--rollout_batches", "1", "--per_device_train_batch_size", "4", "--num_generations", "2"]
+        + ["--num_eval_pairs", "2", "--eval_samples", "1"],
+        "--use_cpu=True --bf16=False",
+        "results.json",
+    ),
+    "diagnose": (
+        ["--task", "knights_knaves", "--kk_num_samples", "4", "--num_generations", "2", "--max_completion_length", "6"]
+        + ["--per_device_train_batch_size", "4", "--probe_methods", "grpo", "lopti", "--no_plots"],
+        "--use_cpu=True",
+        "report.json",
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="what a machine without an accelerator does")
+@pytest.mark.parametrize("command", list(SIDE_TOOLS))
+def test_side_tools_take_cpu_settings_and_say_so_once(tmp_path, tiny_model_path, command):
+    extra, settings, written = SIDE_TOOLS[command]
+    output_dir = tmp_path / "out"
+    result = run_command(
+        command, "--model_name_or_path", tiny_model_path, "--output_dir", str(output_dir), *extra, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert cpu_notices(result.stderr) == [
+        f"trl-lopti {command}: no accelerator on this machine, CPU settings: {settings}"
+    ]
+    assert (output_dir / written).is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="what a machine without an accelerator does")
+def test_rehearsal_of_a_gpu_preset_takes_cpu_settings_and_says_so_once(tmp_path):
+    preset = str(REPO / "configs/kk/qwen2.5-3b-instruct_ar_lopti.yaml")
+    result = run_command("train", "--config", preset, "--rehearse", "--output_dir", str(tmp_path / "kk"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert cpu_notices(result.stderr) == [
+        "trl-lopti train --rehearse: no accelerator on this machine, CPU settings: --use_cpu=True"
+    ]
+    assert json.loads((tmp_path / "kk-rehearsal" / "rehearsal.json").read_text())["failures"] == []
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="what a machine without an accelerator does")
+def test_training_does_not_fall_back_to_the_cpu_and_names_the_flag(tmp_path, tiny_model_path):
+    preset = str(REPO / "configs/kk/qwen2.5-3b-instruct_ar_lopti.yaml")
+    argv = ["train", "--config", preset, "--model_name_or_path", tiny_model_path, "--output_dir", str(tmp_path / "kk")]
+    result = run_command(*argv, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "use_cpu" in result.stderr and "--use_cpu true" in result.stderr and cpu_notices(result.stderr) == []
+    assert not (tmp_path / "kk").exists()

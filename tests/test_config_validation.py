@@ -15,6 +15,13 @@ def make(**values):
     return LoptiGRPOConfig(output_dir="unused", report_to="none", use_cpu=True, **values)
 
 
+def rejection(**values) -> str:
+    """The message of the `ValueError` the config raises for `values`."""
+    with pytest.raises(ValueError) as error:
+        make(**values)
+    return str(error.value)
+
+
 def test_defaults_are_the_papers_and_extend_grpo_config():
     config = make()
     assert isinstance(config, GRPOConfig)
@@ -26,8 +33,8 @@ def test_defaults_are_the_papers_and_extend_grpo_config():
 
 @pytest.mark.parametrize("quantile", [0.0, 1.0, -0.2, 1.5, "0.3", float("nan"), True, [0.3]])
 def test_quantile_out_of_range_names_the_field_and_range(quantile):
-    with pytest.raises(ValueError, match=r"lopti_quantile must be a number in \(0, 1\)"):
-        make(lopti_quantile=quantile)
+    message = rejection(lopti_quantile=quantile)
+    assert "lopti_quantile" in message and "(0, 1)" in message and repr(quantile) in message
 
 
 @pytest.mark.parametrize("threshold", [0.5, None])  # the default eta, or none: the quantile replaces it
@@ -40,25 +47,25 @@ def test_a_quantile_alone_turns_lopti_on_with_two_passes(threshold, quantile):
 
 
 def test_another_fixed_eta_beside_a_quantile_is_rejected():
-    with pytest.raises(ValueError, match=r"lopti_threshold=0.4 and lopti_quantile=0.3 .* set only one"):
-        make(lopti_threshold=0.4, lopti_quantile=0.3)
+    message = rejection(lopti_threshold=0.4, lopti_quantile=0.3)
+    assert "lopti_threshold=0.4" in message and "lopti_quantile=0.3" in message
 
 
 def test_the_lopti_schedule_check_applies_to_the_quantile_rule():
-    with pytest.raises(ValueError, match="lopti_quantile=None"):
-        make(lopti_quantile=0.3, gradient_accumulation_steps=4, steps_per_generation=2)
+    message = rejection(lopti_quantile=0.3, gradient_accumulation_steps=4, steps_per_generation=2)
+    assert "gradient_accumulation_steps (4)" in message and "lopti_quantile=None" in message
 
 
 @pytest.mark.parametrize("alpha", [-0.1, 1.01, float("nan"), "0.3", True, None, [0.3]])
 def test_alpha_out_of_range_names_the_field_and_range(alpha):
-    with pytest.raises(ValueError, match=r"advantage_reweighting_alpha must be a number in \[0, 1\]"):
-        make(advantage_reweighting_alpha=alpha)
+    message = rejection(advantage_reweighting_alpha=alpha)
+    assert "advantage_reweighting_alpha" in message and "[0, 1]" in message and repr(alpha) in message
 
 
 @pytest.mark.parametrize("eta", [0.0, 1.0, -0.5, 2.0, "half", float("nan"), np.float32(1.0), True])
 def test_threshold_out_of_range_names_the_field_and_range(eta):
-    with pytest.raises(ValueError, match=r"lopti_threshold must be a number in \(0, 1\)"):
-        make(lopti_threshold=eta)
+    message = rejection(lopti_threshold=eta)
+    assert "lopti_threshold" in message and "(0, 1)" in message and repr(eta) in message
 
 
 @pytest.mark.parametrize(
@@ -77,8 +84,8 @@ def test_any_real_number_is_accepted_and_stored_as_float(alpha, eta, expected):
 
 def test_text_is_not_a_number_for_the_dataclass():
     """Text belongs to the command line (its parser reads numbers and None); the dataclass refuses it."""
-    with pytest.raises(ValueError, match=r"lopti_threshold must be a number in \(0, 1\).*got '0.5'"):
-        make(lopti_threshold="0.5")
+    message = rejection(lopti_threshold="0.5")
+    assert "lopti_threshold" in message and "'0.5'" in message
 
 
 def test_none_disables_lopti():
@@ -88,13 +95,15 @@ def test_none_disables_lopti():
 
 
 def test_unknown_order_and_estimator_name_the_allowed_values():
-    with pytest.raises(ValueError, match=r"lopti_order must be one of \['high_first', 'low_first'\]"):
-        make(lopti_order="random")
-    with pytest.raises(ValueError, match=r"advantage_estimator must be one of \['grpo', 'reinforce_plus_plus'\]"):
-        make(advantage_estimator="ppo")
+    message = rejection(lopti_order="random")
+    assert all(text in message for text in ("lopti_order", "'random'", "'high_first'", "'low_first'"))
+    message = rejection(advantage_estimator="ppo")
+    assert all(text in message for text in ("advantage_estimator", "'ppo'", "'grpo'", "'reinforce_plus_plus'"))
     assert make(advantage_estimator="reinforce_plus_plus").advantage_estimator == "reinforce_plus_plus"
-    with pytest.raises(ValueError, match="multi_objective_aggregation must be 'sum_then_normalize'"):
-        make(advantage_estimator="reinforce_plus_plus", multi_objective_aggregation="normalize_then_sum")
+    message = rejection(advantage_estimator="reinforce_plus_plus", multi_objective_aggregation="normalize_then_sum")
+    assert all(
+        text in message for text in ("multi_objective_aggregation", "'normalize_then_sum'", "sum_then_normalize")
+    )
 
 
 @pytest.mark.parametrize(
@@ -104,14 +113,16 @@ def test_unknown_order_and_estimator_name_the_allowed_values():
 def test_every_lopti_pass_must_end_on_an_optimizer_step_and_the_error_gives_a_fix_that_works(
     accumulation, steps, iterations
 ):
-    with pytest.raises(ValueError, match=r"steps_per_generation \* num_iterations") as error:
-        make(gradient_accumulation_steps=accumulation, steps_per_generation=steps, num_iterations=iterations)
-    message = str(error.value)
-    assert "lopti_threshold=None" in message
-    suggested = int(message.split("Set steps_per_generation=")[1].split()[0])
-    assert suggested > steps
-    config = make(gradient_accumulation_steps=accumulation, steps_per_generation=suggested, num_iterations=iterations)
-    assert (config.steps_per_generation * config.num_iterations) % config.gradient_accumulation_steps == 0
+    message = rejection(
+        gradient_accumulation_steps=accumulation, steps_per_generation=steps, num_iterations=iterations
+    )
+    assert f"steps_per_generation * num_iterations ({steps} * {iterations} " in message
+    assert f"gradient_accumulation_steps ({accumulation})" in message and "lopti_threshold=None" in message
+    # the fix it names: the next steps_per_generation whose passes end on an optimizer step
+    fitting = next(n for n in range(steps + 1, 100) if n * iterations % accumulation == 0)
+    assert f"steps_per_generation={fitting}" in message
+    config = make(gradient_accumulation_steps=accumulation, steps_per_generation=fitting, num_iterations=iterations)
+    assert config.lopti_enabled and config.steps_per_generation == fitting
     # fine without Lopti
     make(
         gradient_accumulation_steps=accumulation,
@@ -126,7 +137,7 @@ def test_a_plain_grpo_config_is_upgraded_with_a_visible_warning():
     with pytest.warns(UserWarning, match=r"plain GRPOConfig") as caught:
         upgraded = as_lopti_config(plain, model="some/model")
     message = str(caught[0].message)
-    for text in ("advantage_reweighting_alpha=0.3", "lopti_threshold=0.5", "max_steps", "half the rollouts"):
+    for text in ("advantage_reweighting_alpha=0.3", "lopti_threshold=0.5", "max_steps"):
         assert text in message
     assert isinstance(upgraded, LoptiGRPOConfig)
     assert (upgraded.learning_rate, upgraded.max_steps) == (3e-6, 7)
@@ -142,7 +153,7 @@ def test_a_plain_grpo_config_with_an_unfit_schedule_gets_an_error_in_its_own_ter
     with pytest.raises(ValueError, match="plain GRPOConfig") as error:
         as_lopti_config(plain, model="some/model")
     message = str(error.value)
-    assert "steps_per_generation=4" in message and "LoptiGRPOConfig(..., lopti_threshold=None)" in message
+    assert "steps_per_generation=4" in message and "lopti_threshold=None" in message
 
 
 def test_fields_have_help_for_the_cli():

@@ -264,7 +264,10 @@ def write_paper_data(folder: Path) -> dict:
         return {**puzzle, "index": index, "prompt": [{"content": kk.paper_prompt(puzzle["quiz"]), "role": "user"}]}
 
     indices = [100, 101, 102, 103, 1000, 1001]  # the paper's train and test ranges
-    rows = [kk_row(puzzle, index) for puzzle, index in zip(kk.generate_puzzles(3, len(indices), seed=0), indices)]
+    rows = [
+        kk_row(puzzle, index)
+        for puzzle, index in zip(kk.generate_puzzles(3, len(indices), seed=0), indices, strict=True)
+    ]
     (folder / "3ppl").mkdir(parents=True)
     datasets.Dataset.from_list(rows[:4]).to_parquet(str(folder / "3ppl" / "train.parquet"))
     datasets.Dataset.from_list(rows[4:]).to_parquet(str(folder / "3ppl" / "test.parquet"))

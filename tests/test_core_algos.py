@@ -119,10 +119,13 @@ def test_isolation_cuts_the_leak_through_a_sequence_level_ratio():
 
 def reinforce_plus_plus_by_tokens(rewards, lengths):
     """Independent REINFORCE++: write every token's return out, whiten the token list, read one value per sequence."""
-    token_returns = np.concatenate([np.full(length, reward) for reward, length in zip(rewards, lengths)])
+    token_returns = np.concatenate([np.full(length, reward) for reward, length in zip(rewards, lengths, strict=True)])
     mean, variance = token_returns.mean(), token_returns.var(ddof=1)
     return np.array(
-        [(reward - mean) / np.sqrt(variance + 1e-8) if length else 0.0 for reward, length in zip(rewards, lengths)]
+        [
+            (reward - mean) / np.sqrt(variance + 1e-8) if length else 0.0
+            for reward, length in zip(rewards, lengths, strict=True)
+        ]
     )
 
 

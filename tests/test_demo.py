@@ -41,7 +41,7 @@ def test_reward_reads_the_first_integer():
     assert arithmetic.exact_answer_reward([[{"role": "assistant", "content": "7."}]], [7]) == [1.0]
     with pytest.raises(ValueError):
         arithmetic.exact_answer_reward([" 1", " 2"], [1])
-    assert arithmetic.digit_share_reward(["a1", "", "99"]) == [0.5, 0.0, 1.0]
+    assert arithmetic.REWARDS["token_parity"](completion_ids=[[2, 3], [], [4, 6, 1, 8]]) == [0.5, 0.0, 0.75]
 
 
 def test_dataset_draws_only_training_problems():
@@ -49,7 +49,7 @@ def test_dataset_draws_only_training_problems():
     dataset = arithmetic.build_train_dataset(train, 100, seed=0)
     assert len(dataset) == 100
     assert set(dataset["family"]) == {"add", "sub", "mul", "add3"}
-    rows = set(zip(dataset["prompt"], dataset["answer"]))
+    rows = set(zip(dataset["prompt"], dataset["answer"], strict=True))
     assert rows <= {problem for problems in train.values() for problem in problems}
     assert not {prompt for prompt, _ in rows} & {prompt for _, prompt, _ in held_out}
     for prompt, answer in rows:
@@ -69,7 +69,7 @@ class ScriptedModel(torch.nn.Module):
 
     def generate(self, input_ids, attention_mask, max_new_tokens, do_sample, num_return_sequences=1, **kwargs):
         rows = []
-        for ids, mask in zip(input_ids, attention_mask):
+        for ids, mask in zip(input_ids, attention_mask, strict=True):
             prompt = self.tokenizer.decode(ids[mask.bool()])
             a, b = (int(x) for x in prompt.split("?")[0].split("What is ")[-1].split(" + "))
             for sample in range(num_return_sequences):  # HF order: the samples of a prompt are adjacent
@@ -170,8 +170,8 @@ def test_demo_runs_on_a_local_model_folder(
 def test_demo_parses_the_trainer_config_with_its_own_defaults(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default output_dir is relative
     demo_args, training_args, model_args = demo.make_parser().parse_args_and_config(
-        ["--rollout_batches", "3", "--learning_rate", "1e-5", "--lopti_threshold", "0.4"]
-    )
+        ["--rollout_batches", "3", "--learning_rate", "1e-5", "--lopti_threshold", "0.4", "--use_cpu", "true"]
+    )  # (`trl-lopti demo` adds --use_cpu itself on a machine without an accelerator)
     assert type(training_args).__name__ == "LoptiGRPOConfig" and type(model_args).__name__ == "ModelConfig"
     assert demo_args.rollout_batches == 3 and model_args.model_name_or_path is None  # None: the offline SmolLM2
     assert training_args.learning_rate == 1e-5 and training_args.lopti_threshold == 0.4

@@ -19,6 +19,8 @@ from trl_lopti.diagnostics import (
     advance_policy_on_batch,
     completion_log_probs,
     hidden_state_gradient_norms,
+    probability_quartiles,
+    probability_shift,
     run_token_diagnostics,
     sample_generation_batch,
     summed_parameter_gradients,
@@ -209,7 +211,7 @@ def sgd_step_of_trl_loss(trainer, inputs, lr, active=None):
     with mock.patch.object(trainer, "_get_per_token_logps_and_entropies", forward):
         grads = torch.autograd.grad(GRPOTrainer._compute_loss(trainer, trainer.model, inputs), params)
     with torch.no_grad():
-        for param, grad in zip(params, grads):
+        for param, grad in zip(params, grads, strict=True):
             param -= lr * grad
 
 
@@ -391,3 +393,27 @@ def test_diagnose_refuses_bad_arguments_before_loading(tiny_model_path, run_cli,
 def test_diagnose_needs_a_model(run_cli):
     code, _, err = run_cli(["diagnose", "--use_cpu", "true"])
     assert code == 2 and "model_name_or_path" in err
+
+
+def test_the_fig3_statistic_by_hand():
+    # 2 completions x 5 tokens, the last two of the second one padding: 8 tokens, no quartile edge on a token.
+    before = torch.log(torch.tensor([[0.1, 0.2, 0.6, 0.9, 0.35], [0.3, 0.5, 0.8, 0.4, 0.4]], dtype=torch.float64))
+    after = torch.log(torch.tensor([[0.2, 0.1, 0.7, 0.9, 0.5], [0.2, 0.6, 0.7, 0.9, 0.9]], dtype=torch.float64))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    edges, quartile = probability_quartiles(before, mask)
+    # pi_old sorted: 0.1 0.2 0.3 0.35 0.5 0.6 0.8 0.9; linear quantiles at positions 1.75, 3.5, 5.25.
+    assert edges == pytest.approx([0.275, 0.425, 0.65])
+    shift = probability_shift(before, after, torch.tensor([1.5, -0.5]), quartile)
+
+    def counts(sign):
+        return [shift[f"q{q}"][sign]["count"] for q in range(4)], [
+            shift[f"q{q}"][sign]["in_direction"] for q in range(4)
+        ]
+
+    # positive (row 0): 0.1 rose (Q1), 0.2 fell (Q1), 0.35 rose (Q2), 0.6 rose (Q3), 0.9 unchanged (Q4)
+    assert counts("positive") == ([2, 1, 1, 1], [1, 1, 1, 0])
+    # negative (row 1): 0.3 fell (Q2), 0.5 rose (Q3), 0.8 fell (Q4); padding not counted
+    assert counts("negative") == ([0, 1, 1, 1], [0, 1, 0, 1])
+    assert shift["all"]["positive"]["count"] == 5 and shift["all"]["negative"]["in_direction"] == 2
+    assert shift["q0"]["positive"]["share_in_direction"] == 0.5 and shift["all"]["zero_advantage_count"] == 0
+    assert shift["q3"]["negative"]["mean_delta_prob"] == pytest.approx(0.7 - 0.8)

@@ -13,9 +13,11 @@ import torch
 from conftest import FLOAT64, in_pass, threshold_between_values, use_exact_log_prob_head
 from datasets import Dataset
 from reference_grpo import completion_logps_and_entropies, reference_grpo_loss
+from transformers import AutoModelForCausalLM
 from trl import GRPOTrainer
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+from trl_lopti.trainer import ETA_KEY
 
 
 TEMPERATURE = 0.7
@@ -31,70 +33,64 @@ def constant_reward(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-@pytest.fixture(scope="module")
-def pristine_trainer(tiny_float64_model_path, tmp_path_factory):
-    """
-    A float64 trainer with a reference model (beta > 0 at construction), built once per module.
-
-    Returns the trainer and a snapshot of its state; tests get it through the `trainer` fixture, which restores it.
-    """
-    config = LoptiGRPOConfig(
-        output_dir=str(tmp_path_factory.mktemp("exactness")),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=MAX_COMPLETION_LENGTH,
-        temperature=TEMPERATURE,
-        epsilon=EPSILON_LOW,
-        epsilon_high=EPSILON_HIGH,
-        beta=0.1,
-        report_to="none",
-        use_cpu=True,
-        **FLOAT64,
-    )
-    dataset = Dataset.from_dict({"prompt": ["a"] * 4})
-    trainer = LoptiGRPOTrainer(
-        model=tiny_float64_model_path, reward_funcs=constant_reward, args=config, train_dataset=dataset
-    )
-    use_exact_log_prob_head(trainer)
-    trainer.current_gradient_accumulation_steps = 1
+def move_away_from_the_reference(model) -> None:
+    """Perturbs the policy's parameters (seeded) so that the KL term has a gradient."""
     torch.manual_seed(1)
-    with torch.no_grad():  # move the policy away from the reference model so that the KL term has a gradient
-        for parameter in trainer.model.parameters():
+    with torch.no_grad():
+        for parameter in model.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
-    trainer.model.train()
-    assert trainer.model.dtype == trainer.ref_model.dtype == torch.float64
-    snapshot = (
-        dict(trainer.__dict__),
-        copy.deepcopy(trainer._metrics),
-        {name: value.clone() for name, value in trainer.model.state_dict().items()},
-    )
-    return trainer, snapshot
 
 
-def restore(trainer, snapshot) -> None:
-    attributes, metrics, parameters = snapshot
-    trainer.__dict__.clear()
-    trainer.__dict__.update(attributes)
-    trainer.args = copy.copy(attributes["args"])  # tests change TRL options on the config: a copy per test
-    trainer._metrics = copy.deepcopy(metrics)
-    trainer.model.load_state_dict(parameters)
-    trainer.model.zero_grad(set_to_none=True)
-    trainer.model.train()
+@pytest.fixture(scope="module")
+def models(tiny_float64_model_path):
+    """The float64 policy every trainer of this module starts from, and the reference model (the batches' makers)."""
+    reference = AutoModelForCausalLM.from_pretrained(tiny_float64_model_path, dtype=torch.float64)
+    policy = copy.deepcopy(reference)
+    move_away_from_the_reference(policy)
+    return policy, reference
 
 
 @pytest.fixture
-def trainer(pristine_trainer, float64_norms):
-    """The module's trainer in the state it was built in: no test sees what another one set (any order passes)."""
-    trainer, snapshot = pristine_trainer
-    restore(trainer, snapshot)
-    yield trainer
-    restore(trainer, snapshot)
+def build(tiny_float64_model_path, tmp_path, float64_norms):
+    """
+    `build(**fields)`: a new float64 trainer configured by `LoptiGRPOConfig` fields (the loss type, beta, AR and Lopti
+    settings, TRL options), its policy the `models` fixture's, TRL's log-prob head exact (conftest).
+    """
+
+    def build(**fields) -> LoptiGRPOTrainer:
+        config = LoptiGRPOConfig(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_completion_length=MAX_COMPLETION_LENGTH,
+            temperature=TEMPERATURE,
+            epsilon=EPSILON_LOW,
+            epsilon_high=EPSILON_HIGH,
+            report_to="none",
+            use_cpu=True,
+            **FLOAT64,
+            **fields,
+        )
+        dataset = Dataset.from_dict({"prompt": ["a"] * 4})
+        trainer = LoptiGRPOTrainer(
+            model=tiny_float64_model_path, reward_funcs=constant_reward, args=config, train_dataset=dataset
+        )
+        use_exact_log_prob_head(trainer)
+        move_away_from_the_reference(trainer.model)
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.model.train()
+        assert trainer.model.dtype == torch.float64
+        return trainer
+
+    return build
 
 
-def make_batch(trainer, seed: int, old_logps_noise: float = 0.3) -> dict:
-    """A generation micro-batch as TRL hands it to compute_loss, with off-policy pi_old so that ratios clip."""
+def make_batch(models, seed: int, old_logps_noise: float = 0.3) -> dict:
+    """A generation micro-batch as TRL hands it to compute_loss, with off-policy pi_old so that ratios clip, for the
+    policy and reference model `models`."""
+    policy, reference = models
     generator = torch.Generator().manual_seed(seed)
-    vocab_size = trainer.model.config.vocab_size
+    vocab_size = policy.config.vocab_size
     batch_size, prompt_length = 4, 5
     completion_ids = torch.randint(3, vocab_size, (batch_size, MAX_COMPLETION_LENGTH), generator=generator)
     completion_mask = torch.ones(batch_size, MAX_COMPLETION_LENGTH, dtype=torch.long)
@@ -109,11 +105,11 @@ def make_batch(trainer, seed: int, old_logps_noise: float = 0.3) -> dict:
         "num_items_in_batch": completion_mask.sum(),
     }
     with torch.no_grad():
-        current_logps, _ = completion_logps_and_entropies(trainer.model, inputs, TEMPERATURE)
+        current_logps, _ = completion_logps_and_entropies(policy, inputs, TEMPERATURE)
         inputs["old_per_token_logps"] = current_logps + old_logps_noise * torch.randn(
             current_logps.shape, generator=generator
         )
-        inputs["ref_per_token_logps"], _ = completion_logps_and_entropies(trainer.ref_model, inputs, TEMPERATURE)
+        inputs["ref_per_token_logps"], _ = completion_logps_and_entropies(reference, inputs, TEMPERATURE)
     return inputs
 
 
@@ -122,13 +118,15 @@ def splitting_eta(inputs: dict) -> float:
     return threshold_between_values(inputs["old_per_token_logps"].exp()[inputs["completion_mask"].bool()])
 
 
-def configure(trainer, loss_type: str, beta: float, alpha: float, eta: float | None = 0.5, entropy_coef: float = 0.0):
-    trainer.loss_type = loss_type
-    trainer.beta = beta
-    trainer.entropy_coef = entropy_coef
-    trainer._entropy_bonus_enabled = entropy_coef != 0.0
-    trainer.args.advantage_reweighting_alpha = alpha
-    trainer.args.lopti_threshold = eta
+def settings(loss_type: str, beta: float, alpha: float, eta: float | None = 0.5, entropy_coef: float = 0.0) -> dict:
+    """The `LoptiGRPOConfig` fields the tests vary."""
+    return dict(
+        loss_type=loss_type,
+        beta=beta,
+        entropy_coef=entropy_coef,
+        advantage_reweighting_alpha=alpha,
+        lopti_threshold=eta,
+    )
 
 
 def trainer_loss_and_gradients(trainer, inputs: dict, token_group: str | None):
@@ -180,33 +178,31 @@ def assert_gradients_close(actual: dict, expected: dict, relative_to_largest: fl
     assert actual.keys() == expected.keys()
     total_norm = math.sqrt(sum(float(g.pow(2).sum()) for g in expected.values()))
     assert total_norm > 0, "degenerate case: the expected gradient is zero"
-    for name in expected:
-        atol = GRADIENT_ATOL + relative_to_largest * float(expected[name].abs().max())
+    for name, gradient in expected.items():
+        atol = GRADIENT_ATOL + relative_to_largest * float(gradient.abs().max())
         rtol = max(GRADIENT_RTOL, relative_to_largest)
         torch.testing.assert_close(
-            actual[name], expected[name], atol=atol, rtol=rtol, msg=lambda message, name=name: f"{name}: {message}"
+            actual[name], gradient, atol=atol, rtol=rtol, msg=lambda message, name=name: f"{name}: {message}"
         )
 
 
 @pytest.mark.parametrize("loss_type", REFERENCE_LOSS_TYPES)
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
-def test_advantage_reweighting_matches_independent_grpo(trainer, loss_type, beta, alpha):
-    configure(trainer, loss_type, beta, alpha, eta=None)
-    inputs = make_batch(trainer, seed=11)
+def test_advantage_reweighting_matches_independent_grpo(build, models, loss_type, beta, alpha):
+    trainer = build(**settings(loss_type, beta, alpha, eta=None))
+    inputs = make_batch(models, seed=11)
     loss, gradients = trainer_loss_and_gradients(trainer, inputs, token_group=None)
     expected_loss, expected_gradients = reference_loss_and_gradients(trainer, inputs, alpha, token_group=None)
     torch.testing.assert_close(loss, expected_loss, atol=GRADIENT_ATOL, rtol=GRADIENT_RTOL)
     assert_gradients_close(gradients, expected_gradients)
 
 
-def test_advantage_reweighting_changes_the_gradient(trainer):
+def test_advantage_reweighting_changes_the_gradient(build, models):
     """Guards the test above against a reference that ignores alpha: alpha 0.3 and 0 must differ."""
-    configure(trainer, "dapo", 0.0, 0.3, eta=None)
-    inputs = make_batch(trainer, seed=11)
-    _, reweighted = trainer_loss_and_gradients(trainer, inputs, token_group=None)
-    configure(trainer, "dapo", 0.0, 0.0, eta=None)
-    _, plain = trainer_loss_and_gradients(trainer, inputs, token_group=None)
+    inputs = make_batch(models, seed=11)
+    _, reweighted = trainer_loss_and_gradients(build(**settings("dapo", 0.0, 0.3, eta=None)), inputs, None)
+    _, plain = trainer_loss_and_gradients(build(**settings("dapo", 0.0, 0.0, eta=None)), inputs, None)
     difference = sum(float((reweighted[n] - plain[n]).abs().sum()) for n in plain)
     assert difference > 1e-4
 
@@ -215,10 +211,10 @@ def test_advantage_reweighting_changes_the_gradient(trainer):
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 @pytest.mark.parametrize("token_group", ["low", "high"])
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
-def test_lopti_pass_matches_independent_grpo(trainer, loss_type, beta, token_group, entropy_coef):
-    inputs = make_batch(trainer, seed=5)
+def test_lopti_pass_matches_independent_grpo(build, models, loss_type, beta, token_group, entropy_coef):
+    inputs = make_batch(models, seed=5)
     eta = splitting_eta(inputs)
-    configure(trainer, loss_type, beta, alpha=0.3, eta=eta, entropy_coef=entropy_coef)
+    trainer = build(**settings(loss_type, beta, alpha=0.3, eta=eta, entropy_coef=entropy_coef))
     _, gradients = trainer_loss_and_gradients(trainer, inputs, token_group)
     _, expected_gradients = reference_loss_and_gradients(trainer, inputs, 0.3, token_group, eta=eta)
     assert_gradients_close(gradients, expected_gradients)
@@ -229,31 +225,28 @@ def test_lopti_pass_matches_independent_grpo(trainer, loss_type, beta, token_gro
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
 @pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
 def test_low_pass_plus_high_pass_equals_plain_gradient(
-    trainer, loss_type, beta, entropy_coef, importance_sampling_level
+    build, models, loss_type, beta, entropy_coef, importance_sampling_level
 ):
     if loss_type == "vespo" and importance_sampling_level == "sequence":
         pytest.skip("VESPO is sequence-level by construction")
-    inputs = make_batch(trainer, seed=7)
+    inputs = make_batch(models, seed=7)
     eta = splitting_eta(inputs)
-    configure(trainer, loss_type, beta, alpha=0.3, eta=eta, entropy_coef=entropy_coef)
-    trainer.importance_sampling_level = importance_sampling_level
-    try:
-        low_mask = (inputs["old_per_token_logps"].exp() < eta) & inputs["completion_mask"].bool()
-        assert 0 < int(low_mask.sum()) < int(inputs["completion_mask"].sum()), "both groups must be non-empty"
-        _, low = trainer_loss_and_gradients(trainer, inputs, "low")
-        _, high = trainer_loss_and_gradients(trainer, inputs, "high")
-        _, plain = trainer_loss_and_gradients(trainer, inputs, None)
-    finally:
-        trainer.importance_sampling_level = "token"
+    fields = settings(loss_type, beta, alpha=0.3, eta=eta, entropy_coef=entropy_coef)
+    trainer = build(**fields, importance_sampling_level=importance_sampling_level)
+    low_mask = (inputs["old_per_token_logps"].exp() < eta) & inputs["completion_mask"].bool()
+    assert 0 < int(low_mask.sum()) < int(inputs["completion_mask"].sum()), "both groups must be non-empty"
+    _, low = trainer_loss_and_gradients(trainer, inputs, "low")
+    _, high = trainer_loss_and_gradients(trainer, inputs, "high")
+    _, plain = trainer_loss_and_gradients(trainer, inputs, None)
     assert_gradients_close({n: low[n] + high[n] for n in plain}, plain)
     # each pass is a genuine part of the whole, not all of it
     assert any(not torch.allclose(low[n], plain[n]) for n in plain)
 
 
-def test_split_uses_pi_old_not_current_probability(trainer):
+def test_split_uses_pi_old_not_current_probability(build, models):
     """pi_old and the current policy disagree on the split; the pass must follow pi_old."""
-    configure(trainer, "dapo", 0.1, alpha=0.3, eta=0.5)
-    inputs = make_batch(trainer, seed=3, old_logps_noise=0.0)
+    trainer = build(**settings("dapo", 0.1, alpha=0.3, eta=0.5))
+    inputs = make_batch(models, seed=3, old_logps_noise=0.0)
     mask = inputs["completion_mask"].bool()
     # flip the group of every token: pi_old := 1 - pi (kept in (0, 1))
     current_probs = inputs["old_per_token_logps"].exp()
@@ -268,85 +261,54 @@ def test_split_uses_pi_old_not_current_probability(trainer):
     assert_gradients_close(gradients, expected)
 
 
-def test_vllm_fields_use_trainer_pi_old_and_keep_the_correction(trainer):
-    """With vLLM, AR and the split read `old_per_token_logps`, and TRL's importance-sampling correction applies."""
-    inputs = make_batch(trainer, seed=9)
-    eta = splitting_eta(inputs)
-    configure(trainer, "dapo", 0.1, alpha=0.3, eta=eta)
-    generator = torch.Generator().manual_seed(0)
-    # the sampler's log-probs differ from pi_old enough to move tokens across eta if they were (wrongly) used
-    inputs["sampling_per_token_logps"] = inputs["old_per_token_logps"].flip(-1)
+def use_vllm_importance_sampling(trainer, inputs: dict, sampling_per_token_logps: torch.Tensor, generator) -> None:
+    """What TRL's loss reads under vLLM with its importance-sampling correction: two attributes it sets at construction
+    from `use_vllm` (which needs a vLLM server there), and the batch's sampler log-probabilities and ratios."""
+    inputs["sampling_per_token_logps"] = sampling_per_token_logps
     inputs["importance_sampling_ratio"] = 0.5 + torch.rand(inputs["completion_mask"].shape, generator=generator)
-    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
-    try:
-        for token_group in ["low", "high", None]:
-            _, gradients = trainer_loss_and_gradients(trainer, inputs, token_group)
-            _, expected = reference_loss_and_gradients(trainer, inputs, 0.3, token_group, eta=eta)
-            assert_gradients_close(gradients, expected)
-    finally:
-        trainer.use_vllm = False
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
 
 
-def test_degenerate_micro_batches_give_finite_zero_gradients(trainer):
+def test_vllm_fields_use_trainer_pi_old_and_keep_the_correction(build, models):
+    """With vLLM, AR and the split read `old_per_token_logps`, and TRL's importance-sampling correction applies."""
+    inputs = make_batch(models, seed=9)
+    eta = splitting_eta(inputs)
+    trainer = build(**settings("dapo", 0.1, alpha=0.3, eta=eta))
+    # the sampler's log-probs differ from pi_old enough to move tokens across eta if they were (wrongly) used
+    generator = torch.Generator().manual_seed(0)
+    use_vllm_importance_sampling(trainer, inputs, inputs["old_per_token_logps"].flip(-1), generator)
+    for token_group in ["low", "high", None]:
+        _, gradients = trainer_loss_and_gradients(trainer, inputs, token_group)
+        _, expected = reference_loss_and_gradients(trainer, inputs, 0.3, token_group, eta=eta)
+        assert_gradients_close(gradients, expected)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo", "dr_grpo"])
+def test_degenerate_micro_batches_give_finite_zero_gradients(build, models, loss_type):
     """All-equal rewards (zero advantages), empty completions, and a pass with no active token: no NaN."""
-    configure(trainer, "grpo", 0.0, alpha=0.3, eta=0.5, entropy_coef=0.0)
-    inputs = make_batch(trainer, seed=2)
+    trainer = build(**settings(loss_type, 0.0, alpha=0.3, eta=0.5, entropy_coef=0.0))
+    inputs = make_batch(models, seed=2)
     inputs["advantages"] = torch.zeros(4)
     inputs["completion_mask"] = torch.zeros_like(inputs["completion_mask"])
     inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
-    for loss_type in ["grpo", "dapo", "bnpo", "dr_grpo"]:
-        trainer.loss_type = loss_type
-        for token_group in ["low", "high", None]:
-            trainer.model.zero_grad(set_to_none=True)
-            with in_pass(trainer, token_group):
-                loss = trainer.compute_loss(trainer.model, dict(inputs))
-            loss.backward()
-            assert torch.isfinite(loss)
-            for parameter in trainer.model.parameters():
-                assert parameter.grad is None or torch.isfinite(parameter.grad).all()
-    trainer.model.zero_grad(set_to_none=True)
+    for token_group in ["low", "high", None]:
+        trainer.model.zero_grad(set_to_none=True)
+        with in_pass(trainer, token_group):
+            loss = trainer.compute_loss(trainer.model, dict(inputs))
+        loss.backward()
+        assert torch.isfinite(loss)
+        for parameter in trainer.model.parameters():
+            assert parameter.grad is None or torch.isfinite(parameter.grad).all()
 
 
 # ---------------------------------------------------------------------------------------------- general isolation
-TRL_OPTIONS = {
+TRL_OPTIONS = {  # GRPOConfig fields; "vllm": TRL's vLLM importance-sampling correction
     "plain": {},
     "top_entropy_quantile": {"top_entropy_quantile": 0.5},
     "delta": {"delta": 1.05},
     "off_policy_mask": {"off_policy_mask_threshold": 0.05},
     "vllm_is_correction": {"vllm": True},
 }
-
-
-def apply_options(trainer, inputs: dict, options: dict):
-    """Sets TRL options on the trainer (and the vLLM fields on the batch); returns a function that undoes it."""
-    saved = (
-        trainer.top_entropy_quantile,
-        trainer.args.delta,
-        trainer.off_policy_mask_threshold,
-        trainer.use_vllm,
-        trainer.vllm_importance_sampling_correction,
-    )
-    trainer.top_entropy_quantile = options.get("top_entropy_quantile", 1.0)
-    trainer.args.delta = options.get("delta")
-    trainer.off_policy_mask_threshold = options.get("off_policy_mask_threshold")
-    if options.get("vllm"):
-        generator = torch.Generator().manual_seed(4)
-        inputs["sampling_per_token_logps"] = inputs["old_per_token_logps"] + 0.2 * torch.randn(
-            inputs["old_per_token_logps"].shape, generator=generator
-        )
-        inputs["importance_sampling_ratio"] = 0.5 + torch.rand(inputs["completion_mask"].shape, generator=generator)
-        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
-
-    def restore():
-        (
-            trainer.top_entropy_quantile,
-            trainer.args.delta,
-            trainer.off_policy_mask_threshold,
-            trainer.use_vllm,
-            trainer.vllm_importance_sampling_correction,
-        ) = saved
-
-    return restore
 
 
 class PolicyOutputs:
@@ -381,50 +343,50 @@ def lopti_groups(inputs: dict, eta: float):
 @pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
 @pytest.mark.parametrize("option", list(TRL_OPTIONS))
 def test_inactive_tokens_get_exactly_zero_gradient_and_active_ones_plain_grpos(
-    trainer, monkeypatch, loss_type, importance_sampling_level, option
+    build, models, monkeypatch, loss_type, importance_sampling_level, option
 ):
     if loss_type == "vespo" and importance_sampling_level == "sequence":
         pytest.skip("VESPO is sequence-level by construction")
     outputs = PolicyOutputs(monkeypatch)
-    inputs = make_batch(trainer, seed=7)
+    inputs = make_batch(models, seed=7)
     eta = splitting_eta(inputs)
-    configure(trainer, loss_type, beta=0.1, alpha=0.3, eta=eta, entropy_coef=0.05)
-    trainer.importance_sampling_level = importance_sampling_level
-    restore = apply_options(trainer, inputs, TRL_OPTIONS[option])
-    try:
-        plain_loss, plain_logp_grad, plain_entropy_grad = outputs.gradients(trainer, inputs, None)
-        groups = lopti_groups(inputs, eta)
-        summed = torch.zeros_like(plain_logp_grad)
-        for token_group, active in groups.items():
-            loss, logp_grad, entropy_grad = outputs.gradients(trainer, inputs, token_group)
-            inactive = ~active
-            assert torch.count_nonzero(logp_grad[inactive]) == 0, f"{token_group} pass leaks to inactive tokens"
-            assert torch.count_nonzero(entropy_grad[inactive]) == 0
-            tolerance = dict(atol=GRADIENT_ATOL, rtol=GRADIENT_RTOL)
-            torch.testing.assert_close(logp_grad[active], plain_logp_grad[active], **tolerance)
-            torch.testing.assert_close(entropy_grad[active], plain_entropy_grad[active], **tolerance)
-            torch.testing.assert_close(loss, plain_loss)  # every value in the loss is plain GRPO's
-            summed += logp_grad
-        torch.testing.assert_close(summed, plain_logp_grad, atol=GRADIENT_ATOL, rtol=GRADIENT_RTOL)
-        assert plain_logp_grad[groups["low"]].abs().sum() > 0 and plain_logp_grad[groups["high"]].abs().sum() > 0
-    finally:
-        restore()
-        trainer.importance_sampling_level = "token"
+    options = dict(TRL_OPTIONS[option])
+    vllm = options.pop("vllm", False)
+    fields = settings(loss_type, beta=0.1, alpha=0.3, eta=eta, entropy_coef=0.05)
+    trainer = build(**fields, importance_sampling_level=importance_sampling_level, **options)
+    if vllm:
+        generator = torch.Generator().manual_seed(4)
+        noise = 0.2 * torch.randn(inputs["old_per_token_logps"].shape, generator=generator)
+        use_vllm_importance_sampling(trainer, inputs, inputs["old_per_token_logps"] + noise, generator)
+    plain_loss, plain_logp_grad, plain_entropy_grad = outputs.gradients(trainer, inputs, None)
+    groups = lopti_groups(inputs, eta)
+    summed = torch.zeros_like(plain_logp_grad)
+    for token_group, active in groups.items():
+        loss, logp_grad, entropy_grad = outputs.gradients(trainer, inputs, token_group)
+        inactive = ~active
+        assert torch.count_nonzero(logp_grad[inactive]) == 0, f"{token_group} pass leaks to inactive tokens"
+        assert torch.count_nonzero(entropy_grad[inactive]) == 0
+        tolerance = dict(atol=GRADIENT_ATOL, rtol=GRADIENT_RTOL)
+        torch.testing.assert_close(logp_grad[active], plain_logp_grad[active], **tolerance)
+        torch.testing.assert_close(entropy_grad[active], plain_entropy_grad[active], **tolerance)
+        torch.testing.assert_close(loss, plain_loss)  # every value in the loss is plain GRPO's
+        summed += logp_grad
+    torch.testing.assert_close(summed, plain_logp_grad, atol=GRADIENT_ATOL, rtol=GRADIENT_RTOL)
+    assert plain_logp_grad[groups["low"]].abs().sum() > 0 and plain_logp_grad[groups["high"]].abs().sum() > 0
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo", "luspo"])
 @pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
 @pytest.mark.parametrize("token_group", ["low", "high"])
-def test_lopti_pass_matches_the_independent_general_form(trainer, loss_type, importance_sampling_level, token_group):
+def test_lopti_pass_matches_the_independent_general_form(
+    build, models, loss_type, importance_sampling_level, token_group
+):
     """Parameter gradients of each pass against the reference loss with gradient only through active tokens."""
-    inputs = make_batch(trainer, seed=13)
+    inputs = make_batch(models, seed=13)
     eta = splitting_eta(inputs)
-    configure(trainer, loss_type, beta=0.1, alpha=0.3, eta=eta, entropy_coef=0.05)
-    trainer.importance_sampling_level = importance_sampling_level
-    try:
-        _, gradients = trainer_loss_and_gradients(trainer, inputs, token_group)
-    finally:
-        trainer.importance_sampling_level = "token"
+    fields = settings(loss_type, beta=0.1, alpha=0.3, eta=eta, entropy_coef=0.05)
+    trainer = build(**fields, importance_sampling_level=importance_sampling_level)
+    _, gradients = trainer_loss_and_gradients(trainer, inputs, token_group)
     trainer.model.zero_grad(set_to_none=True)
     logps, entropies = completion_logps_and_entropies(trainer.model, inputs, TEMPERATURE)
     old_logps = inputs["old_per_token_logps"]
@@ -506,8 +468,8 @@ def test_router_auxiliary_loss_is_trained_once_per_cycle(moe_model_path, tmp_pat
     assert moe.aux_loss_enabled
     moe.current_gradient_accumulation_steps = 1
     moe.model.train()
-    inputs = make_batch(moe, seed=7)
-    moe.args.lopti_threshold = splitting_eta(inputs)
+    inputs = make_batch((moe.model, moe.ref_model), seed=7)
+    inputs[ETA_KEY] = torch.tensor(splitting_eta(inputs), dtype=torch.float64)  # the generation batch's eta
     _, plain = trainer_loss_and_gradients(moe, inputs, None)
     _, low = trainer_loss_and_gradients(moe, inputs, "low")  # the first pass
     _, high = trainer_loss_and_gradients(moe, inputs, "high")  # the second pass

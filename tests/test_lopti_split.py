@@ -25,6 +25,7 @@ from trl import GRPOTrainer
 
 from trl_lopti import LoptiGRPOTrainer
 from trl_lopti.core_algos import lopti_batch_threshold, low_probability_token_mask
+from trl_lopti.trainer import ETA_KEY
 
 
 ROWS = 8  # completions per generation batch
@@ -101,7 +102,8 @@ def hand_run_cycle(initial_model, micro_batches, config, threshold_of_micro_batc
 
 def largest_difference(model_a, model_b) -> float:
     return max(
-        float((a.detach() - b.detach()).abs().max()) for a, b in zip(model_a.parameters(), model_b.parameters())
+        float((a.detach() - b.detach()).abs().max())
+        for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True)
     )
 
 
@@ -137,13 +139,15 @@ def test_one_quantile_cycle_equals_hand_run_with_eta_of_the_whole_batch(
     assert len(micro_batches) == steps_per_generation > 1
     with torch.no_grad():
         old = [completion_logps(initial_model, micro_batch) for micro_batch in micro_batches]
-    probabilities = [logps.exp()[mb["completion_mask"].bool()] for logps, mb in zip(old, micro_batches)]
+    probabilities = [logps.exp()[mb["completion_mask"].bool()] for logps, mb in zip(old, micro_batches, strict=True)]
     whole_eta = float(torch.quantile(torch.cat(probabilities), quantile))
     micro_batch_etas = [float(torch.quantile(p, quantile)) for p in probabilities]
     assert [entry["lopti/threshold"] for entry in trainer.state.log_history if "lopti/threshold" in entry] == (
         pytest.approx([whole_eta], rel=1e-12)
     ), "eta logged once per generation batch"
-    splits_differ = any(((p < whole_eta) != (p < eta)).any() for p, eta in zip(probabilities, micro_batch_etas))
+    splits_differ = any(
+        ((p < whole_eta) != (p < eta)).any() for p, eta in zip(probabilities, micro_batch_etas, strict=True)
+    )
     assert splits_differ, "the batch must tell the whole-batch quantile from per-micro-batch quantiles"
 
     expected = hand_run_cycle(initial_model, micro_batches, config, lambda index: whole_eta)
@@ -151,7 +155,7 @@ def test_one_quantile_cycle_equals_hand_run_with_eta_of_the_whole_batch(
     difference = largest_difference(trainer.model, expected)
     power = largest_difference(trainer.model, per_micro_batch)
     moved = largest_difference(expected, initial_model)
-    print(
+    print(  # noqa: T201 - the measured figures, for the record (pytest -s)
         f"quantile {quantile:.4f}: |trainer - hand run, whole-batch eta| = {difference:.2e}, "
         f"|trainer - hand run, per-micro-batch eta| = {power:.2e}, moved {moved:.2e}"
     )
@@ -161,12 +165,12 @@ def test_one_quantile_cycle_equals_hand_run_with_eta_of_the_whole_batch(
 
 
 def test_low_plus_high_is_plain_grpo_on_a_batch_split_at_its_quantile(tiny_model_path, tmp_path, monkeypatch):
-    initial_model, batch, quantile = whole_batch_quantile(tiny_model_path)
+    _, batch, quantile = whole_batch_quantile(tiny_model_path)
     monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", fixed_generation(batch))
     trainer = run_one_cycle(tiny_model_path, quantile_config(str(tmp_path), ROWS, 2, 2, quantile), batch)
     trainer.model.train()
     micro_batch = trainer._buffered_inputs[0]  # split with the whole batch's eta
-    eta = float(micro_batch["lopti_threshold"])
+    eta = float(micro_batch[ETA_KEY])
     low = (micro_batch["old_per_token_logps"].exp() < eta) & micro_batch["completion_mask"].bool()
     assert low.any() and (micro_batch["completion_mask"].bool() & ~low).any(), "neither pass is empty"
     gradients = {}
@@ -175,7 +179,7 @@ def test_low_plus_high_is_plain_grpo_on_a_batch_split_at_its_quantile(tiny_model
         with in_pass(trainer, token_group):
             trainer.compute_loss(trainer.model, micro_batch).backward()
         gradients[token_group] = [p.grad.detach().clone() for p in trainer.model.parameters()]
-    for low_pass, high_pass, plain in zip(gradients["low"], gradients["high"], gradients[None]):
+    for low_pass, high_pass, plain in zip(gradients["low"], gradients["high"], gradients[None], strict=True):
         torch.testing.assert_close(low_pass + high_pass, plain, rtol=1e-6, atol=1e-10)
     assert max(float(g.abs().max()) for g in gradients["low"]) > 1e-4
     assert max(float(g.abs().max()) for g in gradients["high"]) > 1e-4
@@ -197,7 +201,7 @@ def test_a_quantile_alone_trains_at_one_no_grad_forward_per_generation_batch(tin
     thresholds = logged(trainer, "lopti/threshold")
     assert len(thresholds) == 2
     assert thresholds[-1] == pytest.approx(float(torch.quantile(logps.exp(), 0.4)), rel=1e-6)
-    assert all(float(entry["lopti_threshold"]) == pytest.approx(thresholds[-1], rel=1e-6) for entry in entries)
+    assert all(float(entry[ETA_KEY]) == pytest.approx(thresholds[-1], rel=1e-6) for entry in entries)
 
 
 def test_fixed_eta_needs_no_extra_forward_and_logs_it(tiny_model_path, tmp_path):
@@ -238,7 +242,8 @@ def test_two_process_ddp_gives_the_eta_and_parameters_of_one_process(
     difference = max(
         float((p.detach() - ddp["parameters"][name]).abs().max()) for name, p in one_process.model.named_parameters()
     )
-    print(f"|one process - two processes| = {difference:.2e}")
+    # the measured figure, for the record (pytest -s)
+    print(f"|one process - two processes| = {difference:.2e}")  # noqa: T201
     assert difference < 1e-8  # float64 throughout; the two runs sum gradients in another order
     assert largest_difference(one_process.model, initial_model) > 1e-3
 
@@ -290,7 +295,7 @@ def test_an_empty_pass_is_an_adamw_step_with_zero_gradient(tiny_model_path, tmp_
         parameter.grad = torch.zeros_like(parameter)
     optimizer.step()
     moved = 0
-    for parameter, before, expected in zip(trainer.model.parameters(), keep.parameters, replay):
+    for parameter, before, expected in zip(trainer.model.parameters(), keep.parameters, replay, strict=True):
         torch.testing.assert_close(parameter.detach(), expected.detach(), atol=1e-12, rtol=0)
         moved += int(not torch.equal(parameter.detach(), before))
     assert moved == len(keep.parameters), "every parameter moves in the empty pass"

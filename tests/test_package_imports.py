@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from trl_lopti._compat import SUPPORTED_TRL_SPEC
+
 
 FAKE_TRL_VERSION = "1.17.0"
 
@@ -31,7 +33,12 @@ def run_without_trl(tmp_path):
 
     def run(code: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", textwrap.dedent(code)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
         )
 
     return run
@@ -70,10 +77,8 @@ def test_trainer_import_checks_the_trl_version_before_importing_trl(run_without_
             print("trl imported:", "trl" in sys.modules)
         """)
         assert result.returncode == 0, result.stderr
-        assert (
-            f"error: trl_lopti supports TRL >=1.10.0,<1.17,!=1.15.* (tested: 1.10.0, 1.11.0, 1.12.0, 1.13.0, 1.14.2, "
-            f"1.16.0), but TRL {FAKE_TRL_VERSION} is installed" in result.stdout
-        ), result.stdout
+        error = next(line for line in result.stdout.splitlines() if line.startswith("error:"))
+        assert FAKE_TRL_VERSION in error and SUPPORTED_TRL_SPEC in error, error  # the release, and the range
         assert "fake trl was imported" not in result.stdout
         assert "trl imported: False" in result.stdout
 

@@ -104,7 +104,7 @@ def test_preset_keeps_fp32_master_weights_and_computes_in_bf16(preset, tmp_path)
 
 @pytest.mark.parametrize("model_name", sorted(TIED_EMBEDDINGS))
 def test_bf16_weights_lose_most_of_the_update(model_name, tmp_path):
-    """The demonstration: the same preset with `dtype: bfloat16` (the former presets) fails the 99% requirement."""
+    """The demonstration: the same preset with `dtype: bfloat16` weights fails the 99% requirement."""
     preset = next(p for p in TRAINING_PRESETS if yaml.safe_load(p.read_text())["model_name_or_path"] == model_name)
     step = one_adamw_step(preset, tmp_path, "--dtype", "bfloat16")
     assert step["param_dtype"] == torch.bfloat16 and step["state_dtype"] == torch.bfloat16

@@ -192,7 +192,7 @@ def test_prefilled_prompt_renders_to_text_that_continues_the_think(tiny_model_pa
         "content": "<think>",
     }
     rendered = kk.render_prompts_as_text(dataset, tokenizer)
-    for row, original in zip(rendered, dataset):
+    for row, original in zip(rendered, dataset, strict=True):
         text = row["prompt"]
         assert isinstance(text, str) and original["quiz"] in text
         # the assistant turn is opened once and left open at "<think>": no end-of-turn after it, no second turn

@@ -230,7 +230,9 @@ def test_published_quizzes_are_rendered_exactly_from_the_speech_templates():
     for speaker, statement in enumerate(statements):
         claim = kk.render_statement(statement, names)
         sentences = [template.format(name=names[speaker], claim=claim) for template in kk.SPEECH_TEMPLATES]
-        matching = [t for t, sentence in zip(kk.SPEECH_TEMPLATES, sentences) if sentence in PUBLISHED_QUIZ]
+        matching = [
+            t for t, sentence in zip(kk.SPEECH_TEMPLATES, sentences, strict=True) if sentence in PUBLISHED_QUIZ
+        ]
         assert len(matching) == 1, (speaker, matching)
         chosen += matching
     assert kk.render_quiz(statements, names, ScriptedChoice(chosen)) == PUBLISHED_QUIZ

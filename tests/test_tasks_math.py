@@ -477,8 +477,10 @@ def test_paper_math_set_errors_and_default_url(tmp_path, monkeypatch):
     with pytest.raises(AttributeError):  # the recorder returns no rows
         math_task.load_paper_math_dataset()
     assert read == [
-        "https://raw.githubusercontent.com/zhyang2226/AR-Lopti/cbeb333376decdfe571fa8613bdebcfcc526628d/"
-        "data/deepscaler_c/deepscaler_uniform_train.parquet"
+        (
+            "https://raw.githubusercontent.com/zhyang2226/AR-Lopti/cbeb333376decdfe571fa8613bdebcfcc526628d/"
+            "data/deepscaler_c/deepscaler_uniform_train.parquet"
+        )
     ]
 
 

@@ -14,8 +14,8 @@ from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
 
 # A random tiny model's probabilities cluster near 1/vocab, where no fixed eta splits a batch the same way on every
-# CPU: tests that split request the `batch_thresholds` fixture (conftest), which replaces this placeholder by a
-# threshold half-way in a wide gap of each generation batch's pi_old.
+# CPU: tests that split train with the `mid_gap_trainer` fixture's class (conftest.MidGapEta), whose eta for each
+# generation batch lies half-way in a wide gap of that batch's pi_old in place of this placeholder.
 ETA_FROM_EACH_BATCH = 0.5
 
 
@@ -83,9 +83,9 @@ def assert_no_nan_in_logs(trainer):
     [(0.3, None), (0.0, ETA_FROM_EACH_BATCH), (0.3, ETA_FROM_EACH_BATCH)],
     ids=["ar", "lopti", "ar+lopti"],
 )
-def test_training_changes_the_model_and_logs_lopti_metrics(tiny_model_path, tmp_path, batch_thresholds, alpha, eta):
+def test_training_changes_the_model_and_logs_lopti_metrics(tiny_model_path, tmp_path, mid_gap_trainer, alpha, eta):
     config = small_config(tmp_path, advantage_reweighting_alpha=alpha, lopti_threshold=eta)
-    trainer, initial = train(tiny_model_path, config)
+    trainer, initial = train(tiny_model_path, config, trainer_class=mid_gap_trainer)
     assert trainer.state.global_step == 4
     assert changed_parameters(trainer, initial) == set(initial), "every parameter of a full fine-tune moves"
     assert_no_nan_in_logs(trainer)
@@ -95,7 +95,7 @@ def test_training_changes_the_model_and_logs_lopti_metrics(tiny_model_path, tmp_
         weights = logged(trainer, "lopti/ar_weight_mean")
         assert weights and all(1 - alpha <= weight <= 1.0 for weight in weights)
     if eta is not None:
-        assert len(batch_thresholds) == 2, "one threshold per generation batch"
+        assert len(mid_gap_trainer.etas) == 2, "one eta per generation batch"
         assert 0.0 < min(low_share) and max(low_share) < 1.0, "the batch's threshold splits its tokens"
         assert len(logged(trainer, "lopti/loss_low_pass")) == 2
         assert len(logged(trainer, "lopti/loss_high_pass")) == 2
@@ -112,7 +112,7 @@ def test_both_methods_disabled_is_grpo_trainer(tiny_float64_model_path, tmp_path
     lopti, initial = train(tiny_float64_model_path, plain)
     assert lopti.model.dtype == grpo.model.dtype == torch.float64
     assert changed_parameters(lopti, initial)
-    largest_difference, moved = assert_parameters_close(
+    _, moved = assert_parameters_close(
         dict(lopti.model.named_parameters()), dict(grpo.model.named_parameters()), initial, atol=1e-8
     )
     assert moved > 1e-3
@@ -130,12 +130,12 @@ def test_a_plain_grpo_config_gets_the_paper_defaults(tiny_model_path, tmp_path):
     assert trainer.args.learning_rate == 3e-3 and trainer.args.steps_per_generation == 2
 
 
-def test_lora_with_lopti_changes_only_adapter_weights(tiny_model_path, tmp_path, batch_thresholds):
+def test_lora_with_lopti_changes_only_adapter_weights(tiny_model_path, tmp_path, mid_gap_trainer):
     from peft import LoraConfig
 
     config = small_config(tmp_path, lopti_threshold=ETA_FROM_EACH_BATCH, learning_rate=5e-2)
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer, initial = train(tiny_model_path, config, peft_config=peft_config)
+    trainer, initial = train(tiny_model_path, config, trainer_class=mid_gap_trainer, peft_config=peft_config)
     changed = changed_parameters(trainer, initial)
     assert changed, "the adapters must train"
     assert all("lora_" in name for name in changed), sorted(changed)
@@ -156,11 +156,10 @@ def test_lora_with_lopti_changes_only_adapter_weights(tiny_model_path, tmp_path,
         ),
     ],
 )
-def test_degenerate_batches_do_not_produce_nan(tiny_model_path, tmp_path, request, case, overrides, reward):
-    if case == "all rewards equal":
-        request.getfixturevalue("batch_thresholds")
+def test_degenerate_batches_do_not_produce_nan(tiny_model_path, tmp_path, mid_gap_trainer, case, overrides, reward):
     config = small_config(tmp_path, beta=0.05, **overrides)
-    trainer = LoptiGRPOTrainer(
+    trainer_class = mid_gap_trainer if case == "all rewards equal" else LoptiGRPOTrainer
+    trainer = trainer_class(
         model=tiny_model_path, reward_funcs=reward, args=config, train_dataset=conversational_dataset()
     )
     counter = PolicyPassCounter(trainer.model)
@@ -178,14 +177,14 @@ def test_degenerate_batches_do_not_produce_nan(tiny_model_path, tmp_path, reques
 
 
 def test_resume_between_the_two_passes_continues_the_batch_to_the_uninterrupted_parameters(
-    tiny_float64_model_path, tmp_path, batch_thresholds, float64_norms
+    tiny_float64_model_path, tmp_path, mid_gap_trainer, float64_norms
 ):
     """A checkpoint after a low pass keeps its generation batch: the resumed run trains that batch's high pass."""
     from trl_lopti.trainer import GENERATION_BATCH_FILE
 
     def run(output_dir, **overrides):
         config = small_config(output_dir, lopti_threshold=ETA_FROM_EACH_BATCH, max_steps=4, **FLOAT64, **overrides)
-        return LoptiGRPOTrainer(
+        return mid_gap_trainer(
             model=tiny_float64_model_path,
             reward_funcs=length_reward,
             args=config,
@@ -220,20 +219,21 @@ def test_resume_between_the_two_passes_continues_the_batch_to_the_uninterrupted_
     resumed._generate_and_score_completions = lambda inputs: generations.append(1) or generate(inputs)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 4 and generations == [], "the high pass of the stored batch, no generation"
-    assert "lopti/loss_high_pass" in [e for e in resumed.state.log_history if e.get("step") == 4][0]
+    assert "lopti/loss_high_pass" in next(e for e in resumed.state.log_history if e.get("step") == 4)
     difference, moved = assert_parameters_close(
         dict(resumed.model.named_parameters()), dict(uninterrupted.model.named_parameters()), initial, atol=1e-8
     )
-    print(f"resumed vs uninterrupted: largest difference {difference:.3g} (moved {moved:.3g} in all)")
+    # the measured figure, for the record (pytest -s)
+    print(f"resumed vs uninterrupted: largest difference {difference:.3g} (moved {moved:.3g} in all)")  # noqa: T201
     assert moved > 1e-3
     assert_no_nan_in_logs(resumed)
 
 
-def test_completions_are_logged_once_per_generation_batch(tiny_model_path, tmp_path, batch_thresholds):
+def test_completions_are_logged_once_per_generation_batch(tiny_model_path, tmp_path, mid_gap_trainer):
     import pandas as pd
 
     config = small_config(tmp_path, lopti_threshold=ETA_FROM_EACH_BATCH, log_completions=True, max_steps=4)
-    trainer, _ = train(tiny_model_path, config)
+    train(tiny_model_path, config, trainer_class=mid_gap_trainer)
     tables = sorted((tmp_path / "completions").glob("completions_*.parquet"))
     # 4 optimizer steps = 2 generation batches (low pass, high pass each): one table per generation batch
     assert [path.name for path in tables] == ["completions_00001.parquet", "completions_00003.parquet"]
@@ -243,16 +243,16 @@ def test_completions_are_logged_once_per_generation_batch(tiny_model_path, tmp_p
 
 
 def test_low_token_share_is_logged_once_per_generation_batch_over_the_whole_batch(
-    tiny_model_path, tmp_path, batch_thresholds
+    tiny_model_path, tmp_path, mid_gap_trainer
 ):
     config = small_config(tmp_path, lopti_threshold=ETA_FROM_EACH_BATCH, max_steps=4)
-    trainer, _ = train(tiny_model_path, config)
+    trainer, _ = train(tiny_model_path, config, trainer_class=mid_gap_trainer)
     rows = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert ["lopti/low_token_share" in row for row in rows] == [True, False, True, False]
     assert ["lopti/ar_weight_mean" in row for row in rows] == [True, False, True, False]
     # the last value is the share over every micro-batch of the last generation batch
     micro_batches = trainer._buffered_inputs
-    log_eta = math.log(batch_thresholds[-1])  # compared in log space, as the trainer does
+    log_eta = math.log(mid_gap_trainer.etas[-1])  # compared in log space
     low = sum(int(((b["old_per_token_logps"] < log_eta) * b["completion_mask"]).sum()) for b in micro_batches)
     assert 0 < low < sum(int(b["completion_mask"].sum()) for b in micro_batches)
     total = sum(int(b["completion_mask"].sum()) for b in micro_batches)
@@ -280,7 +280,7 @@ def test_model_card_credits_the_method_and_its_settings(tiny_model_path, tmp_pat
     assert "method introduced in [DeepSeekMath" not in card
 
 
-def test_reinforce_plus_plus_trains_on_batch_whitened_advantages(tiny_model_path, tmp_path, batch_thresholds):
+def test_reinforce_plus_plus_trains_on_batch_whitened_advantages(tiny_model_path, tmp_path, mid_gap_trainer):
     """REINFORCE++ with AR and Lopti: the trained advantages are the token-whitened rewards (no group baseline)."""
     import numpy as np
 
@@ -298,7 +298,7 @@ def test_reinforce_plus_plus_trains_on_batch_whitened_advantages(tiny_model_path
         lopti_threshold=ETA_FROM_EACH_BATCH,
         beta=0.05,
     )
-    trainer = LoptiGRPOTrainer(
+    trainer = mid_gap_trainer(
         model=tiny_model_path, reward_funcs=reward, args=config, train_dataset=conversational_dataset()
     )
     generate = trainer._generate_and_score_completions

@@ -179,8 +179,8 @@ def test_lopti_serves_each_generation_batch_twice(tiny_model_path, tmp_path, ite
     lopti = LoptiGRPOTrainer(
         model=tiny_model_path, reward_funcs=reward, args=LoptiGRPOConfig(**common), train_dataset=dataset
     )
-    grpo_batches = [batch for batch in grpo.get_train_dataloader()]
-    lopti_batches = [batch for batch in lopti.get_train_dataloader()]
+    grpo_batches = list(grpo.get_train_dataloader())
+    lopti_batches = list(lopti.get_train_dataloader())
     assert len(lopti_batches) == 2 * len(grpo_batches) > 0
     assert lopti.num_iterations == 1, "num_iterations is only doubled while the dataloader is built"
     # the same prompts, each generation batch served twice in a row

@@ -9,7 +9,7 @@ import wandb  # the test extra installs it: a missing wandb fails here, not skip
 from datasets import Dataset
 from wandb.proto import wandb_internal_pb2
 
-from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+from trl_lopti import LoptiGRPOConfig
 
 
 LOPTI_METRICS = (
@@ -18,7 +18,7 @@ LOPTI_METRICS = (
     "lopti/loss_low_pass",
     "lopti/loss_high_pass",
 )
-# Replaced, for each generation batch, by a threshold half-way in a wide gap of its pi_old (conftest.batch_thresholds):
+# In place of it, each generation batch's eta lies half-way in a wide gap of its pi_old (conftest.MidGapEta):
 # a fixed eta near 1/vocab, where a random tiny model's probabilities cluster, splits differently on different CPUs.
 ETA_FROM_EACH_BATCH = 0.5
 
@@ -73,7 +73,7 @@ def length_reward(completions, **kwargs):
 
 
 @pytest.mark.slow
-def test_report_to_wandb_logs_lopti_metrics_offline(tiny_model_path, tmp_path, monkeypatch, batch_thresholds):
+def test_report_to_wandb_logs_lopti_metrics_offline(tiny_model_path, tmp_path, monkeypatch, mid_gap_trainer):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_PROJECT", "trl-lopti-test")
@@ -101,7 +101,7 @@ def test_report_to_wandb_logs_lopti_metrics_offline(tiny_model_path, tmp_path, m
     )
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Count to {i}."}] for i in range(8)]})
     try:
-        trainer = LoptiGRPOTrainer(
+        trainer = mid_gap_trainer(
             model=tiny_model_path, reward_funcs=length_reward, args=config, train_dataset=dataset
         )
         trainer.train()
@@ -143,6 +143,6 @@ def test_report_to_wandb_logs_lopti_metrics_offline(tiny_model_path, tmp_path, m
     assert "train/lopti/loss_high_pass" not in low_pass and "train/lopti/loss_low_pass" not in high_pass
     # the split is measured once per generation batch, over all of it: logged with the first pass only
     low_share = float(low_pass["train/lopti/low_token_share"])
-    assert len(batch_thresholds) == 1 and 0.0 < low_share < 1.0
+    assert len(mid_gap_trainer.etas) == 1 and 0.0 < low_share < 1.0
     assert "train/lopti/low_token_share" not in high_pass and "train/lopti/ar_weight_mean" not in high_pass
     assert 0.7 <= float(low_pass["train/lopti/ar_weight_mean"]) <= 1.0  # alpha * pi_old + 1 - alpha, alpha = 0.3

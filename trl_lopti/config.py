@@ -99,17 +99,10 @@ class LoptiGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
-        self.advantage_reweighting_alpha = _number_in(
-            "advantage_reweighting_alpha", self.advantage_reweighting_alpha, closed=True, disabled_by="0 disables AR"
-        )
-        if self.lopti_threshold is not None:
-            self.lopti_threshold = _number_in(
-                "lopti_threshold", self.lopti_threshold, closed=False, disabled_by="None disables Lopti"
-            )
+        _check_fraction(self, "advantage_reweighting_alpha", closed=True, disabled_by="0 disables AR")
+        _check_fraction(self, "lopti_threshold", closed=False, disabled_by="None disables Lopti")
+        _check_fraction(self, "lopti_quantile", closed=False, disabled_by="None splits at lopti_threshold")
         if self.lopti_quantile is not None:
-            self.lopti_quantile = _number_in(
-                "lopti_quantile", self.lopti_quantile, closed=False, disabled_by="None splits at lopti_threshold"
-            )
             if self.lopti_threshold not in (None, LoptiGRPOConfig.lopti_threshold):  # its default gives way
                 raise ValueError(
                     f"lopti_threshold={self.lopti_threshold:g} and lopti_quantile={self.lopti_quantile:g} are two "
@@ -187,11 +180,13 @@ def lopti_schedule_error(config: GRPOConfig) -> str:
     )
 
 
-def _number_in(name: str, value, closed: bool, disabled_by: str) -> float:
-    """`value` as a float, if it is a real number (numpy scalars included) in [0, 1] (`closed`) or (0, 1)."""
-    interval = "[0, 1]" if closed else "(0, 1)"
+def _check_fraction(config: LoptiGRPOConfig, name: str, closed: bool, disabled_by: str) -> None:
+    """Makes the field `name` a float if it is a real number (numpy scalars included) in [0, 1] (`closed`) or (0, 1);
+    else raises. `None` stays where `disabled_by` allows it."""
+    value, interval = getattr(config, name), "[0, 1]" if closed else "(0, 1)"
+    if value is None and disabled_by.startswith("None"):
+        return
     real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    inside = real and ((0.0 <= value <= 1.0) if closed else (0.0 < value < 1.0))  # NaN fails both
-    if not inside:
+    if not (real and ((0.0 <= value <= 1.0) if closed else (0.0 < value < 1.0))):  # NaN fails both
         raise ValueError(f"{name} must be a number in {interval} ({disabled_by}), got {value!r}")
-    return float(value)
+    setattr(config, name, float(value))

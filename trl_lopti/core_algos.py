@@ -5,15 +5,11 @@ Shapes: `B` completions, `T` completion tokens (padded). `old_per_token_logps` (
 under the policy that produced the batch, at the loss's temperature (a constant: no gradient flows through it).
 `completion_mask` (B, T): 1 for a completion token the loss counts, 0 for padding (and masked tool output).
 
-- AR: `A'(i, t) = (alpha * pi_old(i, t) + (1 - alpha)) * A(i)`.
-- Lopti: split the completion tokens once by `pi_old < eta` into "low" and "high" and run the update twice, once per
-  group. In a pass, gradient flows only through the active tokens' log-probabilities and entropies, while every value
-  of the loss (ratios, clipping, KL, entropy bonus, normaliser) stays plain GRPO's: for token-level losses the paper's
-  "zero advantage, KL and entropy for inactive tokens", for losses that couple a sequence's tokens (sequence-level
-  ratios, LUSPO, VESPO) the only form that isolates. By the chain rule, at equal parameters
-  `grad(low pass) + grad(high pass) == grad(plain GRPO)` for every loss.
-- REINFORCE++ (outcome reward, gamma 1): `A(i) = (R(i) - m) / sqrt(v + 1e-8)`, with m and v the token-weighted mean
-  and unbiased variance of the returns over all completion tokens of the generation batch.
+- AR: `A'(i, t) = (alpha * pi_old(i, t) + (1 - alpha)) * A(i)` ([`reweight_advantages`]).
+- Lopti: split the completion tokens once by `pi_old < eta` ([`low_probability_token_mask`], eta fixed or
+  [`lopti_batch_threshold`]) and run the update once per group, gradient only through that group's tokens
+  ([`isolate_token_gradients`]).
+- REINFORCE++ (outcome reward, gamma 1): [`reinforce_plus_plus_advantages`].
 """
 
 from __future__ import annotations
@@ -30,18 +26,8 @@ ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("grpo", "reinforce_plus_plus")
 
 
 def advantage_reweighting_weights(old_per_token_logps: torch.Tensor, alpha: float) -> torch.Tensor:
-    """
-    Per-token Advantage Reweighting factor `alpha * pi_old + (1 - alpha)`.
-
-    Args:
-        old_per_token_logps (`torch.Tensor`):
-            Log-probabilities of the sampled tokens under the behaviour policy, shape (B, T).
-        alpha (`float`):
-            Reweighting strength in [0, 1]. `0.0` gives a weight of exactly 1 everywhere (plain GRPO).
-
-    Returns:
-        `torch.Tensor`: The weights, shape (B, T), detached, in `[1 - alpha, 1]`.
-    """
+    """The per-token Advantage Reweighting factor `alpha * pi_old + (1 - alpha)` (B, T), detached, in `[1 - alpha, 1]`,
+    of behaviour-policy log-probabilities (B, T), for alpha in [0, 1] (`0.0`: exactly 1, plain GRPO)."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
     old_probs = torch.exp(_at_least_float32(old_per_token_logps.detach()))
@@ -67,21 +53,9 @@ def reweight_advantages(advantages: torch.Tensor, old_per_token_logps: torch.Ten
 def low_probability_token_mask(
     old_per_token_logps: torch.Tensor, completion_mask: torch.Tensor, threshold: float
 ) -> torch.Tensor:
-    """
-    The Lopti split: completion tokens whose behaviour-policy probability is strictly below `threshold` (eta).
-
-    Args:
-        old_per_token_logps (`torch.Tensor`):
-            Behaviour-policy log-probabilities, shape (B, T).
-        completion_mask (`torch.Tensor`):
-            1 for completion tokens that enter the loss, 0 elsewhere, shape (B, T).
-        threshold (`float`):
-            eta in (0, 1).
-
-    Returns:
-        `torch.Tensor`: Boolean mask (B, T), True for low-probability completion tokens. The high tokens are
-        `completion_mask.bool() & ~low`.
-    """
+    """The Lopti split: a boolean mask (B, T) of the completion tokens (`completion_mask`) whose behaviour-policy
+    probability (`old_per_token_logps`, B x T) is strictly below `threshold` (eta in [0, 1]); the high tokens are the
+    others ([`token_group_mask`])."""
     threshold = float(threshold)
     if not 0.0 <= threshold <= 1.0:  # a batch's quantile can reach 0 or 1; a user's eta is checked to lie in (0, 1)
         raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
@@ -101,11 +75,9 @@ def lopti_batch_threshold(old_per_token_logps: torch.Tensor, completion_mask: to
     tokens is low however the policy's confidence drifts.
 
     Args:
-        old_per_token_logps (`torch.Tensor`):
-            Behaviour-policy log-probabilities of every token of the whole generation batch (all processes), any
-            shape.
-        completion_mask (`torch.Tensor`):
-            Same shape: nonzero for the tokens that count (completion tokens of the loss), zero for padding.
+        old_per_token_logps (`torch.Tensor`), completion_mask (`torch.Tensor`):
+            Behaviour-policy log-probabilities of the whole generation batch (all processes), any shape, and a mask of
+            the same shape: nonzero for the tokens that count (the loss's completion tokens), zero for padding.
         quantile (`float`):
             The level q in (0, 1).
 
@@ -131,8 +103,7 @@ def loss_token_mask(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def token_group_mask(low_mask: torch.Tensor, completion_mask: torch.Tensor, token_group: str) -> torch.Tensor:
-    """The tokens (B, T) of the Lopti group `"low"` (`low_mask`, from [`low_probability_token_mask`]) or `"high"` (the
-    other completion tokens of `completion_mask`)."""
+    """The tokens (B, T) of the Lopti group `"low"` (`low_mask`) or `"high"` (the other tokens of `completion_mask`)."""
     if token_group == "low":
         return low_mask
     if token_group == "high":
@@ -149,8 +120,8 @@ def isolate_token_gradients(values: torch.Tensor, active_mask: torch.Tensor) -> 
     while the gradient of the loss w.r.t. each inactive token's log-probability and entropy is exactly zero.
 
     Args:
-        values (`torch.Tensor`): per-token values (log-probabilities or entropies), (B, T).
-        active_mask (`torch.Tensor`): boolean mask of the active tokens, (B, T).
+        values (`torch.Tensor`), active_mask (`torch.Tensor`):
+            Per-token values (log-probabilities or entropies) and the boolean mask of the active tokens, (B, T) each.
     """
     return torch.where(active_mask, values, values.detach())
 
@@ -165,10 +136,9 @@ def reinforce_plus_plus_advantages(rewards: torch.Tensor, completion_lengths: to
     is no per-prompt baseline. Completions without tokens, or with a NaN reward (unscorable), get 0 and do not count.
 
     Args:
-        rewards (`torch.Tensor`):
-            One reward per completion, shape (N,), over the whole generation batch (every process).
-        completion_lengths (`torch.Tensor`):
-            The number of loss tokens of each completion, shape (N,).
+        rewards (`torch.Tensor`), completion_lengths (`torch.Tensor`):
+            One reward and the number of loss tokens of each completion of the whole generation batch (every process),
+            shape (N,) each.
 
     Returns:
         `torch.Tensor`: Advantages of shape (N,), float32.

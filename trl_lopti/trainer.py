@@ -8,9 +8,9 @@ Each generation batch is trained once per pass (README, "The Lopti schedule"): t
 a later pass replays the micro-batches TRL buffered, so every optimizer step is an ordinary Trainer step. Each
 micro-batch is split once, at its first loss forward, into its own dict (`lopti_low_mask`; with AR the token-level
 `lopti_advantages` that TRL's loss reads instead of `advantages`; with Lopti `old_per_token_logps`). pi_old is TRL's
-where TRL computed it at generation, else that forward's detached output (on-policy: no extra forward). The quantile
-rule needs the whole batch's pi_old first: its eta (`lopti_threshold`) comes at generation from TRL's pi_old or one
-no-grad forward.
+where TRL computed it at generation, else that forward's detached output (on-policy: no extra forward). Each generation
+batch gets its eta at generation (`lopti_eta`, kept as `lopti_batch_eta`): the quantile rule needs the whole batch's
+pi_old first, TRL's or one no-grad forward.
 
 The TRL facts it relies on, each pinned by `tests/test_trl_contract.py`:
 
@@ -34,12 +34,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import inspect
 import os
 import textwrap
 import warnings
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import _compat  # noqa: F401  (checks the TRL version before TRL is imported)
 
@@ -47,6 +49,7 @@ from . import _compat  # noqa: F401  (checks the TRL version before TRL is impor
 # isort: split
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import get_config_model_id
 
 from .config import LoptiGRPOConfig
 from .core_algos import (
@@ -63,21 +66,15 @@ from .reinforce_plus_plus import ReinforcePlusPlusMixin
 
 LOW_MASK_KEY = "lopti_low_mask"  # (B, T) bool, in each micro-batch: the split, pi_old < eta
 AR_ADVANTAGES_KEY = "lopti_advantages"  # (B, T), in each micro-batch with AR: the advantages TRL's loss reads
-THRESHOLD_KEY = "lopti_threshold"  # 0-dim, in each micro-batch of a quantile-split batch: its eta
+ETA_KEY = "lopti_batch_eta"  # 0-dim, in each micro-batch of a generation batch under Lopti: its eta
+LOPTI_BATCH_KEYS = (LOW_MASK_KEY, AR_ADVANTAGES_KEY, ETA_KEY)  # what the trainer adds to TRL's batches
 GENERATION_BATCH_FILE = "lopti_generation_batch_rank{}.pt"  # in a checkpoint taken inside a generation batch
 UNSPLIT_REPORTING_THRESHOLD = 0.5  # the eta of `lopti/low_token_share` when Lopti is off (the paper's)
-# The model inputs besides ids and masks that TRL's `_compute_loss` passes to its log-prob forward (multimodal).
-EXTRA_FORWARD_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
+# The multimodal inputs of TRL's log-prob forward (its other arguments are ids, masks and options), as TRL names them.
+EXTRA_FORWARD_KEYS = tuple(
+    name
+    for name, parameter in inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters.items()
+    if parameter.default is None and name != "batch_size"
 )
 
 LOPTI_PAPER_CITATION = textwrap.dedent("""\
@@ -115,15 +112,13 @@ def as_lopti_config(args: GRPOConfig | None, model: Any) -> LoptiGRPOConfig:
     defaults, with TRL's naming of the output folder.
 
     Args:
-        args (`GRPOConfig` or `None`):
-            The configuration given to the trainer.
-        model (`str` or `PreTrainedModel`):
-            The model given to the trainer (names the default output folder).
+        args (`GRPOConfig` or `None`), model (`str` or `PreTrainedModel`):
+            The configuration and the model given to the trainer (the model names the default output folder).
     """
     if isinstance(args, LoptiGRPOConfig):
         return args
     if args is None:
-        model_name = model if isinstance(model, str) else model.config._name_or_path
+        model_name = model if isinstance(model, str) else get_config_model_id(model.config)
         return LoptiGRPOConfig(output_dir=f"{str(model_name).split('/')[-1]}-Lopti-GRPO")
     if not isinstance(args, GRPOConfig):
         raise TypeError(f"args must be a LoptiGRPOConfig or a GRPOConfig, got {type(args).__name__}")
@@ -171,9 +166,9 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
     `loss_high_pass` per pass): README, "Metrics". Completions are logged once per generation batch.
     """
 
-    _tag_names = ["trl", "grpo", "lopti"]
+    _tag_names: ClassVar[list[str]] = ["trl", "grpo", "lopti"]
     _name = "Lopti-GRPO"
-    _paper = {
+    _paper: ClassVar[dict[str, str]] = {
         "title": "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs",
         "id": "2505.12929",
         "citation": LOPTI_PAPER_CITATION + "\n\n" + GRPOTrainer._paper["citation"],
@@ -195,7 +190,7 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
     def get_train_dataloader(self):
         # Fact 1: the dataloader serves each generation batch `self.num_iterations * steps_per_generation` times; Lopti
         # trains it num_iterations times per pass, so an epoch still covers every prompt once.
-        with _temporarily_set(self, "num_iterations", self.args.lopti_num_passes * self.args.num_iterations):
+        with temporarily_set(self, num_iterations=self.args.lopti_num_passes * self.args.num_iterations):
             return super().get_train_dataloader()
 
     def _prepare_inputs(self, generation_batch):
@@ -206,29 +201,26 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
     # ------------------------------------------------------------------------------------------------ generation batch
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        if self.args.lopti_quantile is not None:  # eta from pi_old of the whole batch, every process
-            if "old_per_token_logps" not in output:  # fact 3: TRL did not need it; one no-grad forward
-                output["old_per_token_logps"] = self._policy_log_probs(output)
-            mask = loss_token_mask(output).bool()
-            local = output["old_per_token_logps"][mask]
-            logps = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0))
-            counted = self.accelerator.gather(self.accelerator.pad_across_processes(torch.ones_like(local), dim=0))
-            eta = lopti_batch_threshold(logps, counted, self.args.lopti_quantile)
-            output[THRESHOLD_KEY] = torch.tensor(eta, dtype=torch.float64)  # on the CPU: MPS has no float64
+        if (
+            self.args.lopti_enabled
+        ):  # a 0-dim float64 tensor on the CPU (MPS has no float64), copied to each micro-batch
+            output[ETA_KEY] = torch.tensor(self.lopti_eta(output), dtype=torch.float64)
         return output
 
-    @torch.no_grad()
-    def _policy_log_probs(self, batch: dict[str, Any]) -> torch.Tensor:
-        """pi_old of a generation batch by one no-grad forward of TRL's own log-prob method."""
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        extra = {key: batch[key] for key in EXTRA_FORWARD_KEYS if batch.get(key) is not None}
-        args = self.args
-        batch_size = args.per_device_train_batch_size if self.model.training else args.per_device_eval_batch_size
-        with disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):  # as TRL's own pi_old
-            return self._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size=batch_size, **extra
-            )[0]
+    def lopti_eta(self, batch: dict[str, Any]) -> float:
+        """eta of a generation batch (`batch`: this process's part, as TRL generated it): `lopti_threshold`, or the
+        `lopti_quantile` quantile of pi_old over the whole batch (every process). Override it to split otherwise."""
+        if self.args.lopti_quantile is None:
+            return self.args.lopti_threshold
+        if "old_per_token_logps" not in batch:  # fact 3: TRL did not need it; one no-grad forward, as TRL's own
+            args = self.args
+            batch_size = args.per_device_train_batch_size if self.model.training else args.per_device_eval_batch_size
+            with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
+                batch["old_per_token_logps"] = trl_completion_logps(self, batch, batch_size=batch_size)[0]
+        local = batch["old_per_token_logps"][loss_token_mask(batch).bool()]
+        logps = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0))
+        counted = self.accelerator.gather(self.accelerator.pad_across_processes(torch.ones_like(local), dim=0))
+        return lopti_batch_threshold(logps, counted, self.args.lopti_quantile)
 
     # ------------------------------------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -237,7 +229,7 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
         token_group = self.args.lopti_pass_order[pass_index] if training else None
         loss_inputs = {**inputs, "advantages": inputs.get(AR_ADVANTAGES_KEY, inputs["advantages"])}
         call = LossCall(inputs, loss_inputs, token_group, trains_aux_loss=pass_index == 0)
-        with _temporarily_set(self, "_loss_call", call):
+        with temporarily_set(self, _loss_call=call):
             loss = super().compute_loss(model, loss_inputs, return_outputs, num_items_in_batch)
         if call.policy_forwards != 1:  # fact 2, checked at every step
             raise RuntimeError(
@@ -276,10 +268,12 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
             old_per_token_logps = forward_logps
             if self.args.lopti_enabled:  # a later pass's ratio is against it
                 batch["old_per_token_logps"] = old_per_token_logps
-        if self.args.lopti_quantile is not None and THRESHOLD_KEY not in batch:
-            raise RuntimeError("lopti_quantile: this batch has no eta from its generation; please report this bug")
-        eta = float(batch[THRESHOLD_KEY]) if THRESHOLD_KEY in batch else self.args.lopti_threshold
-        eta = UNSPLIT_REPORTING_THRESHOLD if eta is None else eta
+        eta = batch.get(
+            ETA_KEY, self.args.lopti_threshold
+        )  # its generation's; the fixed eta for a batch made elsewhere
+        if eta is None and self.args.lopti_quantile is not None:
+            raise RuntimeError(f"lopti_quantile: this batch has no eta from its generation ({ETA_KEY})")
+        eta = float(eta) if self.args.lopti_enabled else UNSPLIT_REPORTING_THRESHOLD
         mask = loss_token_mask(batch)
         low_mask = batch[LOW_MASK_KEY] = low_probability_token_mask(old_per_token_logps, mask, eta)
         alpha, mask = self.args.advantage_reweighting_alpha, mask.float()
@@ -319,7 +313,7 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
         # (Lopti's passes, steps_per_generation > gradient_accumulation_steps) is written once.
         batch_index = (self._step - 1) // self.args.lopti_cycle_micro_steps if self.model.training else None
         fresh = batch_index is None or batch_index != self._completions_logged_for
-        with _temporarily_set(self, "log_completions", self.log_completions and fresh):
+        with temporarily_set(self, log_completions=self.log_completions and fresh):
             if self.log_completions and batch_index is not None:
                 self._completions_logged_for = batch_index
             super().log(logs, start_time)
@@ -328,7 +322,8 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         if self._step % self.args.lopti_cycle_micro_steps != 0 and self._buffered_inputs is not None:
             # inside a generation batch's schedule: keep it and its split for the rest (fact 4), before it is pushed
-            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder transformers saves to
+            folder = os.path.join(self._get_output_dir(trial=trial), checkpoint)
             os.makedirs(folder, exist_ok=True)
             path = os.path.join(folder, GENERATION_BATCH_FILE.format(self.accelerator.process_index))
             torch.save(self._buffered_inputs, path)
@@ -358,23 +353,38 @@ def describe_method(config: LoptiGRPOConfig) -> str:
         parts.append(f"Advantage Reweighting (alpha={config.advantage_reweighting_alpha:g})")
     if config.lopti_enabled:
         order = "low tokens first" if config.lopti_order == "low_first" else "high tokens first, the paper's ablation"
-        split = (
-            f"eta={config.lopti_threshold:g}"
-            if config.lopti_quantile is None
-            else f"eta at the {config.lopti_quantile:g} quantile of each batch"
-        )
+        if config.lopti_quantile is None:
+            split = f"eta={config.lopti_threshold:g}"
+        else:
+            split = f"eta at the {config.lopti_quantile:g} quantile of each batch"
         parts.append(f"Low-Probability Token Isolation (Lopti, {split}, {order})")
     return f"{base} with {' and '.join(parts)}" if parts else base
 
 
+def trl_completion_logps(trainer: GRPOTrainer, batch: dict[str, Any], model=None, **kwargs: Any) -> tuple:
+    """Per-token log-probabilities and entropies (`None` unless `compute_entropy=True`; B x T) of the completions of a
+    TRL batch by TRL's own forward (`GRPOTrainer._get_per_token_logps_and_entropies`: its LM head, temperature and
+    autocast; `kwargs` go to it), with gradient where grad mode is on; `model` defaults to `trainer.model`."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    extra = {key: batch[key] for key in EXTRA_FORWARD_KEYS if batch.get(key) is not None}
+    model, num_tokens = trainer.model if model is None else model, batch["completion_ids"].size(1)
+    forward = GRPOTrainer._get_per_token_logps_and_entropies  # TRL's own, whatever a subclass overrides
+    return forward(trainer, model, input_ids, attention_mask, num_tokens, **extra, **kwargs)[:2]
+
+
 @contextlib.contextmanager
-def _temporarily_set(obj: Any, name: str, value: Any):
-    previous = getattr(obj, name)
-    setattr(obj, name, value)
+def temporarily_set(obj: Any, **values: Any):
+    """Sets instance attributes of `obj` for the block (shadowing those of its class, methods included), then restores
+    what the instance held itself."""
+    own = {name: vars(obj)[name] for name in values if name in vars(obj)}
+    vars(obj).update(values)
     try:
         yield
     finally:
-        setattr(obj, name, previous)
+        for name in values:
+            del vars(obj)[name]
+        vars(obj).update(own)
 
 
-__all__ = ["LoptiGRPOTrainer", "as_lopti_config", "describe_method"]
+__all__ = ["LoptiGRPOTrainer", "as_lopti_config", "describe_method", "temporarily_set", "trl_completion_logps"]

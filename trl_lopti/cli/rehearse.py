@@ -1,8 +1,9 @@
 """`trl-lopti train --rehearse`: a preset's launch (launcher, parser, task, reward and trainer settings) rehearsed
 offline with a tiny random model of its family and a few prompts of its task: one Lopti cycle with a checkpoint after
 the first pass, then a resume from it. It fails (exit code 1) unless every pass trained tokens with a gradient, and
-measures no GPU memory or speed. Without a GPU the launcher's backend runs on CPU processes (`cpu_backends`), and a
-vLLM server-mode preset trains against a CPU `vllm serve` of the tiny model where vLLM is installed (`VllmRehearsal`).
+measures no GPU memory or speed. Without a GPU the launcher's backend runs on CPU processes (`cpu_backends`), with the
+CPU settings it needs, which a line says, and a vLLM server-mode preset trains against a CPU `vllm serve` of the tiny
+model where vLLM is installed (`VllmRehearsal`).
 """
 
 import contextlib
@@ -23,8 +24,8 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from ..cpu_backends import accelerate as cpu_backends
 from ..models import PEAKED_TINY_MODEL, build_tiny_model
-from ..tasks._text import completion_to_text
-from .errors import CliError
+from ..tasks.math import make_math_prompt
+from .parsing import CliError, on_cpu
 from .train import DEFAULT_REWARD_FUNCS, parse_train_args, run_training
 
 
@@ -37,14 +38,9 @@ REHEARSAL_SCALE = {
 """What a rehearsal shrinks (completions per optimizer step: on all processes). The optimizer steps per generation
 batch and every method, loss, optimizer and precision setting stay the preset's."""
 
-REHEARSAL_REWARD = "trl_lopti.cli.rehearse.letter_share_reward"
-"""Added to the preset's rewards: a random model never earns a task's reward (equal scores: zero advantages)."""
-
-
-def letter_share_reward(completions: list[Any], **kwargs: Any) -> list[float]:
-    """The share of letters among a completion's characters (0 for an empty one): it varies on any model."""
-    texts = [completion_to_text(completion) for completion in completions]
-    return [sum(char.isalpha() for char in text) / max(1, len(text)) for text in texts]
+REHEARSAL_REWARD = "token_parity_reward"
+"""Added to the preset's rewards (`trl_lopti.tasks.token_parity_reward`): a random model never earns a task's reward
+(equal scores: zero advantages), and this one varies on any model."""
 
 
 RESUME_TOLERANCE = 1e-6
@@ -58,10 +54,12 @@ def main(argv: list[str]) -> int:
     """Rehearses `trl-lopti train ARGV` (the arguments after `train`, with `--rehearse`); returns the exit code."""
     start, say = time.perf_counter(), print if os.environ.get("RANK", "0") == "0" else (lambda *_: None)
     overrides = {} if torch.cuda.is_available() else cpu_backends.install()
+    if overrides:  # the settings transformers, accelerate and DeepSpeed need to run the launcher on CPU processes
+        argv = on_cpu(argv, "train --rehearse", overrides)
 
     def parse(*flags: dict[str, Any]):
         args = list(argv)
-        for name, value in (item for values in (overrides, *flags) for item in values.items()):
+        for name, value in (item for values in flags for item in values.items()):
             args += [f"--{name}", *map(str, value)] if isinstance(value, list) else [f"--{name}={value}"]
         parsed = parse_train_args(args)
         if overrides and cpu_backends.launcher_uses("DEEPSPEED"):  # DeepSpeed's config checks bf16 against it
@@ -176,16 +174,7 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
         flags.update(dataset_name="dsr_uniform", math_data_file=folder / "math.parquet")
         data = "8 local addition problems in the authors' format"
         problems = [
-            {
-                "prompt": [
-                    {
-                        "role": "user",
-                        "content": f"What is {a} + {b}? Let's think step by step and output "
-                        "the final answer within \\boxed{}.",
-                    }
-                ],
-                "reward_model": {"ground_truth": str(a + b)},
-            }
+            {"prompt": make_math_prompt(f"What is {a} + {b}?"), "reward_model": {"ground_truth": str(a + b)}}
             for a in range(3, 7)
             for b in range(11, 13)
         ]
@@ -214,8 +203,10 @@ def _holdings(trainer) -> dict[str, str]:
     total = sum(getattr(p, "ds_numel", p.numel()) for p in parameters)
     held = gather_object(
         [
-            f"parameters {kind}, {sum(map(local, parameters)):,} of {total:,} elements; "
-            f"{trainer.args.optim.value} state {sum(map(local, state)):,} {state[0].dtype} elements"
+            (
+                f"parameters {kind}, {sum(map(local, parameters)):,} of {total:,} elements; "
+                f"{trainer.args.optim.value} state {sum(map(local, state)):,} {state[0].dtype} elements"
+            )
         ]
     )
     return {f"process_{rank}": words for rank, words in enumerate(held)}

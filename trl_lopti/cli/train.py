@@ -17,8 +17,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_qu
 
 from .. import tasks
 from ..config import LOPTI_FIELD_NAMES, LoptiGRPOConfig
-from .errors import CliError
-from .parsing import check_model_name_or_path, parse_with_config
+from .parsing import CliError, check_model_name_or_path, on_cpu, parse_with_config
 
 
 REWARD_FUNCS = {
@@ -30,6 +29,7 @@ REWARD_FUNCS = {
     "accuracy_reward": "trl.rewards.accuracy_reward",
     "reasoning_accuracy_reward": "trl.rewards.reasoning_accuracy_reward",
     "think_format_reward": "trl.rewards.think_format_reward",
+    "token_parity_reward": "trl_lopti.tasks.token_parity_reward",
 }
 """Reward functions known by name to `reward_funcs`; any dotted import path (`my_module.my_reward`) works too."""
 
@@ -102,8 +102,8 @@ def make_parser():
 def parse_train_args(argv: Sequence[str]) -> tuple:
     """`(LoptiScriptArguments, LoptiGRPOConfig, ModelConfig)` from `--config FILE.yaml` and flags, which override it."""
     args = list(argv)
-    if {"--dry_run", "--dry-run"} & set(args) and "--use_cpu" not in args and not torch.cuda.is_available():
-        args += ["--use_cpu", "true"]  # a dry run validates the GPU presets (bf16) on a machine without a GPU
+    if {"--dry_run", "--dry-run"} & set(args) and not torch.accelerator.is_available():
+        args = on_cpu(args, "train --dry_run")  # a dry run validates the GPU presets (bf16) on any machine
     return parse_with_config(make_parser(), args)
 
 

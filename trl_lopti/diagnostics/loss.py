@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -11,30 +12,16 @@ from trl import GRPOTrainer
 
 from ..core_algos import loss_token_mask
 from ..tasks._text import completion_to_text
-
-
-TRL_BATCH_KEYS = (
-    "prompt_ids",
-    "prompt_mask",
-    "completion_ids",
-    "completion_mask",
-    "advantages",
-    "num_items_in_batch",
-    "old_per_token_logps",
-    "ref_per_token_logps",
-    "sampling_per_token_logps",
-    "importance_sampling_ratio",
-    "tool_mask",
-)
-"""The keys of a batch of TRL 1.16's `_generate_and_score_completions` that its loss reads (text models)."""
+from ..trainer import LOPTI_BATCH_KEYS, temporarily_set, trl_completion_logps
 
 
 def trl_batch(micro_batches: Sequence[dict[str, Any]], device: torch.device | None = None) -> dict[str, Any]:
     """One batch (on `device`) from batches of `_generate_and_score_completions` or the micro-batches TRL split one
-    into: rows concatenated, TRL's keys only (`TRL_BATCH_KEYS`), a key that some micro-batch lacks left out.
-    `num_items_in_batch` (one scalar for a whole generation batch) is the first one's, or counted."""
+    into (text models): the tensors of TRL's keys, rows concatenated (what `LoptiGRPOTrainer` adds, `LOPTI_BATCH_KEYS`,
+    and a key that some micro-batch lacks, left out). `num_items_in_batch` (one scalar for a whole generation batch) is
+    the first one's, or counted."""
     batch = {}
-    for key in TRL_BATCH_KEYS:
+    for key in [key for key in micro_batches[0] if key not in LOPTI_BATCH_KEYS]:
         values = [micro_batch.get(key) for micro_batch in micro_batches]
         if all(isinstance(value, torch.Tensor) for value in values):
             value = values[0] if values[0].dim() == 0 else torch.cat(values)
@@ -60,12 +47,8 @@ def sample_generation_batch(trainer: GRPOTrainer, rows: Sequence[dict[str, Any]]
         sample texts; from TRL's completions log `trainer._logs`).
     """
     repeated = [dict(row) for row in rows for _ in range(trainer.num_generations)]
-    was_training = trainer.model.training
-    trainer.model.train()
-    try:
+    with model_mode(trainer.model, training=True):
         inputs = trl_batch([trainer._generate_and_score_completions(repeated)])
-    finally:
-        trainer.model.train(was_training)
     per_function = torch.tensor([list(values) for values in trainer._logs["rewards"].values()], dtype=torch.float32)
     rewards = torch.nan_to_num(per_function[:, -len(repeated) :], nan=0.0).sum(0)
     texts = [completion_to_text(completion) for completion in list(trainer._logs["completion"])[-len(repeated) :]]
@@ -81,55 +64,15 @@ def sample_generation_batch(trainer: GRPOTrainer, rows: Sequence[dict[str, Any]]
     return inputs, summary
 
 
-def trl_forward(
-    trainer: GRPOTrainer,
-    model: torch.nn.Module,
-    inputs: dict[str, Any],
-    rows: slice = slice(None),
-    micro_batch_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probabilities and entropies of the completions of `rows`, by TRL's own forward (its fused LM head,
-    temperature and autocast), with gradient where grad mode is on."""
-    input_ids = torch.cat([inputs["prompt_ids"][rows], inputs["completion_ids"][rows]], dim=1)
-    attention_mask = torch.cat([inputs["prompt_mask"][rows], inputs["completion_mask"][rows]], dim=1)
-    logps, entropies, _ = GRPOTrainer._get_per_token_logps_and_entropies(
-        trainer,
-        model,
-        input_ids,
-        attention_mask,
-        inputs["completion_ids"].size(1),
-        batch_size=micro_batch_size,
-        compute_entropy=True,
-    )
-    return logps, entropies
-
-
 @contextlib.contextmanager
-def shadowed(obj: Any, **values: Any) -> Iterator[None]:
-    """Sets instance attributes of `obj` for the block (shadowing methods of its class), then restores its own."""
-    saved = {name: obj.__dict__[name] for name in values if name in obj.__dict__}
-    obj.__dict__.update(values)
+def model_mode(model: torch.nn.Module, training: bool) -> Iterator[None]:
+    """`model` in training or eval mode for the block, then back in the mode it was in."""
+    was_training = model.training
+    model.train(training)
     try:
         yield
     finally:
-        for name in values:
-            del obj.__dict__[name]
-        obj.__dict__.update(saved)
-
-
-@contextlib.contextmanager
-def metrics_kept(trainer: GRPOTrainer) -> Iterator[None]:
-    """Restores `trainer._metrics` after the block: what TRL's loss logs during a diagnostic call never reaches the
-    training logs."""
-    saved = {
-        mode: {key: list(values) for key, values in metrics.items()} for mode, metrics in trainer._metrics.items()
-    }
-    try:
-        yield
-    finally:
-        for mode, metrics in trainer._metrics.items():
-            metrics.clear()
-            metrics.update(saved.get(mode, {}))
+        model.train(was_training)
 
 
 def trl_loss_gradients(
@@ -162,11 +105,13 @@ def trl_loss_gradients(
 
     beta = 0.0 if without_kl else trainer.beta  # TRL's loss at beta 0: the same loss without its KL term
     # the one patch: TRL's forward returns the leaves, so that autograd differentiates TRL's loss w.r.t. them
-    with shadowed(trainer, _get_per_token_logps_and_entropies=leaf_forward, beta=beta), metrics_kept(trainer):
-        with torch.enable_grad():
-            loss = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+    metrics = {mode: defaultdict(list) for mode in trainer._metrics}  # what TRL logs meanwhile goes there, then away
+    patch = temporarily_set(trainer, _get_per_token_logps_and_entropies=leaf_forward, beta=beta, _metrics=metrics)
+    with patch, torch.enable_grad():
+        loss = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
     grads = torch.autograd.grad(loss, (logps, entropy), allow_unused=True)
-    return tuple(torch.zeros_like(leaf) if grad is None else grad for leaf, grad in zip((logps, entropy), grads))
+    leaves = (logps, entropy)
+    return tuple(torch.zeros_like(leaf) if grad is None else grad for leaf, grad in zip(leaves, grads, strict=True))
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -187,7 +132,7 @@ def summed_parameter_gradients(
 
     With `(g, h)` = `trl_loss_gradients` times a token mask, this is exactly the part of the gradient of TRL's loss
     that flows through those tokens (the chain rule); masks that partition the tokens give gradients that add up to
-    the full one. Per micro-batch of `micro_batch_size` completions: one forward with grad (`trl_forward`) and one
+    the full one. Per micro-batch of `micro_batch_size` completions: one forward with grad (TRL's) and one
     backward per pair (`torch.autograd.grad`: `param.grad` is not touched). Float32 buffers (float64 models: float64).
     """
     params = trainable_parameters(model)
@@ -199,8 +144,11 @@ def summed_parameter_gradients(
         pairs = [(index, g, h) for index, g, h in pairs if g.any() or h.any()]
         if not pairs:  # e.g. a group whose rewards are all equal and no KL: no gradient, no forward
             continue
+        micro_batch = {
+            key: inputs[key][rows] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+        }
         with torch.enable_grad():
-            logps, entropies = trl_forward(trainer, model, inputs, rows)
+            logps, entropies = trl_completion_logps(trainer, micro_batch, model, compute_entropy=True)
         for position, (index, g, h) in enumerate(pairs):
             outputs, weights = ((logps, entropies), (g, h)) if h.any() else ((logps,), (g,))
             grads = torch.autograd.grad(
@@ -209,7 +157,7 @@ def summed_parameter_gradients(
             sums[index] += torch.cat(
                 [
                     (grad if grad is not None else torch.zeros_like(param)).reshape(-1).to(dtype)
-                    for grad, param in zip(grads, params)
+                    for grad, param in zip(grads, params, strict=True)
                 ]
             )
     return sums

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.nn.utils import parameters_to_vector
 from trl import GRPOTrainer
 
 from ..config import LoptiGRPOConfig
@@ -20,14 +20,10 @@ from ..core_algos import (
     low_probability_token_mask,
     reweight_advantages,
     token_group_mask,
+    token_level_advantages,
 )
-from .loss import (
-    summed_parameter_gradients,
-    trainable_parameters,
-    trl_batch,
-    trl_forward,
-    trl_loss_gradients,
-)
+from ..trainer import trl_completion_logps
+from .loss import model_mode, summed_parameter_gradients, trainable_parameters, trl_batch, trl_loss_gradients
 
 
 logger = logging.getLogger(__name__)
@@ -62,25 +58,56 @@ LOSS_SETTINGS = (
 )
 
 
-def probability_quartiles(
-    probs: torch.Tensor, mask: torch.Tensor, quantiles: Sequence[float] = (0.25, 0.5, 0.75)
-) -> tuple[torch.Tensor, torch.Tensor]:
+def probability_quartiles(logps: torch.Tensor, mask: torch.Tensor) -> tuple[list[float], torch.Tensor]:
     """
-    Groups the tokens of `mask` by the batch's quantiles of `probs` (B, T), at the levels `quantiles`.
+    Groups the tokens of `mask` by the batch's quartiles of the probabilities `exp(logps)` (B, T): the quantiles at
+    0.25, 0.5 and 0.75 as the Lopti quantile split computes them ([`~trl_lopti.core_algos.lopti_batch_threshold`]).
 
     Returns:
-        `tuple[torch.Tensor, torch.Tensor]`: The edges (float64, on the CPU) and the group of every token (B, T) in
-        `[0, len(quantiles)]`, `-1` outside the mask. Group `j` is `[edge_{j-1}, edge_j)`; the last includes its top.
+        `tuple[list[float], torch.Tensor]`: The three edges (NaN without tokens) and the quartile of every token
+        (B, T): `j` in [0, 3] for `[edge_j, edge_{j+1})` (the first from the minimum, the last to the maximum
+        included), `-1` outside the mask.
     """
-    mask = mask.bool()
-    probs = probs.detach().double()
+    logps, mask = logps.detach().double(), mask.bool()
     if not mask.any():
-        return torch.full((len(quantiles),), math.nan, dtype=torch.float64), torch.full_like(
-            mask, -1, dtype=torch.long
-        )
-    edges = torch.quantile(probs[mask], torch.tensor(quantiles, dtype=torch.float64, device=probs.device))
-    group = torch.bucketize(probs, edges, right=True)
-    return edges.cpu(), torch.where(mask, group, torch.full_like(group, -1))
+        return [math.nan] * 3, torch.full_like(mask, -1, dtype=torch.long)
+    edges = [lopti_batch_threshold(logps, mask, level) for level in (0.25, 0.5, 0.75)]
+    quartile = sum((logps.exp() >= edge).long() for edge in edges)
+    return edges, torch.where(mask, quartile, -1)
+
+
+def probability_shift(
+    logps_before: torch.Tensor, logps_after: torch.Tensor, advantages: torch.Tensor, quartile: torch.Tensor
+) -> dict[str, Any]:
+    """
+    The paper's Fig.-3 statistic of one update: per pi_old quartile (`quartile`, (B, T), from [`probability_quartiles`])
+    and sign of the advantage (`advantages`, (B,) or (B, T)), how the sampled tokens' probabilities moved from
+    `logps_before` to `logps_after` (B, T).
+
+    Returns:
+        `dict`: For `all`, `q0` ... `q3`: `label`, `zero_advantage_count` and, for `positive` and `negative`
+        advantages, `count`, `in_direction` (tokens whose probability rose for A > 0, fell for A < 0), their share
+        `share_in_direction`, and `mean_delta_prob`, `mean_delta_logp`.
+    """
+    delta_logp = logps_after.double() - logps_before.double()
+    delta_p = logps_before.double().exp() * torch.expm1(delta_logp)
+    sign = torch.sign(token_level_advantages(advantages, quartile.size(1)).double())
+    table = {}
+    for name, group in [("all", quartile >= 0), *((f"q{j}", quartile == j) for j in range(4))]:
+        entry: dict[str, Any] = {"label": "all" if name == "all" else QUARTILE_LABELS[int(name[1:])]}
+        for key, direction in (("positive", 1.0), ("negative", -1.0)):
+            tokens = group & (sign == direction)
+            moved = delta_logp[tokens] * direction > 0
+            entry[key] = {
+                "count": int(tokens.sum()),
+                "in_direction": int(moved.sum()),
+                "share_in_direction": _stat(moved),
+                "mean_delta_prob": _stat(delta_p[tokens]),
+                "mean_delta_logp": _stat(delta_logp[tokens]),
+            }
+        entry["zero_advantage_count"] = int((group & (sign == 0)).sum())
+        table[name] = entry
+    return table
 
 
 def hidden_state_gradient_norms(
@@ -141,24 +168,25 @@ def completion_statistics(
     d_logps: torch.Tensor | None = None,
     d_entropies: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """`logps` (float64) and, with `d_logps`, `hidden_state_gradient_norms` of every completion token, from the
-    model's plain forward (no gradient), 0 on padding."""
+    """`logps` (float64 from the logits over `temperature`) and, with `d_logps`, `hidden_state_gradient_norms` of every
+    completion token of a TRL batch, from the model's plain forward (no gradient), 0 on padding."""
     num_tokens = inputs["completion_ids"].size(1)
-    stats: dict[str, torch.Tensor] = {}
+    stats: dict[str, list[torch.Tensor]] = {}
     for start in range(0, inputs["completion_ids"].size(0), micro_batch_size):
         rows = slice(start, start + micro_batch_size)
         input_ids = torch.cat([inputs["prompt_ids"][rows], inputs["completion_ids"][rows]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"][rows], inputs["completion_mask"][rows]], dim=1)
         logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=num_tokens + 1).logits
-        ids, scaled = inputs["completion_ids"][rows], logits[:, :-1].double() / temperature
-        norms = {"logps": scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)}
+        ids, scaled = inputs["completion_ids"][rows], logits[:, :-1].double() / temperature  # predict the completion
+        values = {"logps": scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)}
         if d_logps is not None:
-            norms.update(
+            weight, d_entropies_of_rows = lm_head_weight(model), d_entropies[rows]
+            values.update(
                 hidden_state_gradient_norms(
-                    logits[:, :-1], ids, lm_head_weight(model), temperature, d_logps[rows], d_entropies[rows]
+                    logits[:, :-1], ids, weight, temperature, d_logps[rows], d_entropies_of_rows
                 )
             )
-        for key, value in norms.items():
+        for key, value in values.items():
             stats.setdefault(key, []).append(value.double())
     mask = loss_token_mask(inputs).bool()
     return {key: torch.cat(values).masked_fill(~mask, 0.0) for key, values in stats.items()}
@@ -204,30 +232,24 @@ def run_token_diagnostics(
             The trainer (TRL's or a `LoptiGRPOTrainer`); its loss settings, temperature and model are used.
         inputs (`dict[str, Any]`):
             A batch of TRL's `_generate_and_score_completions` (see `sample_generation_batch`, `generation_batch`).
-        summed_gradients (`bool`, *optional*, defaults to `True`):
-            Compute each quartile's summed parameter gradient.
-        probe_methods (`Sequence[str]`, *optional*):
-            Methods of the probability-shift probe, from `PROBE_METHODS`; empty to skip it.
+        summed_gradients (`bool`, *optional*, defaults to `True`), probe_methods (`Sequence[str]`, *optional*):
+            Compute each quartile's summed parameter gradient; the probe's methods (`PROBE_METHODS`; empty: no probe).
         lr (`float`, *optional*, defaults to `1e-3`), optimizer (`str`, *optional*, defaults to `"sgd"`):
             The probe's update: one step of `"sgd"` or of a fresh `"adam"` (Lopti: one per pass, the same optimizer).
-        micro_batch_size (`int`, *optional*, defaults to `4`):
-            Completions per forward.
-        ref_model (`torch.nn.Module`, *optional*):
-            A reference model for the KL term in place of the batch's `ref_per_token_logps`.
+        micro_batch_size (`int`, *optional*, defaults to `4`), ref_model (`torch.nn.Module`, *optional*):
+            Completions per forward; a reference model for the KL term in place of the batch's `ref_per_token_logps`.
 
     Returns:
         `dict[str, Any]`: `{"gradients": ..., "probe": ... or None, "time_s": ...}`, JSON-serialisable (see the
         package docstring).
     """
-    unknown = [method for method in probe_methods if method not in PROBE_METHODS]
-    if unknown:
-        raise ValueError(f"probe_methods: unknown {unknown}; choose from {list(PROBE_METHODS)}")
+    check_probe_methods(probe_methods, trainer.args)
     model = trainer.accelerator.unwrap_model(trainer.model)
     started = time.perf_counter()
-    with evaluation(trainer):
+    with model_mode(trainer.model, training=False):  # no dropout; TRL's loss in its evaluation branch
         batch = trl_batch([inputs], next(model.parameters()).device)
         with torch.no_grad():
-            values = trl_forward(trainer, model, batch, micro_batch_size=micro_batch_size)
+            values = trl_completion_logps(trainer, batch, model, batch_size=micro_batch_size, compute_entropy=True)
         batch.setdefault("old_per_token_logps", values[0])  # what TRL uses on-policy (`per_token_logps.detach()`)
         if ref_model is not None:
             ref_logps = completion_log_probs(ref_model, batch, trainer.temperature, micro_batch_size)
@@ -235,21 +257,21 @@ def run_token_diagnostics(
         if trainer.beta and "ref_per_token_logps" not in batch:
             raise ValueError("beta > 0: the batch needs ref_per_token_logps (TRL adds them), or pass a ref_model")
         mask, old_logps = loss_token_mask(batch).bool(), batch["old_per_token_logps"]
-        split = probe_split(trainer, old_logps, mask, probe_methods) if probe_methods else None
+        settings = {"optimizer": optimizer, "lr": lr, **probe_split(trainer, old_logps, mask)}
         d_logps, d_entropies = trl_loss_gradients(trainer, batch, *values)
         d_no_kl = trl_loss_gradients(trainer, batch, *values, without_kl=True)[0] if trainer.beta else d_logps
         stats = completion_statistics(model, batch, trainer.temperature, micro_batch_size, d_logps, d_entropies)
-        edges, quartile = probability_quartiles(old_logps.exp(), mask)
+        edges, quartile = probability_quartiles(old_logps, mask)
         groups = {"all": mask, **{f"q{j}": quartile == j for j in range(4)}}
         scale = max(int(mask.sum()), 1)  # w = -N dL/dlog pi: for dapo and bnpo, each token's own weight
-        advantages = batch["advantages"].unsqueeze(1) if batch["advantages"].dim() == 1 else batch["advantages"]
         stats.update(
             w=-scale * d_logps,
             w_no_kl=-scale * d_no_kl,
             entropy_weight=-scale * d_entropies,
             loss=scale * stats["loss"],
-            advantages=advantages.expand_as(mask),
+            advantages=token_level_advantages(batch["advantages"], mask.size(1)),
             pi_old=old_logps.exp(),
+            quartile=quartile,
         )
         quartile_grads = None
         if summed_gradients:
@@ -261,26 +283,13 @@ def run_token_diagnostics(
         report["time_s"] = {"gradients": time.perf_counter() - started}
         if probe_methods:
             report["probe"] = probe(
-                trainer, model, batch, values, groups, stats, split, probe_methods, lr, optimizer, micro_batch_size
+                trainer, model, batch, values, groups, stats, settings, probe_methods, micro_batch_size
             )
             report["time_s"]["probe"] = time.perf_counter() - started - report["time_s"]["gradients"]
     return report
 
 
-@contextlib.contextmanager
-def evaluation(trainer: GRPOTrainer) -> Iterator[None]:
-    """`trainer.model` in eval mode for the block: no dropout, and TRL's loss in its evaluation branch."""
-    was_training = trainer.model.training
-    trainer.model.eval()
-    try:
-        yield
-    finally:
-        trainer.model.train(was_training)
-
-
-def probe_split(
-    trainer: GRPOTrainer, old_logps: torch.Tensor, mask: torch.Tensor, methods: Sequence[str]
-) -> dict[str, Any]:
+def probe_split(trainer: GRPOTrainer, old_logps: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
     """The probe's AR alpha and Lopti eta: the trainer's `LoptiGRPOConfig` fields (`LoptiGRPOConfig`'s defaults for
     a TRL `GRPOConfig`); with `lopti_quantile`, eta is that quantile of the batch's pi_old."""
     args = trainer.args
@@ -289,16 +298,24 @@ def probe_split(
     eta = getattr(args, "lopti_threshold", LOPTI_DEFAULTS["lopti_threshold"])
     if quantile is not None:
         eta = lopti_batch_threshold(old_logps, mask, quantile)
-    if eta is None and any(FIRST_UPDATE[method][1] == "low" for method in methods):
-        raise ValueError("probe_methods: the Lopti probes need Lopti on (a lopti_threshold or a lopti_quantile)")
     return {"alpha": alpha, "eta": eta, "lopti_quantile": quantile}
+
+
+def check_probe_methods(methods: Sequence[str], args: Any) -> None:
+    """Raises `ValueError` for a probe method not in `PROBE_METHODS`, or for a Lopti probe (`lopti`, `lopti_ar`) under
+    a `LoptiGRPOConfig` `args` that turns Lopti off (TRL's `GRPOConfig` gets the paper's eta)."""
+    unknown = [method for method in methods if method not in PROBE_METHODS]
+    if unknown:
+        raise ValueError(f"probe_methods: unknown {unknown}; choose from {list(PROBE_METHODS)}")
+    if not getattr(args, "lopti_enabled", True) and any(FIRST_UPDATE[method][1] == "low" for method in methods):
+        raise ValueError("probe_methods: the Lopti probes need Lopti on (a lopti_threshold or a lopti_quantile)")
 
 
 def quartile_table(
     trainer: GRPOTrainer,
     model: torch.nn.Module,
     groups: dict[str, torch.Tensor],
-    edges: torch.Tensor,
+    edges: list[float],
     stats: dict[str, torch.Tensor],
     quartile_grads: list[torch.Tensor] | None,
 ) -> dict[str, Any]:
@@ -340,7 +357,7 @@ def quartile_table(
     table = {
         "num_completions": int(groups["all"].size(0)),
         "num_tokens": int(groups["all"].sum()),
-        "quartile_edges": [edge if math.isfinite(edge) else None for edge in edges.tolist()],
+        "quartile_edges": [edge if math.isfinite(edge) else None for edge in edges],
         "loss": {name: getattr(trainer.args, name, None) for name in LOSS_SETTINGS},
         "quartiles": rows,
         "bound": {
@@ -360,7 +377,7 @@ def quartile_table(
     )
     ratios = [(rows[0].get(key), rows[-1].get(key)) for key in keys]
     table["lowest_over_highest"] = {
-        key: low / high if low is not None and high else None for key, (low, high) in zip(keys, ratios)
+        key: low / high if low is not None and high else None for key, (low, high) in zip(keys, ratios, strict=True)
     }
     return table
 
@@ -372,21 +389,19 @@ def probe(
     values: tuple,
     groups: dict[str, torch.Tensor],
     stats: dict[str, torch.Tensor],
-    split: dict[str, Any],
+    settings: dict[str, Any],
     methods: Sequence[str],
-    lr: float,
-    optimizer: str,
     micro_batch_size: int,
 ) -> dict[str, Any]:
-    """One update of the model per method (AR's alpha and Lopti's eta from `probe_split`), the shift of every token's
-    probability, then the parameters restored."""
+    """One update of the model per method (`settings`: its `optimizer` and `lr`, AR's `alpha` and Lopti's `eta`), the
+    shift of every token's probability, then the parameters restored."""
     mask, old_logps = groups["all"], batch["old_per_token_logps"]
-    if split["eta"] is not None:
-        low = low_probability_token_mask(old_logps, mask, split["eta"])
+    if settings["eta"] is not None:
+        low = low_probability_token_mask(old_logps, mask, settings["eta"])
         groups = dict(groups, low=token_group_mask(low, mask, "low"), high=token_group_mask(low, mask, "high"))
     variants = {
         "A": batch,
-        "AR": dict(batch, advantages=reweight_advantages(batch["advantages"], old_logps, split["alpha"])),
+        "AR": dict(batch, advantages=reweight_advantages(batch["advantages"], old_logps, settings["alpha"])),
     }
     params = trainable_parameters(model)
     start = [param.detach().clone() for param in params]
@@ -394,19 +409,22 @@ def probe(
     try:
         for method in methods:
             advantages, tokens = FIRST_UPDATE[method]
-            update = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer](params, lr=lr)
+            update = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[settings["optimizer"]](
+                params, lr=settings["lr"]
+            )
             gradient_step(trainer, model, variants[advantages], update, groups[tokens], micro_batch_size, values)
             if tokens == "low":  # Lopti's high pass: from the new parameters, ratio and clipping against pi_old
                 gradient_step(trainer, model, variants[advantages], update, groups["high"], micro_batch_size)
-            moved = torch.cat([(param.detach() - before).reshape(-1) for param, before in zip(params, start)])
+            moved = parameters_to_vector(params).detach() - parameters_to_vector(start)
             after = completion_log_probs(model, batch, trainer.temperature, micro_batch_size)
-            results[method] = {"update_norm": _norm(moved), "groups": shift_table(groups, stats, after)}
+            shift = probability_shift(stats["logps"], after, stats["advantages"], stats["quartile"])
+            results[method] = {"update_norm": _norm(moved), "groups": shift}
             restore(params, start)
             logger.info("probe %s done", method)
     finally:
         restore(params, start)
     low_count = int(groups["low"].sum()) if "low" in groups else None
-    return {"optimizer": optimizer, "lr": lr, **split, "low_token_count": low_count, "methods": results}
+    return {**settings, "low_token_count": low_count, "methods": results}
 
 
 def gradient_step(
@@ -422,7 +440,7 @@ def gradient_step(
     (`values`: TRL's per-token values at the current parameters, if known); the parameters' `.grad` are kept."""
     if values is None:
         with torch.no_grad():
-            values = trl_forward(trainer, model, batch, micro_batch_size=micro_batch_size)
+            values = trl_completion_logps(trainer, batch, model, batch_size=micro_batch_size, compute_entropy=True)
     pair = tuple(value * tokens for value in trl_loss_gradients(trainer, batch, *values))
     flat = summed_parameter_gradients(trainer, model, batch, [pair], micro_batch_size)[0]
     params = trainable_parameters(model)
@@ -431,35 +449,15 @@ def gradient_step(
         param.grad = flat[offset : offset + param.numel()].view_as(param).to(param.dtype)
         offset += param.numel()
     optimizer.step()
-    for param, grad in zip(params, previous):
+    for param, grad in zip(params, previous, strict=True):
         param.grad = grad
 
 
 @torch.no_grad()
 def restore(params: list[torch.nn.Parameter], values: list[torch.Tensor]) -> None:
     """Copies `values` back into `params`, exactly."""
-    for param, value in zip(params, values):
+    for param, value in zip(params, values, strict=True):
         param.copy_(value)
-
-
-def shift_table(groups: dict[str, torch.Tensor], stats: dict[str, torch.Tensor], after: torch.Tensor) -> dict:
-    """Per quartile and advantage sign: how the sampled tokens' probabilities moved from `stats["logps"]`."""
-    delta_logp = after - stats["logps"]
-    delta_p = stats["logps"].exp() * torch.expm1(delta_logp)
-    advantages, table = stats["advantages"], {}
-    for name in ("all", "q0", "q1", "q2", "q3"):
-        entry: dict[str, Any] = {"label": "all" if name == "all" else QUARTILE_LABELS[int(name[1:])]}
-        for sign, direction in (("positive", 1.0), ("negative", -1.0)):
-            tokens = groups[name] & (advantages * direction > 0)
-            entry[sign] = {
-                "count": int(tokens.sum()),
-                "share_in_direction": _stat(delta_logp[tokens] * direction > 0),
-                "mean_delta_prob": _stat(delta_p[tokens]),
-                "mean_delta_logp": _stat(delta_logp[tokens]),
-            }
-        entry["zero_advantage_count"] = int((groups[name] & (advantages == 0)).sum())
-        table[name] = entry
-    return table
 
 
 def advance_policy_on_batch(
@@ -477,17 +475,17 @@ def advance_policy_on_batch(
     model = trainer.accelerator.unwrap_model(trainer.model)
     params = trainable_parameters(model)
     start = [param.detach().clone() for param in params]
-    with evaluation(trainer):
+    with model_mode(trainer.model, training=False):  # no dropout; TRL's loss in its evaluation branch
         batch = trl_batch([inputs], start[0].device)
         with torch.no_grad():
-            logps, _ = trl_forward(trainer, model, batch, micro_batch_size=micro_batch_size)
+            logps, _ = trl_completion_logps(trainer, batch, model, batch_size=micro_batch_size)
         inputs["old_per_token_logps"] = batch["old_per_token_logps"] = logps
         if trainer.beta and "ref_per_token_logps" not in batch:
             inputs["ref_per_token_logps"] = batch["ref_per_token_logps"] = logps
         update = torch.optim.Adam(params, lr=lr)
         for _ in range(steps):
             gradient_step(trainer, model, batch, update, loss_token_mask(batch), micro_batch_size)
-    moved = torch.cat([(param.detach() - before).reshape(-1) for param, before in zip(params, start)])
+    moved = parameters_to_vector(params).detach() - parameters_to_vector(start)
     return {"steps": steps, "lr": lr, "update_norm": _norm(moved)}
 
 

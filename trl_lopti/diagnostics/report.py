@@ -1,13 +1,13 @@
-"""Reports of the token diagnostics: Markdown tables and bar charts by probability quartile (through `plots`)."""
+"""Reports of the token diagnostics: Markdown tables, and bar charts by probability quartile (pandas and matplotlib)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .measure import QUARTILE_LABELS
-from .plots import Panel, plot_panels
 
 
 SIGNS = ("positive", "negative")
@@ -34,70 +34,69 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def markdown_table(header: str, rows: Sequence[Sequence[Any]]) -> list[str]:
+    """The lines of a Markdown table under the header row `header` (`"a | b | c"`): numbers to 4 significant digits,
+    `None` as `-`."""
+    separator = "|" + "---|" * len(header.split(" | "))
+    return [f"| {header} |", separator, *("| " + " | ".join(_fmt(cell) for cell in row) + " |" for row in rows)]
+
+
 def format_tables(report: dict[str, Any]) -> str:
-    """
-    Renders the main figures of a `run_token_diagnostics` report as Markdown tables.
-
-    Args:
-        report (`dict[str, Any]`):
-            Output of `run_token_diagnostics` (an `inner_steps` entry, from `advance_policy_on_batch`, is shown).
-
-    Returns:
-        `str`: Markdown text.
-    """
+    """The main figures of a `run_token_diagnostics` report (with an `inner_steps` entry, from
+    `advance_policy_on_batch`, shown) as Markdown text."""
     gradients, lines = report["gradients"], []
     if report.get("inner_steps"):
         inner = report["inner_steps"]
         lines += [
-            f"Measured after {inner['steps']} Adam step(s) (lr {_fmt(inner['lr'])}, ‖Δθ‖ "
-            f"{_fmt(inner['update_norm'])}) of TRL's loss on the batch; π_old = the sampling model.",
+            (
+                f"Measured after {inner['steps']} Adam step(s) (lr {_fmt(inner['lr'])}, ‖Δθ‖ "
+                f"{_fmt(inner['update_norm'])}) of TRL's loss on the batch; π_old = the sampling model."
+            ),
             "",
         ]
     loss = ", ".join(f"{key} {_fmt(value)}" for key, value in gradients["loss"].items() if value is not None)
+    quartiles = [[row.get(key) for key in TABLE_COLUMNS.values()] for row in gradients["quartiles"]]
     lines += [
         f"TRL's loss ({loss}); {gradients['num_tokens']} tokens in {gradients['num_completions']} completions; "
         "quartile edges of π_old: " + ", ".join(_fmt(edge) for edge in gradients["quartile_edges"]),
         "",
-        "| " + " | ".join(TABLE_COLUMNS) + " |",
-        "|" + "---|" * len(TABLE_COLUMNS),
-    ]
-    for row in gradients["quartiles"]:
-        lines.append("| " + " | ".join(_fmt(row.get(key)) for key in TABLE_COLUMNS.values()) + " |")
-    lines += [
+        *markdown_table(" | ".join(TABLE_COLUMNS), quartiles),
         "",
-        f"Bound on ‖dlogπ/dh‖/(1-π): {_fmt(gradients['bound']['ratio_to_one_minus_p_upper_bound'])}; "
-        f"KL reference: {_fmt(gradients['kl_reference'])}",
+        (
+            f"Bound on ‖dlogπ/dh‖/(1-π): {_fmt(gradients['bound']['ratio_to_one_minus_p_upper_bound'])}; "
+            f"KL reference: {_fmt(gradients['kl_reference'])}"
+        ),
         "Lowest/highest quartile: "
         + ", ".join(f"{key} {_fmt(value)}" for key, value in gradients["lowest_over_highest"].items()),
     ]
     if gradients.get("summed_grad_cosine"):
-        lines += ["", "Cosine between quartiles' summed gradients:", "", "| | Q1 | Q2 | Q3 | Q4 |", "|---" * 5 + "|"]
+        cosines = [[f"Q{j + 1}", *row] for j, row in enumerate(gradients["summed_grad_cosine"])]
         lines += [
-            f"| Q{j + 1} | " + " | ".join(_fmt(value) for value in row) + " |"
-            for j, row in enumerate(gradients["summed_grad_cosine"])
+            "",
+            "Cosine between quartiles' summed gradients:",
+            "",
+            *markdown_table(" | Q1 | Q2 | Q3 | Q4", cosines),
         ]
     probe = report.get("probe")
     if probe and probe.get("methods"):
         lines += [
             "",
-            f"Probability shift after one {probe['optimizer']} update (lr {_fmt(probe['lr'])}, alpha "
-            f"{_fmt(probe['alpha'])}, eta {_fmt(probe['eta'])}): share of tokens moved in the direction of their "
-            "advantage (mean Δπ)",
+            (
+                f"Probability shift after one {probe['optimizer']} update (lr {_fmt(probe['lr'])}, alpha "
+                f"{_fmt(probe['alpha'])}, eta {_fmt(probe['eta'])}): share of tokens moved in the direction of "
+                "their advantage (mean Δπ)"
+            ),
             "",
         ]
         for sign in SIGNS:
             count = probe["methods"][next(iter(probe["methods"]))]["groups"]["all"][sign]["count"]
-            lines += [
-                f"{sign} advantages ({count} tokens):",
-                "",
-                "| method | all | Q1 | Q2 | Q3 | Q4 | ‖Δθ‖ |",
-                "|---|---|---|---|---|---|---|",
-            ]
+            rows = []
             for method, result in probe["methods"].items():
                 cells = [result["groups"][group][sign] for group in ("all", "q0", "q1", "q2", "q3")]
                 cells = [f"{_fmt(cell['share_in_direction'])} ({_fmt(cell['mean_delta_prob'])})" for cell in cells]
-                lines.append(f"| {method} | " + " | ".join(cells) + f" | {_fmt(result['update_norm'])} |")
-            lines.append("")
+                rows.append([method, *cells, result["update_norm"]])
+            header = "method | all | Q1 | Q2 | Q3 | Q4 | ‖Δθ‖"
+            lines += [f"{sign} advantages ({count} tokens):", "", *markdown_table(header, rows), ""]
     return "\n".join(lines)
 
 
@@ -106,60 +105,77 @@ def plot_report(report: dict[str, Any], output_dir: str | os.PathLike) -> list[s
     Writes bar charts by probability quartile (the paper's Fig. 1 and Fig. 3) of a `run_token_diagnostics` report.
 
     Args:
-        report (`dict[str, Any]`):
-            Output of `run_token_diagnostics`.
-        output_dir (`str` or `os.PathLike`):
-            Folder for the PNG files (created if missing).
+        report (`dict[str, Any]`), output_dir (`str` or `os.PathLike`):
+            Output of `run_token_diagnostics`, and the folder for the PNG files (created if missing).
 
     Returns:
         `list[str]`: The files written: `gradients.png`, and `probability_shift.png` when the report has a probe.
     """
+    import pandas as pd
+
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    gradients = report["gradients"]
+    gradients, written = report["gradients"], []
     rows = gradients["quartiles"]
-    positions = list(range(len(rows)))
     labels = [f"{row['label']}\n(n={row['count']})" for row in rows]
-
-    def bars(title: str, **series: str) -> Panel:
-        values = {name: (positions, [row.get(key) or 0.0 for row in rows]) for name, key in series.items()}
-        return Panel(title, values, kind="bar", xticklabels=labels)
-
-    ratio = bars("‖dlogπ_t/dh_t‖ / (1 - π_t)", mean="ratio_to_one_minus_p_mean", max="ratio_to_one_minus_p_max")
-    ratio.hlines = {"bound √2·σmax(W)/T": gradients["bound"]["ratio_to_one_minus_p_upper_bound"]}
-    ratio.yscale = "log"  # the bound is loose: often orders of magnitude above the measured ratio
-    panels = [
-        bars("mean |w| per token", **{"with KL": "abs_w_mean", "without KL": "abs_w_no_kl_mean"}),
-        bars("mean ‖dL/dh_t‖ (last hidden state)", mean="hidden_grad_norm_mean"),
-        ratio,
-    ]
+    panels = {  # title -> {legend entry: figure of a quartile row}
+        "mean |w| per token": {"with KL": "abs_w_mean", "without KL": "abs_w_no_kl_mean"},
+        "mean ‖dL/dh_t‖ (last hidden state)": {"mean": "hidden_grad_norm_mean"},
+        "‖dlogπ_t/dh_t‖ / (1 - π_t)": {"mean": "ratio_to_one_minus_p_mean", "max": "ratio_to_one_minus_p_max"},
+    }
     if "summed_grad_norm" in rows[0]:
-        panels += [
-            bars("‖summed parameter gradient‖", norm="summed_grad_norm"),
-            bars("cosine with the full gradient", cosine="cos_with_full"),
-        ]
+        panels["‖summed parameter gradient‖"] = {"norm": "summed_grad_norm"}
+        panels["cosine with the full gradient"] = {"cosine": "cos_with_full"}
+    figure, axes = new_figure(-(-len(panels) // 2), 2, figsize=(12, 4 * -(-len(panels) // 2)), squeeze=False)
+    for axis, (title, series) in zip(axes.flat, panels.items(), strict=False):  # an odd count leaves one axis empty
+        values = {name: [row.get(key) or 0.0 for row in rows] for name, key in series.items()}
+        pd.DataFrame(values, index=labels).plot.bar(ax=axis, title=title, rot=0, fontsize=8)
+    axis = axes.flat[2]  # the ratio's panel; its bound is loose (often orders of magnitude above it): a log scale
+    axis.axhline(gradients["bound"]["ratio_to_one_minus_p_upper_bound"], linestyle="--", color="C2", label="bound")
+    axis.set_yscale("log")
+    axis.legend(fontsize=8)
+    for axis in list(axes.flat)[len(panels) :]:
+        axis.set_axis_off()
     edges = ", ".join(_fmt(edge) for edge in gradients["quartile_edges"])
-    title = f"Token diagnostics by π_old quartile (edges {edges})"
-    written = [plot_panels(output_dir / "gradients.png", panels, title)]
+    written.append(
+        save_figure(figure, output_dir / "gradients.png", f"Token diagnostics by π_old quartile (edges {edges})")
+    )
     probe = report.get("probe")
     if probe and probe.get("methods"):
-        panels = []
+        figure, axes = new_figure(2, 2, figsize=(12, 8))
         titles = {"share_in_direction": "share of {} tokens moved their way", "mean_delta_prob": "mean Δπ, {} tokens"}
-        for key, title in titles.items():
-            for sign in SIGNS:
-                series = {
-                    method: (positions, [result["groups"][f"q{j}"][sign][key] or 0.0 for j in positions])
+        for row, (key, title) in zip(axes, titles.items(), strict=True):
+            for axis, sign in zip(row, SIGNS, strict=True):
+                values = {
+                    method: [result["groups"][f"q{j}"][sign][key] or 0.0 for j in range(4)]
                     for method, result in probe["methods"].items()
                 }
-                panels.append(
-                    Panel(
-                        title.format(f"{sign}-advantage"),
-                        series,
-                        kind="bar",
-                        xticklabels=QUARTILE_LABELS,
-                        ylim=(0, 1) if key == "share_in_direction" else None,
-                    )
+                ylim = (0, 1) if key == "share_in_direction" else None
+                pd.DataFrame(values, index=QUARTILE_LABELS).plot.bar(
+                    ax=axis, title=title.format(f"{sign}-advantage"), rot=0, fontsize=8, ylim=ylim
                 )
         title = f"One {probe['optimizer']} update (lr={probe['lr']:g}, α={probe['alpha']:g}, η={_fmt(probe['eta'])})"
-        written.append(plot_panels(output_dir / "probability_shift.png", panels, title))
+        written.append(save_figure(figure, output_dir / "probability_shift.png", title))
     return written
+
+
+def new_figure(rows: int = 1, columns: int = 1, **kwargs: Any):
+    """`matplotlib.pyplot.subplots(rows, columns, **kwargs)` on matplotlib's file backend (Agg: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(rows, columns, **kwargs)
+
+
+def save_figure(figure, path: str | os.PathLike, title: str | None = None) -> str:
+    """Writes `figure` (with the title `title`) to the PNG `path`, closes it and returns the path."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return str(path)

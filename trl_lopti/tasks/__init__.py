@@ -6,6 +6,7 @@
 - Math (`trl_lopti.tasks.math`): [`load_paper_math_dataset`] (the authors' DSR-uniform and evaluation files),
   [`load_math_dataset`] (Hub sets), [`math_reward`] (the paper's grading) and [`math_reward_lenient`] (TRL's
   math-verify reward); both need `pip install "trl_lopti[math]"`.
+- [`token_parity_reward`]: a reward that varies on any model (for rehearsals and tests with random models).
 
 Example:
 
@@ -23,7 +24,7 @@ trainer = GRPOTrainer(
 ```
 """
 
-from ._text import completion_to_text
+from ._text import completion_to_text, token_parity_reward
 from .knights_knaves import (
     KNIGHTS_KNAVES_HUB_ID,
     generate_dataset,

@@ -1,4 +1,4 @@
-"""Single-digit arithmetic with the answer pre-filled: the task of `trl-lopti demo` and `benchmarks/compare_methods.py`.
+"""Single-digit arithmetic with the answer pre-filled: the task of `trl-lopti demo` and of the benchmarks' comparison.
 
 A prompt is `"What is 7 - 3? The answer is"`, so that a completion is a few tokens, and the reward is 1 when the first
 integer of the completion is the result, else 0. A small pretrained model (SmolLM2-135M-Instruct) partly solves it, so
@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._text import completion_to_text
+from ._text import completion_to_text, token_parity_reward
 
 
 ANSWER_PREFIX = "The answer is"
@@ -142,14 +142,8 @@ def exact_answer_reward(completions: Sequence[Any], answer: Sequence[int], **kwa
     return [1.0 if parse_answer(c) == int(y) else 0.0 for c, y in zip(completions, answer, strict=True)]
 
 
-def digit_share_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
-    """Share of digit characters in the completion: a shaped reward for random models, which never answer."""
-    texts = [completion_to_text(c) for c in completions]
-    return [sum(ch.isdigit() for ch in text) / len(text) if text else 0.0 for text in texts]
-
-
-REWARDS: dict[str, Callable[..., list[float]]] = {"exact": exact_answer_reward, "digits": digit_share_reward}
-"""Reward name -> TRL reward function."""
+REWARDS: dict[str, Callable[..., list[float]]] = {"exact": exact_answer_reward, "token_parity": token_parity_reward}
+"""Reward name -> TRL reward function (`token_parity` varies on random models, which never answer)."""
 
 
 def evaluate_held_out(
@@ -166,22 +160,14 @@ def evaluate_held_out(
     Greedy accuracy and mean reward of sampled answers on held-out problems, overall and per family.
 
     Args:
-        model (`PreTrainedModel`):
-            The model (put in eval mode for the call, then restored).
-        tokenizer (`PreTrainedTokenizerBase`):
-            Its tokenizer (left padding for the call).
+        model (`PreTrainedModel`), tokenizer (`PreTrainedTokenizerBase`):
+            The model (in eval mode for the call) and its tokenizer (left padding for the call).
         held_out (`Sequence[tuple[str, str, int]]`):
             `(family, prompt, answer)`, from [`split_problems`].
         reward_func (`Callable`):
-            A reward of `REWARDS`.
-        max_new_tokens (`int`):
-            Tokens per answer.
-        temperature (`float`):
-            Sampling temperature of the sampled answers.
-        samples (`int`):
-            Sampled answers per problem (one batched `generate` call).
-        seed (`int`):
-            Seed of the sampling.
+            A reward of `REWARDS`, called as TRL calls it (completions, `answer`, `completion_ids`).
+        max_new_tokens (`int`), temperature (`float`), samples (`int`), seed (`int`):
+            Tokens per answer; the temperature, number (one batched `generate` call) and seed of the sampled answers.
 
     Returns:
         `dict`: `accuracy` (greedy reward), `reward` (mean sampled reward), `per_family` (both per family),
@@ -192,38 +178,28 @@ def evaluate_held_out(
     families = [family for family, _, _ in held_out]
     prompts = [prompt for _, prompt, _ in held_out]
     answers = [answer for _, _, answer in held_out]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def rewards(generated: torch.Tensor, repeats: int) -> list[float]:
+        completions = generated[:, encoded["input_ids"].shape[1] :]
+        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+        ids = [row[row != pad_id].tolist() for row in completions]
+        return reward_func(completions=texts, answer=[a for a in answers for _ in range(repeats)], completion_ids=ids)
+
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
     was_training = model.training
     model.eval()
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     try:
         encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        prompt_len = encoded["input_ids"].shape[1]
+        common = dict(**encoded, max_new_tokens=max_new_tokens, pad_token_id=pad_id)
         with torch.no_grad():
-            greedy = model.generate(
-                **encoded,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=pad_id,
-                temperature=None,
-                top_p=None,
-                top_k=None,
-            )
-            greedy_texts = tokenizer.batch_decode(greedy[:, prompt_len:], skip_special_tokens=True)
-            greedy_rewards = reward_func(greedy_texts, answer=answers)
+            greedy = model.generate(**common, do_sample=False, temperature=None, top_p=None, top_k=None)
+            greedy_rewards = rewards(greedy, 1)
             torch.manual_seed(seed)
             sampled = model.generate(
-                **encoded,
-                max_new_tokens=max_new_tokens,
-                do_sample=True,
-                temperature=temperature,
-                top_p=1.0,
-                top_k=0,
-                num_return_sequences=samples,
-                pad_token_id=pad_id,
+                **common, do_sample=True, temperature=temperature, top_p=1.0, top_k=0, num_return_sequences=samples
             )
-            sampled_texts = tokenizer.batch_decode(sampled[:, prompt_len:], skip_special_tokens=True)
-            sampled_rewards = reward_func(sampled_texts, answer=[answer for answer in answers for _ in range(samples)])
+            sampled_rewards = rewards(sampled, samples)
     finally:
         tokenizer.padding_side = padding_side
         model.train(was_training)

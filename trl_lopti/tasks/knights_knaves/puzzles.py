@@ -37,59 +37,14 @@ Statement = tuple  # ('telling-truth', 0), ('and', ('lying', 1), ('telling-truth
 OPERATORS = ("telling-truth", "lying", "not", "and", "or", "->", "<=>")
 MIN_PEOPLE, MAX_PEOPLE = 2, 8
 
+# fmt: skip below: a list of words reads best as lines of words, not as a column of one word a line
 NAMES = (
-    "Emma",
-    "Liam",
-    "Olivia",
-    "Noah",
-    "Ava",
-    "Ethan",
-    "Sophia",
-    "Mason",
-    "Isabella",
-    "William",
-    "Mia",
-    "James",
-    "Charlotte",
-    "Benjamin",
-    "Amelia",
-    "Lucas",
-    "Harper",
-    "Henry",
-    "Evelyn",
-    "Alexander",
-    "Abigail",
-    "Michael",
-    "Emily",
-    "Daniel",
-    "Elizabeth",
-    "Jacob",
-    "Sofia",
-    "Logan",
-    "Avery",
-    "Jackson",
-    "Ella",
-    "Sebastian",
-    "Scarlett",
-    "Jack",
-    "Grace",
-    "Aiden",
-    "Chloe",
-    "Owen",
-    "Victoria",
-    "Samuel",
-    "Riley",
-    "Matthew",
-    "Aria",
-    "Joseph",
-    "Lily",
-    "Luke",
-    "Aurora",
-    "David",
-    "Zoey",
-    "Oliver",
-    "Penelope",
-)
+    "Emma", "Liam", "Olivia", "Noah", "Ava", "Ethan", "Sophia", "Mason", "Isabella", "William", "Mia", "James",
+    "Charlotte", "Benjamin", "Amelia", "Lucas", "Harper", "Henry", "Evelyn", "Alexander", "Abigail", "Michael",
+    "Emily", "Daniel", "Elizabeth", "Jacob", "Sofia", "Logan", "Avery", "Jackson", "Ella", "Sebastian", "Scarlett",
+    "Jack", "Grace", "Aiden", "Chloe", "Owen", "Victoria", "Samuel", "Riley", "Matthew", "Aria", "Joseph", "Lily",
+    "Luke", "Aurora", "David", "Zoey", "Oliver", "Penelope",
+)  # fmt: skip
 """The name pool of the published puzzles (all 51 occur in the authors' 5,000 puzzles, and no other name does)."""
 
 SPEECH_TEMPLATES = (
@@ -313,10 +268,11 @@ def render_quiz(statements: Sequence[Statement], names: Sequence[str], rng: rand
     Returns:
         `str`: The puzzle, ending with the question.
     """
-    sentences = [
+    introduction = (
         "A very special island is inhabited only by knights and knaves. Knights always tell the truth, and knaves "
         f"always lie. You meet {len(names)} inhabitants: {_join_names(names)}."
-    ]
+    )
+    sentences = [introduction]
     for speaker, statement in enumerate(statements):
         template = rng.choice(SPEECH_TEMPLATES)
         sentences.append(template.format(name=names[speaker], claim=render_statement(statement, names)))

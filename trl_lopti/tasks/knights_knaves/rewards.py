@@ -281,13 +281,10 @@ def knights_knaves_reward(
     Returns:
         `list[float]`: One score per completion.
     """
-    responses = _responses(completions, think_prefilled)
-    format_scores = [score_format(response) for response in responses]
-    answer_scores = [
-        score_answer(response, truth) for response, truth in zip(responses, solution_text_format, strict=True)
-    ]
-    if callable(log_metric) and responses:
-        count = len(responses)
+    format_scores = knights_knaves_format_reward(completions, think_prefilled=think_prefilled)
+    answer_scores = knights_knaves_answer_reward(completions, solution_text_format, think_prefilled=think_prefilled)
+    if callable(log_metric) and completions:
+        count = len(completions)
         log_metric("knights_knaves/format", sum(format_scores) / count)
         log_metric("knights_knaves/answer", sum(answer_scores) / count)
         log_metric("knights_knaves/accuracy", sum(s == ANSWER_CORRECT_REWARD for s in answer_scores) / count)

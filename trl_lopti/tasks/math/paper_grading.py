@@ -21,6 +21,7 @@ Requires `sympy` and `pylatexenc` (the `math` extra).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 
@@ -191,24 +192,11 @@ def mathd_normalize(answer: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------------
 # The sympy check and its normaliser
 # ---------------------------------------------------------------------------------------------------------------------
+# fmt: skip below: a list of words reads best as lines of words, not as a column of one word a line
 _UNIT_WORDS = (
-    "degree",
-    "cm",
-    "centimeter",
-    "meter",
-    "mile",
-    "second",
-    "minute",
-    "hour",
-    "day",
-    "week",
-    "month",
-    "year",
-    "foot",
-    "feet",
-    "inch",
-    "yard",
-)
+    "degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week", "month", "year",
+    "foot", "feet", "inch", "yard",
+)  # fmt: skip
 _UNIT_PATTERNS = tuple(re.compile(word + r"(es)?(s)? *(\^[0-9]+)?") for word in _UNIT_WORDS)
 _SCALE_WORDS = (("million", "*10^6"), ("billion", "*10^9"), ("trillion", "*10^12"))
 _UNICODE_TO_SYMPY = (("√", "sqrt"), ("π", "pi"), ("∞", "inf"), ("∪", "U"), ("·", "*"), ("×", "*"))
@@ -292,10 +280,8 @@ def sympy_normalize(answer: str) -> str:
     if value is not None and _is_whole(value):
         answer = str(round(value))
     if "\\" in answer:
-        try:
+        with contextlib.suppress(Exception):  # unreadable LaTeX stays as it is, as in the authors' grader
             answer = _latex_to_plain(answer)
-        except Exception:  # noqa: BLE001 - unreadable LaTeX stays as it is, as in the authors' grader
-            pass
     answer = re.sub("- *", "-", answer)
     answer = re.sub("([0-9]) +([0-9])", r"\1+\2", answer)  # a mixed number `7 3/4` -> `7+3/4`
     answer = answer.replace(" ", "").replace("{", "").replace("}", "").lower()
