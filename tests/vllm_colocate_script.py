@@ -54,9 +54,7 @@ def main(model: str, output: str) -> None:
 
     GenerationMixin.generate = no_transformers_generate
     from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
-
-    def letter_share(completions, **kwargs):
-        return [sum(char.isalpha() for char in text) / max(1, len(text)) for text in completions]
+    from trl_lopti.tasks import token_parity_reward
 
     config = LoptiGRPOConfig(
         output_dir=os.path.join(os.path.dirname(output), "colocate"),
@@ -78,7 +76,7 @@ def main(model: str, output: str) -> None:
         seed=0,
     )
     prompts = Dataset.from_dict({"prompt": [f"Count to {number}:" for number in range(16)]})
-    trainer = LoptiGRPOTrainer(model=model, reward_funcs=letter_share, args=config, train_dataset=prompts)
+    trainer = LoptiGRPOTrainer(model=model, reward_funcs=token_parity_reward, args=config, train_dataset=prompts)
     check = EngineWeights(trainer)
     trainer.add_callback(check)
     trainer.train()
