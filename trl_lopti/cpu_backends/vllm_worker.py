@@ -14,10 +14,10 @@ class WeightTransferOnCpu:
     `{"method": "trl_lopti_weight_transfer"}`, in the server's development mode)."""
 
     def trl_lopti_weight_transfer(self) -> dict:
-        """This worker's communicator with the trainer (`None` before TRL's `init_communicator`), its broadcasts and
-        bytes received, and whether its linear layers compute on their own weights (oneDNN off)."""
+        """This worker's communicator with the trainer (`NoneType` before TRL's `init_communicator`), the broadcasts it
+        received, and whether its linear layers compute on their own weights (oneDNN off)."""
         from vllm import _custom_ops
 
         group = getattr(self.weight_transfer_engine, "model_update_group", None)
-        received = {"broadcasts": group.broadcasts, "bytes": group.bytes_broadcast} if group is not None else {}
-        return {"communicator": type(group).__name__, **received, "onednn": _custom_ops._supports_onednn}
+        received = getattr(group, "broadcasts", 0)
+        return {"communicator": type(group).__name__, "broadcasts": received, "onednn": _custom_ops._supports_onednn}
