@@ -65,18 +65,22 @@ BASE_ARGS = dict(
 
 class Probe(TrainerCallback):
     """
-    Counts and times what one trainer does per generation batch (see the module docstring).
+    Counts and times what one trainer does per generation batch. Time goes to the innermost running phase:
+    `loss_backward_optimizer_s` for `training_step` (and from its end to the callback's `on_step_end`: clipping,
+    optimizer, scheduler, `zero_grad`), within it `scoring_s` for `_generate_and_score_completions`, within that
+    `generation_s` for `_generate`, and `probe_s` for the Fig.-3 forwards; `step_s` runs from the end of the previous
+    batch's last optimizer step to the end of this one's.
 
     Args:
         trainer (`GRPOTrainer`):
             The trainer to observe, before `train()`.
         after_scoring (`Callable[[GRPOTrainer, dict], None]`, *optional*):
-            Called on every training generation batch after `_generate_and_score_completions`, within `scoring_s`
-            (e.g. [`add_old_logps_forward`]).
+            Called with every training generation batch as `_generate_and_score_completions` returns it, within
+            `scoring_s` (e.g. [`add_old_logps_forward`]).
         fig3 (`bool`, *optional*, defaults to `False`):
             Keep in `fig3_batches` the Fig.-3 statistic (`trl_lopti.diagnostics.probability_shift`, and the quartile
             `edges`) of every batch, its tokens scored after generation (`pi_old`) and after the last optimizer step
-            trained on it (uncounted forwards, timed as `probe_s`).
+            trained on it (uncounted forwards).
         capture_token_gradients (`bool`, *optional*, defaults to `False`):
             Keep in `token_gradients` the micro-batch and the per-token log-probabilities (with `.grad`) of the first
             training forward.
@@ -88,18 +92,21 @@ class Probe(TrainerCallback):
         self.fig3_batches: list[dict[str, Any]] = []
         self.token_gradients: tuple[dict[str, Any], torch.Tensor] | None = None
         self._cuda = trainer.accelerator.device.type == "cuda"
-        self._in_generation = self._uncounted = False
-        self._inside_step = (0.0, 0.0)  # generation, scoring and probe time inside the running training_step
-        self._last_step_end = self._train_begin = None
+        self._phases: list[str] = []  # the running phases, innermost last
+        self._mark = self._train_begin = None  # when time was last charged to a phase; when train() began
+        self._uncounted = False
         self._pending: dict[str, Any] | None = None  # the last batch and its pi_old, until it is re-scored (Fig. 3)
         self._loss_inputs: dict[str, Any] | None = None
         trainer.remove_callback(PrinterCallback)
         trainer.add_callback(self)
-        for name, around in (
-            ("_generate_and_score_completions", self._around_generate_and_score),
-            ("_generate", self._around_generate),
-            ("training_step", self._around_training_step),
-        ):
+        wrappers = {
+            "_generate_and_score_completions": self._around_generate_and_score,
+            "_generate": self._around_generate,
+            "training_step": self._around_training_step,
+        }
+        if capture_token_gradients:
+            wrappers["compute_loss"] = self._around_compute_loss
+        for name, around in wrappers.items():
             setattr(trainer, name, functools.partial(around, getattr(trainer, name)))  # on the instance only
         model = trainer.model
         self._handles = [
@@ -107,7 +114,6 @@ class Probe(TrainerCallback):
             model.get_input_embeddings().weight.register_post_accumulate_grad_hook(self._on_backward),
         ]
         if capture_token_gradients:
-            trainer.compute_loss = functools.partial(self._around_compute_loss, trainer.compute_loss)
             self._handles.append(model.register_forward_hook(self._keep_log_prob_gradient, with_kwargs=True))
 
     # clocks -------------------------------------------------------------------------------------------------------
@@ -116,19 +122,25 @@ class Probe(TrainerCallback):
             torch.cuda.synchronize()
         return time.perf_counter(), time.process_time()
 
-    def _add(self, phase: str, start: tuple[float, float], end: tuple[float, float] | None = None):
-        """Adds `end - start` (default: until now) to `phase` of the current batch; returns `end`."""
-        end = end or self._now()
-        for clock, index in (("wall", 0), ("cpu", 1)):
-            self.batches[-1][clock][phase] += end[index] - start[index]
-        return end
+    def _charge(self, phase: str | None = None) -> tuple[float, float]:
+        """Adds the time since the last charge to `phase` (default: the innermost running one; none between steps) of
+        the current batch, on both clocks; returns now."""
+        now, phase = self._now(), phase or (self._phases[-1] if self._phases else None)
+        if phase and self.batches and self._mark:
+            for clock, index in (("wall", 0), ("cpu", 1)):
+                self.batches[-1][clock][phase] += now[index] - self._mark[index]
+        self._mark = now
+        return now
 
     @contextlib.contextmanager
-    def _inside_training_step(self, phase: str):
-        start = self._now()
-        yield
-        end = self._add(phase, start)
-        self._inside_step = tuple(total + e - s for total, e, s in zip(self._inside_step, end, start, strict=True))
+    def _phase(self, phase: str):
+        self._charge()
+        self._phases.append(phase)
+        try:
+            yield
+        finally:
+            self._charge()
+            self._phases.pop()
 
     # wrappers of TRL's methods ------------------------------------------------------------------------------------
     def _around_generate_and_score(self, original, inputs):
@@ -142,20 +154,18 @@ class Probe(TrainerCallback):
                 "logged": {},
             }
         )
-        with self._inside_training_step("probe_s"):
+        with self._phase("probe_s"):
             self._rescore()
-        with self._inside_training_step("scoring_s"):
+        with self._phase("scoring_s"):
             output = original(inputs)
             if self.after_scoring is not None:
                 self.after_scoring(self.trainer, output)
         batch = self.batches[-1]
-        for clock in ("wall", "cpu"):
-            batch[clock]["scoring_s"] -= batch[clock]["generation_s"]
         batch["prompt_tokens"] += int(output["prompt_mask"].sum())
         batch["completion_tokens"] += int(output["completion_mask"].sum())
         batch["completions"] += int(output["completion_ids"].size(0))
         if self.fig3:
-            with self._inside_training_step("probe_s"):
+            with self._phase("probe_s"):
                 keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
                 self._pending = {key: output[key].detach() for key in keys}
                 self._pending["logps"] = self._score(self._pending)
@@ -164,23 +174,13 @@ class Probe(TrainerCallback):
     def _around_generate(self, original, *args, **kwargs):
         if not self.trainer.model.training:
             return original(*args, **kwargs)
-        self._in_generation, start = True, self._now()
-        try:
+        self.batches[-1]["generate_calls"] += 1
+        with self._phase("generation_s"):
             return original(*args, **kwargs)
-        finally:
-            self._in_generation = False
-            self._add("generation_s", start)
-            self.batches[-1]["generate_calls"] += 1
 
     def _around_training_step(self, original, *args, **kwargs):
-        self._inside_step, start = (0.0, 0.0), self._now()
-        output = original(*args, **kwargs)
-        end = self._now()
-        if self.batches:  # the step's time outside generation, scoring and probe
-            outside = tuple(s + inside for s, inside in zip(start, self._inside_step, strict=True))
-            self._add("loss_backward_optimizer_s", outside, end)
-        self._last_step_end = end
-        return output
+        with self._phase("loss_backward_optimizer_s"):
+            return original(*args, **kwargs)
 
     def _around_compute_loss(self, original, model, inputs, *args, **kwargs):
         self._loss_inputs = inputs
@@ -190,13 +190,13 @@ class Probe(TrainerCallback):
     def _on_forward(self, module, args, kwargs) -> None:
         if not self.batches or self._uncounted:
             return
-        if self._in_generation:
+        if self._phases[-1:] == ["generation_s"]:
             self.batches[-1]["generation_forwards"] += 1
         else:
             self.batches[-1]["policy_forwards_grad" if torch.is_grad_enabled() else "policy_forwards_no_grad"] += 1
 
     def _keep_log_prob_gradient(self, module, args, kwargs, output) -> None:
-        if self.token_gradients is None and torch.is_grad_enabled() and not self._in_generation and self.batches:
+        if self.token_gradients is None and torch.is_grad_enabled() and self._phases[-1:] != ["generation_s"]:
             output.log_probs.retain_grad()  # TRL's fused head: per-token log-probabilities of every position
             self.token_gradients = (self._loss_inputs, output.log_probs)
 
@@ -206,11 +206,11 @@ class Probe(TrainerCallback):
 
     # callback events ----------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
-        self._train_begin = self._now()
+        self._mark = self._train_begin = self._now()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.batches and self._last_step_end is not None:
-            self.batches[-1]["end"] = self._add("loss_backward_optimizer_s", self._last_step_end)
+        if self.batches:
+            self.batches[-1]["end"] = self._charge("loss_backward_optimizer_s")
             self.batches[-1]["optimizer_steps"] += 1
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -220,10 +220,8 @@ class Probe(TrainerCallback):
                     self.batches[-1]["logged"].setdefault(key, []).append(value)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.batches:
-            start = self._now()
+        with self._phase("probe_s"):
             self._rescore()
-            self._add("probe_s", start)
 
     # Fig. 3 -------------------------------------------------------------------------------------------------------
     def _score(self, batch: dict[str, Any]) -> torch.Tensor:
