@@ -1,23 +1,13 @@
-"""The benchmarks' one harness: trains one trainer configuration and measures it, generation batch by generation batch.
-
-[`measure_training`] builds TRL's `GRPOTrainer` or `LoptiGRPOTrainer`, attaches a [`Probe`] and trains. The probe sees
-the trainer only through what TRL and transformers define: a `TrainerCallback`, TRL's `GRPOTrainer` methods wrapped on
-the instance (`_generate_and_score_completions`, `_generate`, `training_step`, `compute_loss`), a forward pre-hook on
-the policy and a post-accumulate-grad hook on its input embedding. It names no method of `LoptiGRPOTrainer`.
-
-Per generation batch, on two clocks (wall, and CPU time of the process, all threads: on a CPU shared with other
-processes it measures the work rather than the share of the CPU obtained; CUDA synchronised on GPU): `generation_s`
-(`_generate`), `scoring_s` (the rest of `_generate_and_score_completions`: rewards, advantages, any no-grad log-prob
-forward), `loss_backward_optimizer_s` (the rest of every `training_step`, plus clipping, optimizer, scheduler and
-`zero_grad`), `probe_s` (Fig.-3 scoring), `step_s` (from the end of the previous batch's last optimizer step to the
-end of this one's); the counts of `COUNTS`; every logged `lopti/*` metric and reward. Per run: peak memory (RSS on CPU,
-`torch.cuda.max_memory_allocated` on GPU), wall and CPU time of `train()`.
+"""The benchmarks' one harness: [`measure_training`] trains one trainer configuration and measures it through a
+[`Probe`], generation batch by generation batch; benchmarks/README.md ("What is measured") defines every phase and
+count. The probe sees the trainer only through what TRL and transformers define, never a method of `LoptiGRPOTrainer`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import gc
 import json
@@ -26,19 +16,26 @@ import platform
 import random
 import re
 import resource
+import shlex
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PrinterCallback, TrainerCallback, set_seed
+from datasets import Dataset
+from transformers import AutoConfig, PrinterCallback, TrainerCallback, set_seed
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+from trl_lopti.cli.demo_model import get_smollm2
 from trl_lopti.diagnostics import completion_log_probs, probability_quartiles, probability_shift
-from trl_lopti.trainer import trl_completion_logps
+from trl_lopti.models import build_tiny_model
+from trl_lopti.tasks import completion_to_text
+from trl_lopti.trainer import describe_method, trl_completion_logps
 
 
 PHASES = ("generation_s", "scoring_s", "loss_backward_optimizer_s", "probe_s", "step_s")
@@ -281,25 +278,11 @@ def measure_training(
     **config_fields: Any,
 ) -> dict[str, Any]:
     """
-    Trains one configuration for `generation_batches` generation batches and returns what the [`Probe`] measured.
-
-    Args:
-        model_path (`str`), dataset (`datasets.Dataset`), reward_funcs, processing_class (*optional*):
-            What the trainer is built with.
-        generation_batches (`int`):
-            Generation batches to train (`max_steps` is this times `lopti_num_passes`: equal rollouts).
-        lopti (`dict`, *optional*):
-            `LoptiGRPOConfig` fields; `None` trains TRL's `GRPOTrainer` with a `GRPOConfig`.
-        after_scoring, fig3, capture_token_gradients:
-            See [`Probe`].
-        after_training (`Callable[[GRPOTrainer], dict]`, *optional*):
-            Called after training (hooks removed); its entries join the result.
-        **config_fields:
-            `GRPOConfig` fields, on top of `BASE_ARGS`.
-
-    Returns:
-        `dict`: `trainer`, `global_step`, `train_wall_s`, `train_cpu_s`, `peak_memory_mb`, `batches`, and when asked
-        `fig3_batches`, `token_gradients`.
+    Trains one configuration for `generation_batches` generation batches (`max_steps` is this times `lopti_num_passes`:
+    equal rollouts): TRL's `GRPOTrainer` where `lopti` is `None`, else `LoptiGRPOTrainer` with those `LoptiGRPOConfig`
+    fields; `config_fields` are `GRPOConfig` fields on top of `BASE_ARGS`. `after_training(trainer)` runs after training
+    (hooks removed) and its entries join the result, beside `trainer`, `method`, `global_step`, `train_wall_s`,
+    `train_cpu_s`, `peak_memory_mb`, `batches` and, when asked (see [`Probe`]), `fig3_batches`, `token_gradients`.
     """
     cuda = not config_fields.get("use_cpu", True)
     _reset_peak_memory(cuda)
@@ -309,13 +292,7 @@ def measure_training(
         args.max_steps = generation_batches * getattr(args, "lopti_num_passes", 1)
         set_seed(args.seed)
         trainer_class = GRPOTrainer if lopti is None else LoptiGRPOTrainer
-        trainer = trainer_class(
-            model=model_path,
-            reward_funcs=reward_funcs,
-            args=args,
-            train_dataset=dataset,
-            processing_class=processing_class,
-        )
+        trainer = trainer_class(model_path, reward_funcs, args, dataset, processing_class=processing_class)
         probe = Probe(trainer, after_scoring, fig3, capture_token_gradients)
         torch.manual_seed(args.seed)
         start = probe._now()
@@ -323,6 +300,7 @@ def measure_training(
         end = probe._now()
         result = {
             "trainer": trainer_class.__name__,
+            "method": "GRPO" if lopti is None else describe_method(args),
             "global_step": trainer.state.global_step,
             "train_wall_s": end[0] - start[0],
             "train_cpu_s": end[1] - start[1],
@@ -361,57 +339,51 @@ def _peak_memory_mb(cuda: bool) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Models, prompts, rewards, environment
+# Models, prompts, rewards, records
 # ---------------------------------------------------------------------------------------------------------------------
 def prepare_model(kind: str, work_dir: Path, seed: int = 0, device: str = "cpu", **model_config: Any) -> str:
     """A local model folder: `"smollm2"` (offline, `trl_lopti.cli.demo_model.get_smollm2`), else a random Qwen2."""
-    from trl_lopti.cli.demo_model import get_smollm2
-    from trl_lopti.models import build_tiny_model
-
     if kind == "smollm2":
         return get_smollm2()
-    return build_tiny_model(work_dir / "model", seed=seed, device=device, **model_config)
+    return build_tiny_model(work_dir / "random-qwen2", seed=seed, device=device, **model_config)
 
 
 def addition_prompts(num_prompts: int, seed: int):
     """Two-digit additions as chat prompts with their answers (a cheap reward with a real signal for SmolLM2)."""
-    from datasets import Dataset
-
     rng = random.Random(seed)
     rows = []
     for _ in range(num_prompts):
         a, b = rng.randint(10, 99), rng.randint(10, 99)
-        rows.append(
-            {
-                "prompt": [{"role": "user", "content": f"What is {a} + {b}? Reply with the number only."}],
-                "answer": str(a + b),
-            }
-        )
+        prompt = [{"role": "user", "content": f"What is {a} + {b}? Reply with the number only."}]
+        rows.append({"prompt": prompt, "answer": str(a + b)})
     return Dataset.from_list(rows)
 
 
 def answer_reward(completions: list, answer: list[str], **kwargs) -> list[float]:
     """1 when the reference answer appears in the completion, else 0."""
-    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [1.0 if ref in text else 0.0 for text, ref in zip(texts, answer, strict=True)]
+    return [float(ref in completion_to_text(c)) for c, ref in zip(completions, answer, strict=True)]
 
 
-def environment() -> dict[str, Any]:
-    """Versions, device, threads and the 1-minute load average (the conditions a figure was measured in)."""
-    import transformers
-    import trl
-
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+def record(args, model_path: str, **fields: Any) -> dict[str, Any]:
+    """The head of an experiment's JSON: the experiment, its command line and options (the dataclass `args`), the
+    model, the conditions it ran in (versions, device, threads, 1-minute load average), then `fields`."""
+    config = AutoConfig.from_pretrained(model_path)
     return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "trl": trl.__version__,
-        "device": device,
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "load_average": os.getloadavg(),
+        "experiment": type(args).__name__.lower(),
+        "command": shlex.join(["python", *sys.argv]),
+        "options": dataclasses.asdict(args),
+        "model": f"{Path(model_path).name} ({config.model_type}, hidden {config.hidden_size}, "
+        f"{config.num_hidden_layers} layers, vocab {config.vocab_size})",
+        "environment": {
+            "python": platform.python_version(),
+            **{package: version(package) for package in ("torch", "transformers", "trl")},
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
+            "machine": platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "load_average": os.getloadavg(),
+        },
+        **fields,
     }
 
 

@@ -139,8 +139,7 @@ def cost_markdown(report: dict[str, Any]) -> str:
     base = next((run for run in runs if run["name"] == BASELINE), None)
 
     def with_ratio(value: float, reference: float | None, digits: int) -> str:
-        text = f"{value:.{digits}f}"
-        return f"{text} ({value / reference:.2f}x)" if reference else text
+        return f"{value:.{digits}f}" + (f" ({value / reference:.2f}x)" if reference else "")
 
     memory = "peak CUDA mem (MB)" if on_gpu else "peak RSS (MB)"
     header = (
@@ -156,7 +155,7 @@ def cost_markdown(report: dict[str, Any]) -> str:
             reference = base["medians"][clock] if base and run is not base else {}
             rows.append(
                 [
-                    f"{run['name']}: {run['description']}",
+                    f"{run['name']}: {run['method']}",
                     *(with_ratio(medians[key], reference.get(key), digits) for key, digits in timed),
                     f"{counts['policy_forwards_grad']:g} / {counts['policy_forwards_no_grad']:g}",
                     f"{counts['backward_passes']:g}",
@@ -178,15 +177,15 @@ def cost_markdown(report: dict[str, Any]) -> str:
         f"Size `{size['name']}`: model `{report['model']}`, {size['prompts_per_batch']} prompts x "
         f"{size['num_generations']} completions of {size['max_completion_length']} tokens per generation batch, "
         f"micro-batch {size['per_device_train_batch_size']} x {size['gradient_accumulation_steps']} accumulation "
-        f"steps (on-policy), {env['device']}, {'bf16 autocast' if size['bf16'] else 'float32'}, gradient checkpointing "
+        f"steps (on-policy), {env['device']}, {'bf16 autocast' if on_gpu else 'float32'}, gradient checkpointing "
         f"{'on' if size['gradient_checkpointing'] else 'off'}, torch threads {env['torch_threads']}. "
         f"Medians over {runs[0]['medians']['measured_batches'] if runs else 0} generation batches after "
         f"{size['warmup_batches']} warm-up batch(es) per configuration. "
         f"Lopti threshold {report['lopti_threshold']:.4g}{low_token_share}. "
-        f"1-minute load average {report['load_average_at_start'][0]:.1f} at the start and "
+        f"1-minute load average {env['load_average'][0]:.1f} at the start and "
         f"{report['load_average_at_end'][0]:.1f} at the end on {env['cpu_count']} CPUs."
     )
-    if report.get("skipped"):
+    if report["skipped"]:
         conditions += " Skipped: " + ", ".join(report["skipped"]) + "."
     return "\n".join([*lines, conditions]) + "\n"
 

@@ -28,14 +28,17 @@ def benchmarks():
 @pytest.fixture(scope="module")
 def cost(benchmarks, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("cost")
-    benchmarks.cost("tiny", VARIANTS, str(output_dir), command="pytest", warmup_batches=1, measured_batches=1)
+    options = dict(size="tiny", variants=VARIANTS, warmup_batches=1, measured_batches=1)
+    benchmarks.cost(benchmarks.Cost(output_dir=str(output_dir), **options))
     return json.loads((output_dir / "bench_tiny.json").read_text()), output_dir
 
 
 @pytest.fixture(scope="module")
 def comparison(benchmarks, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("compare")
-    benchmarks.compare("tiny", ["grpo", "lopti"], str(output_dir), command="pytest", seeds=[0, 1])
+    benchmarks.compare(
+        benchmarks.Compare(size="tiny", methods=["grpo", "lopti"], seeds=[0, 1], output_dir=str(output_dir))
+    )
     return json.loads((output_dir / "compare_tiny.json").read_text()), output_dir
 
 
