@@ -1,38 +1,23 @@
-"""The benchmarks: short configurations of the harness (`benchmarks/harness.py`), and their command line.
+"""The benchmarks: short configurations of the harness (`harness.py`), one dataclass of options each, and their command
+line (TRL's `TrlParser`). `benchmarks/README.md` says what each one measures and where its results are.
 
     python benchmarks/experiments.py cost --size tiny                      # seconds; tests/test_benchmark.py runs it
-    python benchmarks/experiments.py cost --size smollm2-cpu-short --output-dir benchmarks/results
     python benchmarks/experiments.py compare --size smollm2 --seeds 0 1 2 3 4 --output-dir benchmarks/results
     python benchmarks/experiments.py isolation
-    python benchmarks/experiments.py lm-head --low-share 0.24 --repeats 5
-
-- `cost`: what AR and Lopti cost against TRL's `GRPOTrainer`: every variant of `VARIANTS` on one size of `SIZES`, the
-  same model, prompts and seed, one after the other in one process, the same number of generation batches (Lopti's
-  `max_steps` doubled), completions of fixed length (`min_new_tokens`). Writes `bench_<size>.json` after every
-  variant and `bench_<size>.md`. Variants not started within the size's time budget are skipped and listed.
-- `compare`: does it help? `METHODS` (GRPO and the paper's K&K settings of AR, Lopti, AR + Lopti) on the arithmetic
-  task of `trl_lopti.tasks.arithmetic`, several seeds, equal rollouts; held-out greedy accuracy and sampled reward
-  before and after, the training reward per batch, the paper's Fig.-3 statistic per `pi_old` quartile, and every
-  figure's difference to GRPO paired by seed, with 95% Student-t intervals. Writes `compare_<size>.json` after every
-  run, `compare_<size>.md` and `compare_<size>.png`; `--resume` reuses the finished runs of that JSON.
-- `isolation`: how much gradient a Lopti pass sends to its inactive tokens, when they only get a zero advantage (TRL's
-  `GRPOTrainer` with token-level advantages zeroed outside the low group) and with `LoptiGRPOTrainer` (gradient only
-  through the active tokens): summed `|dL/d log p|` at the policy's output in the first training forward.
-- `lm-head`: what an LM head computed only where a Lopti pass needs it could save (not in the trainer; one
-  micro-batch, process CPU time of forward+backward).
+    python benchmarks/experiments.py lm-head --low-share 0.2 --repeats 5
+    python benchmarks/experiments.py EXPERIMENT --help                     # its options
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import shlex
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,94 +32,84 @@ import report  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.utils import logging as transformers_logging  # noqa: E402
+from trl import TrlParser  # noqa: E402
 
 from trl_lopti.core_algos import low_probability_token_mask, token_group_mask  # noqa: E402
 from trl_lopti.diagnostics.report import markdown_table  # noqa: E402
 from trl_lopti.tasks import arithmetic, token_parity_reward  # noqa: E402
 
 
+METHODS: dict[str, dict[str, Any] | None] = {  # LoptiGRPOConfig fields; None: TRL's GRPOTrainer
+    # the paper's K&K settings (DESIGN.md, section 5); `cost` sets every fixed eta to its size's
+    "grpo": None,
+    "ar": dict(advantage_reweighting_alpha=0.2, lopti_threshold=None),
+    "lopti": dict(advantage_reweighting_alpha=0.0, lopti_threshold=0.4),
+    "ar+lopti": dict(advantage_reweighting_alpha=0.3, lopti_threshold=0.5),
+    # Lopti plus the separate no-grad forward for pi_old that the reference implementation runs (an `after_scoring`
+    # hook, `harness.add_old_logps_forward`: the same updates up to float rounding)
+    "lopti-refstyle": dict(advantage_reweighting_alpha=0.0, lopti_threshold=0.4),
+    "lopti-quantile": dict(advantage_reweighting_alpha=0.0, lopti_threshold=None, lopti_quantile=0.5),
+}
+
+
+def after_scoring(method: str):
+    """The `after_scoring` hook of a method of `METHODS`."""
+    return harness.add_old_logps_forward if method == "lopti-refstyle" else None
+
+
+@dataclass
+class Options:
+    output_dir: str = "benchmarks/results"
+    threads: int | None = field(default=None, metadata={"help": "torch threads (default: 1 where CUDA is absent)"})
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # cost
 # ---------------------------------------------------------------------------------------------------------------------
-ETA = "eta"  # in VARIANTS: the size's Lopti threshold
-
-VARIANTS: dict[str, tuple[str, dict[str, Any] | None, bool]] = {
-    # name: (description, LoptiGRPOConfig fields or None for TRL's GRPOTrainer, separate no-grad pi_old forward)
-    "grpo": ("TRL GRPOTrainer", None, False),
-    "ar": (
-        "LoptiGRPOTrainer, AR only (alpha=0.2)",
-        dict(advantage_reweighting_alpha=0.2, lopti_threshold=None),
-        False,
-    ),
-    "lopti": ("LoptiGRPOTrainer, Lopti only", dict(advantage_reweighting_alpha=0.0, lopti_threshold=ETA), False),
-    "ar+lopti": (
-        "LoptiGRPOTrainer, AR (alpha=0.3) + Lopti",
-        dict(advantage_reweighting_alpha=0.3, lopti_threshold=ETA),
-        False,
-    ),
-    "lopti-refstyle": (
-        "Lopti + separate old-log-prob forward (reference-style)",
-        dict(advantage_reweighting_alpha=0.0, lopti_threshold=ETA),
-        True,
-    ),
-    "lopti-quantile": (
-        "Lopti, eta at the 0.5 quantile of each batch",
-        dict(advantage_reweighting_alpha=0.0, lopti_threshold=None, lopti_quantile=0.5),
-        False,
-    ),
-}
-
 _SMOLLM2_CPU = dict(
-    name="smollm2-cpu",
     model="smollm2",
     model_config={},
     device="cpu",
-    bf16=False,
-    threads=1,
     prompts_per_batch=2,
     num_generations=4,
     per_device_train_batch_size=4,
-    gradient_accumulation_steps=2,
+    gradient_accumulation_steps=2,  # = steps_per_generation: on-policy, one GRPO optimizer step per generation batch
     max_completion_length=128,  # longer than the prompts, as in RL: generation is the larger part of a GRPO step
     gradient_checkpointing=False,  # a 135M model has no memory pressure on CPU
-    lopti_threshold=0.5,
+    lopti_threshold=0.5,  # None: 1 / vocab, which splits a near-uniform random model's tokens in two non-empty groups
     warmup_batches=1,
     measured_batches=2,
     time_budget_s=None,
 )
 SIZES: dict[str, dict[str, Any]] = {
-    # A random Qwen2 whose vocabulary is larger than the tiny tokenizer's (unknown ids decode to nothing, as on GPU);
-    # eta = 1 / vocab (None) splits a near-uniform random model's tokens in two non-empty groups.
+    # A random Qwen2 whose vocabulary is larger than the tiny tokenizer's (unknown ids decode to nothing, as on GPU)
     "tiny": {
         **_SMOLLM2_CPU,
-        "name": "tiny",
         "model": "random-qwen2",
+        "model_config": dict(hidden_size=64, vocab_size=1024, tie_word_embeddings=True),
         "prompts_per_batch": 4,
         "per_device_train_batch_size": 8,
         "max_completion_length": 12,
         "gradient_checkpointing": True,
         "lopti_threshold": None,
-        "model_config": dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=1024,
-            tie_word_embeddings=True,
-        ),
     },
     "smollm2-cpu": _SMOLLM2_CPU,
     # completions about as long as the prompts: loss+backward is the larger part of a GRPO step on CPU
-    "smollm2-cpu-short": {**_SMOLLM2_CPU, "name": "smollm2-cpu-short", "max_completion_length": 48},
+    "smollm2-cpu-short": {**_SMOLLM2_CPU, "max_completion_length": 48},
     # Qwen2.5-1.5B's shape with random weights (nothing can be downloaded on the GPU machine); see run_gpu.sh.
     "gpu": {
         **_SMOLLM2_CPU,
-        "name": "gpu",
         "model": "random-qwen2",
+        "model_config": dict(
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+            rope_theta=1_000_000.0,
+        ),
         "device": "cuda",
-        "bf16": True,
-        "threads": None,
         "prompts_per_batch": 16,
         "num_generations": 8,
         "per_device_train_batch_size": 32,
@@ -143,85 +118,47 @@ SIZES: dict[str, dict[str, Any]] = {
         "gradient_checkpointing": True,
         "lopti_threshold": None,
         "time_budget_s": 360.0,  # no variant starts after 6 min; run_gpu.sh stops at 7m50s
-        "model_config": dict(
-            hidden_size=1536,
-            intermediate_size=8960,
-            num_hidden_layers=28,
-            num_attention_heads=12,
-            num_key_value_heads=2,
-            vocab_size=151936,
-            tie_word_embeddings=True,
-            rope_theta=1_000_000.0,
-            rms_norm_eps=1e-6,
-        ),
     },
 }
 
 
-def cost(
-    size: str = "tiny",
-    variants: list[str] | None = None,
-    output_dir: str = "benchmarks/results",
-    seed: int = 42,
-    command: str | None = None,
-    **overrides: Any,
-) -> dict[str, Any]:
-    """
-    Runs the cost experiment (module docstring); writes `bench_<size>.json` after every variant, and `bench_<size>.md`.
+@dataclass
+class Cost(Options):
+    """What AR and Lopti cost against TRL's `GRPOTrainer`: each variant on one size, the same model, prompts and seed,
+    one after the other in one process, the same number of generation batches (Lopti's `max_steps` doubled) of
+    fixed-length completions (`min_new_tokens`). Writes `bench_<size>.json` (after every variant: a run cut short keeps
+    what it measured) and `bench_<size>.md`; variants not started within the size's time budget are listed as
+    skipped. `None`: the size's value."""
 
-    Args:
-        size (`str`, *optional*, defaults to `"tiny"`):
-            A key of `SIZES`; `**overrides` change its entries (`warmup_batches`, `measured_batches`, `threads`,
-            `time_budget_s`).
-        variants (`list[str]`, *optional*):
-            Keys of `VARIANTS`, in run order; all by default (`grpo` is needed for ratios).
-        output_dir (`str`, *optional*, defaults to `"benchmarks/results"`), command (`str`, *optional*):
-            Where the files go; the command line, recorded.
-        seed (`int`, *optional*, defaults to `42`):
-            Seed of the random model, the prompts, the trainers and the sampling.
-    """
-    size = {**SIZES[size], **overrides}
+    size: str = field(default="tiny", metadata={"choices": list(SIZES)})
+    variants: list[str] = field(default_factory=lambda: list(METHODS), metadata={"choices": list(METHODS)})
+    seed: int = 42
+    warmup_batches: int | None = None
+    measured_batches: int | None = None
+    time_budget_s: float | None = None
+
+
+def cost(args: Cost) -> dict[str, Any]:
+    overrides = {key: getattr(args, key) for key in ("warmup_batches", "measured_batches", "time_budget_s")}
+    size = {"name": args.size, **SIZES[args.size], **{k: v for k, v in overrides.items() if v is not None}}
     cuda = size["device"] == "cuda"
     if cuda and not torch.cuda.is_available():
-        raise RuntimeError(f"size {size['name']!r} needs CUDA")
-    json_path = Path(output_dir) / f"bench_{size['name']}.json"
-    num_batches = size["warmup_batches"] + size["measured_batches"]
-    length = size["max_completion_length"]
+        raise RuntimeError(f"size {args.size!r} needs CUDA")
+    json_path = Path(args.output_dir) / f"bench_{args.size}.json"
+    num_batches, length = size["warmup_batches"] + size["measured_batches"], size["max_completion_length"]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-model-") as tmp:
-        model_path = harness.prepare_model(
-            size["model"],
-            Path(tmp),
-            seed,
-            size["device"],
-            **({"max_position_embeddings": 4096, **size["model_config"]} if size["model"] == "random-qwen2" else {}),
-        )
-        model_config = AutoConfig.from_pretrained(model_path)
-        eta = size["lopti_threshold"] or 1.0 / model_config.vocab_size
-        dataset = harness.addition_prompts(size["prompts_per_batch"] * num_batches, seed)
-        data: dict[str, Any] = {
-            "experiment": "cost",
-            "command": command,
-            "size": size,
-            "lopti_threshold": eta,
-            "seed": seed,
-            "model": "SmolLM2-135M-Instruct"
-            if size["model"] == "smollm2"
-            else (
-                f"random Qwen2 (hidden {model_config.hidden_size}, {model_config.num_hidden_layers} layers, vocab "
-                f"{model_config.vocab_size})"
-            ),
-            "environment": harness.environment(),
-            "load_average_at_start": os.getloadavg(),
-            "runs": [],
-            "skipped": [],
-        }
-        for name in variants or list(VARIANTS):
+        model_path = harness.prepare_model(size["model"], Path(tmp), args.seed, size["device"], **size["model_config"])
+        eta = size["lopti_threshold"] or 1.0 / AutoConfig.from_pretrained(model_path).vocab_size
+        dataset = harness.addition_prompts(size["prompts_per_batch"] * num_batches, args.seed)
+        data = harness.record(args, model_path, size=size, lopti_threshold=eta, runs=[], skipped=[])
+        for name in args.variants:
             if size["time_budget_s"] is not None and time.perf_counter() - start > size["time_budget_s"]:
                 data["skipped"].append(f"{name} (time budget of {size['time_budget_s']:g} s spent)")
                 continue
-            description, lopti, reference_style = VARIANTS[name]
-            lopti = None if lopti is None else {key: eta if value == ETA else value for key, value in lopti.items()}
+            lopti = METHODS[name]
+            if lopti and lopti["lopti_threshold"] is not None:  # a fixed eta: the size's
+                lopti = {**lopti, "lopti_threshold": eta}
             print(f"[cost] {name} ({time.perf_counter() - start:.0f} s elapsed)", flush=True)
             run = harness.measure_training(
                 model_path,
@@ -229,44 +166,33 @@ def cost(
                 [harness.answer_reward, token_parity_reward],
                 num_batches,
                 lopti,
-                after_scoring=harness.add_old_logps_forward if reference_style else None,
+                after_scoring=after_scoring(name),
                 per_device_train_batch_size=size["per_device_train_batch_size"],
-                gradient_accumulation_steps=size["gradient_accumulation_steps"],  # = steps_per_generation: on-policy
+                gradient_accumulation_steps=size["gradient_accumulation_steps"],
                 num_generations=size["num_generations"],
                 max_completion_length=length,
                 generation_kwargs={"min_new_tokens": length},
                 learning_rate=1e-6,
                 temperature=1.0,
                 use_cpu=not cuda,
-                bf16=size["bf16"],
+                bf16=cuda,
                 gradient_checkpointing=size["gradient_checkpointing"],
-                seed=seed,
+                seed=args.seed,
             )
             for index, batch in enumerate(run["batches"]):
                 batch["warmup"] = index < size["warmup_batches"]
-            run.update(
-                name=name,
-                description=description,
-                lopti=lopti,
-                reference_style=reference_style,
-                medians=report.batch_medians(run["batches"]),
-            )
+            run.update(name=name, lopti=lopti, medians=report.batch_medians(run["batches"]))
             data["runs"].append(run)
             data.update(load_average_at_end=os.getloadavg(), total_wall_s=time.perf_counter() - start)
-            harness.write_json(json_path, data)  # after every variant: a run cut short keeps what it measured
+            harness.write_json(json_path, data)
             json_path.with_suffix(".md").write_text(report.cost_markdown(data))
+    print(report.cost_markdown(data))
     return data
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # compare
 # ---------------------------------------------------------------------------------------------------------------------
-METHODS: dict[str, dict[str, Any] | None] = {  # the paper's K&K settings (DESIGN.md, section 5)
-    "grpo": None,  # TRL's GRPOTrainer and GRPOConfig
-    "ar": dict(advantage_reweighting_alpha=0.2, lopti_threshold=None),
-    "lopti": dict(advantage_reweighting_alpha=0.0, lopti_threshold=0.4),
-    "ar+lopti": dict(advantage_reweighting_alpha=0.3, lopti_threshold=0.5),
-}
 _COMPARE_SMOLLM2 = dict(
     model="smollm2",
     task="mixed",
@@ -300,48 +226,36 @@ COMPARE_SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def compare(
-    size: str = "tiny",
-    methods: list[str] | None = None,
-    output_dir: str = "benchmarks/results",
-    resume: bool = False,
-    command: str | None = None,
-    **overrides: Any,
-) -> dict[str, Any]:
-    """
-    Runs the method comparison (module docstring), seeds outermost; writes `compare_<size>.json` after every run, then
-    `compare_<size>.md` and `compare_<size>.png`.
+@dataclass
+class Compare(Options):
+    """Does it help? Methods on the arithmetic task of `trl_lopti.tasks.arithmetic`, several seeds (outermost; a seed
+    fixes the prompts, their order and the sampling, the same for every method), equal rollouts: held-out greedy
+    accuracy and sampled reward before and after, the training reward per batch, the paper's Fig.-3 statistic per
+    `pi_old` quartile, and every figure's difference to GRPO paired by seed, with 95% Student-t intervals. Writes
+    `compare_<size>.json` after every run, then `compare_<size>.md` and `compare_<size>.png`."""
 
-    Args:
-        size (`str`, *optional*, defaults to `"tiny"`):
-            A key of `COMPARE_SIZES`; `**overrides` change its settings (`seeds`, `rollout_batches`, ...).
-        methods (`list[str]`, *optional*):
-            Keys of `METHODS`, in run order; all by default.
-        output_dir (`str`, *optional*, defaults to `"benchmarks/results"`), command (`str`, *optional*):
-            Where the files go; the command line, recorded.
-        resume (`bool`, *optional*, defaults to `False`):
-            Reuse the runs of an existing `compare_<size>.json` made with the same settings.
-    """
-    settings = {**COMPARE_SIZES[size], **overrides}
-    seeds = settings.pop("seeds")
-    json_path = Path(output_dir) / f"compare_{size}.json"
-    previous = json.loads(json_path.read_text()) if resume and json_path.is_file() else {}
+    size: str = field(default="tiny", metadata={"choices": list(COMPARE_SIZES)})
+    methods: list[str] = field(
+        default_factory=lambda: ["grpo", "ar", "lopti", "ar+lopti"], metadata={"choices": list(METHODS)}
+    )
+    seeds: list[int] | None = None
+    rollout_batches: int | None = None
+    resume: bool = field(default=False, metadata={"help": "reuse the runs of compare_<size>.json of equal settings"})
+
+
+def compare(args: Compare) -> dict[str, Any]:
+    settings = {key: value for key, value in COMPARE_SIZES[args.size].items() if key != "seeds"}
+    settings["rollout_batches"] = args.rollout_batches or settings["rollout_batches"]
+    seeds = args.seeds or COMPARE_SIZES[args.size]["seeds"]
+    json_path = Path(args.output_dir) / f"compare_{args.size}.json"
+    previous = json.loads(json_path.read_text()) if args.resume and json_path.is_file() else {}
     finished = {(r["name"], r["seed"]): r for r in previous.get("runs", []) if previous["settings"] == settings}
     train_problems, held_out = arithmetic.split_problems(settings["task"], settings["num_eval_per_family"])
     reward = arithmetic.REWARDS[settings["reward"]]
     length, temperature = settings["max_completion_length"], settings["temperature"]
-    data: dict[str, Any] = {
-        "experiment": "compare",
-        "command": command,
-        "settings": settings,
-        "seeds": seeds,
-        "num_heldout": len(held_out),
-        "environment": harness.environment(),
-        "runs": [],
-    }
     with tempfile.TemporaryDirectory(prefix="compare-model-") as tmp:
         model_path = harness.prepare_model(settings["model"], Path(tmp))
-        data["model"] = "SmolLM2-135M-Instruct" if settings["model"] == "smollm2" else "tiny random Qwen2"
+        data = harness.record(args, model_path, settings=settings, seeds=seeds, num_heldout=len(held_out), runs=[])
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
 
@@ -350,25 +264,9 @@ def compare(
                 model, tokenizer, held_out, reward, length, temperature, settings["eval_samples"], seed=10_000 + seed
             )
 
-        config = dict(
-            use_cpu=True,
-            bf16=False,
-            learning_rate=settings["learning_rate"],
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            weight_decay=settings["weight_decay"],
-            gradient_accumulation_steps=1,
-            per_device_train_batch_size=settings["prompts_per_batch"] * settings["num_generations"],
-            num_generations=settings["num_generations"],
-            max_completion_length=length,
-            temperature=temperature,
-            top_k=0,
-            top_p=1.0,
-        )
-        num_prompts = settings["rollout_batches"] * settings["prompts_per_batch"]
-        for seed in seeds:  # a seed fixes the prompts, their order and the sampling, the same for every method
+        for seed in seeds:
             before = None
-            for name in methods or list(METHODS):
+            for name in args.methods:
                 if (name, seed) in finished:
                     data["runs"].append(finished[(name, seed)])
                     continue
@@ -376,24 +274,36 @@ def compare(
                     before = evaluate(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), seed)
 
                 def after_training(trainer, seed: int = seed) -> dict[str, Any]:
-                    return {
-                        "after": evaluate(trainer.model, seed),
-                        "parameter_distance": parameter_distance(trainer.model, model_path),
-                    }
+                    distance = parameter_distance(trainer.model, model_path)
+                    return {"after": evaluate(trainer.model, seed), "parameter_distance": distance}
 
-                dataset = arithmetic.build_train_dataset(train_problems, num_prompts, seed)
                 run = harness.measure_training(
                     model_path,
-                    dataset,
+                    arithmetic.build_train_dataset(
+                        train_problems, settings["rollout_batches"] * settings["prompts_per_batch"], seed
+                    ),
                     reward,
                     settings["rollout_batches"],
                     METHODS[name],
+                    after_scoring=after_scoring(name),
                     fig3=True,
                     after_training=after_training,
                     processing_class=tokenizer,
                     seed=seed,
                     data_seed=seed,
-                    **config,
+                    use_cpu=True,
+                    bf16=False,
+                    learning_rate=settings["learning_rate"],
+                    lr_scheduler_type="constant",
+                    warmup_steps=0,
+                    weight_decay=settings["weight_decay"],
+                    gradient_accumulation_steps=1,
+                    per_device_train_batch_size=settings["prompts_per_batch"] * settings["num_generations"],
+                    num_generations=settings["num_generations"],
+                    max_completion_length=length,
+                    temperature=temperature,
+                    top_k=0,
+                    top_p=1.0,
                 )
                 batches = run["batches"]
                 run.update(
@@ -418,21 +328,17 @@ def compare(
     harness.write_json(json_path, data)
     json_path.with_suffix(".md").write_text(report.compare_markdown(data))
     report.compare_plots(data, json_path.with_suffix(".png"))
+    print(report.compare_markdown(data))
     return data
 
 
 def parameter_distance(model, model_path: str) -> float:
-    """`||theta - theta_0||_2` over the parameters saved in `model_path` (the starting weights)."""
-    from safetensors.torch import load_file
-
-    current = dict(model.named_parameters())
-    total = sum(
-        float(((current[name].detach().double().cpu() - initial.double()) ** 2).sum())
-        for path in sorted(Path(model_path).glob("*.safetensors"))
-        for name, initial in load_file(str(path)).items()
-        if name in current
+    """`||theta - theta_0||_2`, theta_0 the weights saved in `model_path`."""
+    initial = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
+    squares = (
+        float(((p.detach().cpu().double() - initial[n].double()) ** 2).sum()) for n, p in model.named_parameters()
     )
-    return math.sqrt(total)
+    return math.sqrt(sum(squares))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -445,29 +351,19 @@ ISOLATION_SETUPS = {
 }
 
 
-def isolation(output_dir: str = "benchmarks/results", command: str | None = None) -> dict[str, Any]:
-    """
-    Summed `|dL/d log p|` over the low (active) and high (inactive) tokens of a low pass, for each loss setup: one
-    generation batch of a tiny random Qwen2 (4 completions of 7 tokens, eta = 1 / vocab, pi_old from the separate
-    no-grad forward so that both runs split the same values) trained (a) by TRL's `GRPOTrainer` with every high token's
-    advantage set to 0, (b) by `LoptiGRPOTrainer`; read at the policy's output in the first training forward.
-    """
+@dataclass
+class Isolation(Options):
+    """How much gradient a Lopti pass sends to its inactive tokens: summed `|dL/d log p|` over the low (active) and
+    high (inactive) tokens at the policy's output in the first training forward (the low pass), for each loss setup,
+    on one generation batch of a tiny random Qwen2 (4 completions of 7 tokens, eta = 1 / vocab, pi_old from the
+    separate no-grad forward so that both runs split the same values), trained (a) by TRL's `GRPOTrainer` with every
+    high token's advantage set to 0, (b) by `LoptiGRPOTrainer`. Writes `isolation.json`."""
+
+
+def isolation(args: Isolation) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="isolation-") as tmp:
         model_path = harness.prepare_model("random-qwen2", Path(tmp))
         eta = 1.0 / AutoConfig.from_pretrained(model_path).vocab_size
-        common = dict(
-            per_device_train_batch_size=4,
-            gradient_accumulation_steps=1,
-            num_generations=4,
-            max_completion_length=7,
-            generation_kwargs={"min_new_tokens": 7},
-            temperature=0.7,
-            use_cpu=True,
-            bf16=False,
-            seed=0,
-            learning_rate=1e-6,
-            capture_token_gradients=True,
-        )
 
         def zero_high_advantages(trainer, batch: dict[str, Any]) -> None:
             harness.add_old_logps_forward(trainer, batch)
@@ -476,8 +372,8 @@ def isolation(output_dir: str = "benchmarks/results", command: str | None = None
 
         rows = {}
         for name, setup in ISOLATION_SETUPS.items():
-            sums = []
-            for lopti, after_scoring in (
+            rows[name] = []
+            for lopti, hook in (
                 (None, zero_high_advantages),
                 (dict(advantage_reweighting_alpha=0.0, lopti_threshold=eta), harness.add_old_logps_forward),
             ):
@@ -487,29 +383,28 @@ def isolation(output_dir: str = "benchmarks/results", command: str | None = None
                     token_parity_reward,
                     1,
                     lopti,
-                    after_scoring=after_scoring,
-                    **common,
+                    after_scoring=hook,
+                    capture_token_gradients=True,
+                    per_device_train_batch_size=4,
+                    gradient_accumulation_steps=1,
+                    num_generations=4,
+                    max_completion_length=7,
+                    generation_kwargs={"min_new_tokens": 7},
+                    temperature=0.7,
+                    use_cpu=True,
+                    bf16=False,
+                    seed=0,
                     **setup,
                 )
                 inputs, log_probs = run["token_gradients"]
                 gradient = log_probs.grad[:, -inputs["completion_ids"].size(1) :].abs()
                 low = low_probability_token_mask(inputs["old_per_token_logps"], inputs["completion_mask"], eta)
-                sums += [
-                    float(gradient[low].sum()),
-                    float(gradient[token_group_mask(low, inputs["completion_mask"], "high")].sum()),
-                ]
-            rows[name] = sums
-    header = "setup | zeroed advantages: active | inactive | general form (LoptiGRPOTrainer): active | inactive"
-    markdown = "\n".join(markdown_table(header, [[name, *sums] for name, sums in rows.items()]))
-    data = {
-        "experiment": "isolation",
-        "command": command,
-        "lopti_threshold": eta,
-        "summed_abs_grad": rows,
-        "columns": header.split(" | ")[1:],
-        "markdown": markdown,
-    }
-    harness.write_json(Path(output_dir) / "isolation.json", data)
+                high = token_group_mask(low, inputs["completion_mask"], "high")
+                rows[name] += [float(gradient[low].sum()), float(gradient[high].sum())]
+        header = "setup | zeroed advantages: active | inactive | general form (LoptiGRPOTrainer): active | inactive"
+        markdown = "\n".join(markdown_table(header, [[name, *sums] for name, sums in rows.items()]))
+        data = harness.record(args, model_path, lopti_threshold=eta, summed_abs_grad=rows, markdown=markdown)
+    harness.write_json(Path(args.output_dir) / "isolation.json", data)
     print(markdown)
     return data
 
@@ -517,55 +412,47 @@ def isolation(output_dir: str = "benchmarks/results", command: str | None = None
 # ---------------------------------------------------------------------------------------------------------------------
 # lm-head
 # ---------------------------------------------------------------------------------------------------------------------
-def lm_head_split(
-    model: str = "smollm2",
-    batch_size: int = 4,
-    prompt_length: int = 47,
-    completion_length: int = 48,
-    low_share: float = 0.2,
-    repeats: int = 3,
-    seed: int = 0,
-    output_dir: str = "benchmarks/results",
-) -> dict[str, Any]:
-    """
-    Process CPU time of forward+backward of one micro-batch (median of `repeats`, after one untimed round), four ways:
-    `trl`, TRL's fused LM-head forward as `GRPOTrainer` calls it (on CPU it scores every position, prompt included);
-    `full`, backbone + TRL's chunked log-prob kernel at every completion position (one pass today); `low`, the kernel
-    without gradient at every completion position (the on-policy first pass needs all of pi_old to split), then with
-    gradient at a random `low_share` of them; `high`, the kernel at the other positions only. At an inactive position
-    the gradient reaching the LM head is exactly zero, so `(low + high) / full` is what a split Lopti's loss+backward
-    would cost against one GRPO pass (today 2.0).
-    """
+@dataclass
+class LmHead(Options):
+    """What an LM head computed only where a Lopti pass needs it could save (not in the trainer): process CPU time of
+    forward+backward of one micro-batch (median of `repeats`, after one untimed round), four ways: `trl`, TRL's fused
+    LM-head forward as `GRPOTrainer` calls it (on CPU it scores every position, prompt included); `full`, backbone +
+    TRL's chunked log-prob kernel at every completion position (one pass today); `low`, the kernel without gradient at
+    every completion position (the on-policy first pass needs all of pi_old to split), then with gradient at a random
+    `low_share` of them; `high`, the kernel at the other positions only. At an inactive position the gradient reaching
+    the LM head is exactly zero, so `(low + high) / full` is what a split Lopti's loss+backward would cost against one
+    GRPO pass (today 2.0). Writes `lm_head_split_<model>_low<100 x low_share>.json`."""
+
+    model: str = field(default="smollm2", metadata={"choices": ["smollm2", "random-qwen2"]})
+    low_share: float = 0.2
+    repeats: int = 3
+    batch_size: int = 4
+    prompt_length: int = 47
+    completion_length: int = 48
+    seed: int = 0
+
+
+def lm_head_split(args: LmHead) -> dict[str, Any]:
     from trl.kernels import ChunkedLogProbFunction
     from trl.trainer.utils import add_fused_lm_head
 
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(args.seed)
     with tempfile.TemporaryDirectory(prefix="lm-head-") as tmp:
-        kind = "smollm2" if model == "smollm2" else "random-qwen2"
-        policy = AutoModelForCausalLM.from_pretrained(
-            harness.prepare_model(kind, Path(tmp), hidden_size=64), dtype=torch.float32
-        ).train()
+        model_path = harness.prepare_model(args.model, Path(tmp), hidden_size=64)
+        policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train()
+        data = harness.record(args, model_path)
     add_fused_lm_head(policy, temperature=1.0, outputs=("log_probs", "entropy"))
-    length = prompt_length + completion_length
+    batch_size, length = args.batch_size, args.prompt_length + args.completion_length
     input_ids = torch.randint(0, policy.config.vocab_size, (batch_size, length), generator=generator)
     advantages = torch.randn(batch_size, 1, generator=generator).expand(batch_size, length - 1)
     completion = torch.zeros(batch_size, length - 1, dtype=torch.bool)
-    completion[:, prompt_length - 1 :] = True  # the next-token positions that score completion tokens
-    low = completion & (torch.rand(batch_size, length - 1, generator=generator) < low_share)
+    completion[:, args.prompt_length - 1 :] = True  # the next-token positions that score completion tokens
+    low = completion & (torch.rand(batch_size, length - 1, generator=generator) < args.low_share)
     weight = policy.get_output_embeddings().weight
 
-    def kernel(hidden, positions):
-        return ChunkedLogProbFunction.apply(
-            hidden[positions],
-            weight,
-            None,
-            input_ids[:, 1:][positions],
-            1.0,
-            32768,
-            None,
-            1.0,
-            ("log_probs", "entropy"),
-        )[0]
+    def kernel(hidden, positions):  # TRL's fused head at `positions`: log-probabilities and entropies, temperature 1
+        ids, outputs = input_ids[:, 1:][positions], ("log_probs", "entropy")
+        return ChunkedLogProbFunction.apply(hidden[positions], weight, None, ids, 1.0, 32768, None, 1.0, outputs)[0]
 
     def loss_backward(positions, scored_without_gradient=None):
         hidden = policy.base_model(input_ids=input_ids).last_hidden_state[:, :-1]
@@ -586,7 +473,7 @@ def lm_head_split(
         "high": lambda: loss_backward(completion & ~low),
     }
     times: dict[str, list[float]] = {name: [] for name in ways}
-    for repeat in range(repeats + 1):
+    for repeat in range(args.repeats + 1):
         for name, way in ways.items():
             policy.zero_grad(set_to_none=True)
             start = time.process_time()
@@ -594,21 +481,15 @@ def lm_head_split(
             if repeat > 0:
                 times[name].append(time.process_time() - start)
     cpu_s = {name: statistics.median(values) for name, values in times.items()}
-    data = {
-        "experiment": "lm-head",
-        "model": model,
-        "batch_size": batch_size,
-        "prompt_length": prompt_length,
-        "completion_length": completion_length,
-        "low_share": float(low.sum() / completion.sum()),
-        "threads": torch.get_num_threads(),
-        "repeats": repeats,
-        "cpu_s": cpu_s,
-        "samples_cpu_s": times,
-        "lopti_split_vs_one_pass_full": (cpu_s["low"] + cpu_s["high"]) / cpu_s["full"],
-        "one_pass_full_vs_trl_cpu_path": cpu_s["full"] / cpu_s["trl"],
-    }
-    harness.write_json(Path(output_dir) / f"lm_head_split_{model}.json", data)
+    data.update(
+        low_share=float(low.sum() / completion.sum()),
+        cpu_s=cpu_s,
+        samples_cpu_s=times,
+        lopti_split_vs_one_pass_full=(cpu_s["low"] + cpu_s["high"]) / cpu_s["full"],
+        one_pass_full_vs_trl_cpu_path=cpu_s["full"] / cpu_s["trl"],
+    )
+    name = f"lm_head_split_{args.model}_low{round(100 * args.low_share):03d}.json"
+    harness.write_json(Path(args.output_dir) / name, data)
     print(json.dumps(data, indent=1))
     return data
 
@@ -616,55 +497,27 @@ def lm_head_split(
 # ---------------------------------------------------------------------------------------------------------------------
 # command line
 # ---------------------------------------------------------------------------------------------------------------------
+EXPERIMENTS = {
+    "cost": (Cost, cost),
+    "compare": (Compare, compare),
+    "isolation": (Isolation, isolation),
+    "lm-head": (LmHead, lm_head_split),
+}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Parses the command line (see the module docstring) and runs one experiment."""
+    """Runs the experiment `argv[0]` with the options that follow it (`--help`: its options)."""
     argv = sys.argv[1:] if argv is None else argv
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--output-dir", default="benchmarks/results")
-    common.add_argument("--threads", type=int, default=None, help="torch threads (default: the size's, else 1)")
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    experiments = parser.add_subparsers(dest="experiment", required=True)
-    parser_cost = experiments.add_parser("cost", parents=[common], help="cost of AR and Lopti against GRPOTrainer")
-    parser_cost.add_argument("--size", default="tiny", choices=list(SIZES))
-    parser_cost.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS))
-    parser_cost.add_argument("--seed", type=int, default=42)
-    parser_cost.add_argument("--warmup-batches", type=int, default=None)
-    parser_cost.add_argument("--measured-batches", type=int, default=None)
-    parser_cost.add_argument("--time-budget-s", type=float, default=None)
-    parser_compare = experiments.add_parser("compare", parents=[common], help="GRPO, AR, Lopti, AR + Lopti by seed")
-    parser_compare.add_argument("--size", default="tiny", choices=list(COMPARE_SIZES))
-    parser_compare.add_argument("--methods", nargs="+", default=None, choices=list(METHODS))
-    parser_compare.add_argument("--seeds", nargs="+", type=int, default=None)
-    parser_compare.add_argument("--rollout-batches", type=int, default=None)
-    parser_compare.add_argument("--resume", action="store_true", help="reuse finished runs of compare_<size>.json")
-    experiments.add_parser("isolation", parents=[common], help="gradient to inactive tokens: zeroed A vs Lopti")
-    parser_head = experiments.add_parser("lm-head", parents=[common], help="an LM head only where a pass needs it")
-    parser_head.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
-    parser_head.add_argument("--low-share", type=float, default=0.2)
-    parser_head.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
-    given = {key: value for key, value in vars(args).items() if value is not None}
-    threads = args.threads or (SIZES[args.size]["threads"] if args.experiment == "cost" else 1)
-    if threads:
-        torch.set_num_threads(threads)
+    if not argv or argv[0] not in EXPERIMENTS:
+        sys.exit(f"usage: python benchmarks/experiments.py {{{','.join(EXPERIMENTS)}}} [OPTIONS | --help]")
+    options, experiment = EXPERIMENTS[argv[0]]
+    parser = TrlParser(options, prog=f"experiments.py {argv[0]}", description=options.__doc__)
+    (args,) = parser.parse_args_and_config(argv[1:])
+    if args.threads or not torch.cuda.is_available():
+        torch.set_num_threads(args.threads or 1)
     transformers_logging.set_verbosity_error()
     transformers_logging.disable_progress_bar()
-    command = shlex.join(["python", "benchmarks/experiments.py", *argv])
-    if args.experiment == "isolation":
-        return isolation(args.output_dir, command)
-    if args.experiment == "lm-head":
-        return lm_head_split(args.model, low_share=args.low_share, repeats=args.repeats, output_dir=args.output_dir)
-    if args.experiment == "cost":
-        overrides = {
-            key: given[key] for key in ("warmup_batches", "measured_batches", "time_budget_s") if key in given
-        }
-        data = cost(args.size, args.variants, args.output_dir, args.seed, command, threads=threads, **overrides)
-        print(report.cost_markdown(data))
-    else:
-        overrides = {key: given[key] for key in ("seeds", "rollout_batches") if key in given}
-        data = compare(args.size, args.methods, args.output_dir, args.resume, command, **overrides)
-        print(report.compare_markdown(data))
-    return data
+    return experiment(args)
 
 
 if __name__ == "__main__":

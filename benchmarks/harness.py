@@ -1,23 +1,13 @@
-"""The benchmarks' one harness: trains one trainer configuration and measures it, generation batch by generation batch.
-
-[`measure_training`] builds TRL's `GRPOTrainer` or `LoptiGRPOTrainer`, attaches a [`Probe`] and trains. The probe sees
-the trainer only through what TRL and transformers define: a `TrainerCallback`, TRL's `GRPOTrainer` methods wrapped on
-the instance (`_generate_and_score_completions`, `_generate`, `training_step`, `compute_loss`), a forward pre-hook on
-the policy and a post-accumulate-grad hook on its input embedding. It names no method of `LoptiGRPOTrainer`.
-
-Per generation batch, on two clocks (wall, and CPU time of the process, all threads: on a CPU shared with other
-processes it measures the work rather than the share of the CPU obtained; CUDA synchronised on GPU): `generation_s`
-(`_generate`), `scoring_s` (the rest of `_generate_and_score_completions`: rewards, advantages, any no-grad log-prob
-forward), `loss_backward_optimizer_s` (the rest of every `training_step`, plus clipping, optimizer, scheduler and
-`zero_grad`), `probe_s` (Fig.-3 scoring), `step_s` (from the end of the previous batch's last optimizer step to the
-end of this one's); the counts of `COUNTS`; every logged `lopti/*` metric and reward. Per run: peak memory (RSS on CPU,
-`torch.cuda.max_memory_allocated` on GPU), wall and CPU time of `train()`.
+"""The benchmarks' one harness: [`measure_training`] trains one trainer configuration and measures it through a
+[`Probe`], generation batch by generation batch; benchmarks/README.md ("What is measured") defines every phase and
+count. The probe sees the trainer only through what TRL and transformers define, never a method of `LoptiGRPOTrainer`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import gc
 import json
@@ -26,19 +16,26 @@ import platform
 import random
 import re
 import resource
+import shlex
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PrinterCallback, TrainerCallback, set_seed
+from datasets import Dataset
+from transformers import AutoConfig, PrinterCallback, TrainerCallback, set_seed
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+from trl_lopti.cli.demo_model import get_smollm2
 from trl_lopti.diagnostics import completion_log_probs, probability_quartiles, probability_shift
-from trl_lopti.trainer import trl_completion_logps
+from trl_lopti.models import build_tiny_model
+from trl_lopti.tasks import completion_to_text
+from trl_lopti.trainer import describe_method, trl_completion_logps
 
 
 PHASES = ("generation_s", "scoring_s", "loss_backward_optimizer_s", "probe_s", "step_s")
@@ -65,18 +62,22 @@ BASE_ARGS = dict(
 
 class Probe(TrainerCallback):
     """
-    Counts and times what one trainer does per generation batch (see the module docstring).
+    Counts and times what one trainer does per generation batch. Time goes to the innermost running phase:
+    `loss_backward_optimizer_s` for `training_step` (and from its end to the callback's `on_step_end`: clipping,
+    optimizer, scheduler, `zero_grad`), within it `scoring_s` for `_generate_and_score_completions`, within that
+    `generation_s` for `_generate`, and `probe_s` for the Fig.-3 forwards; `step_s` runs from the end of the previous
+    batch's last optimizer step to the end of this one's.
 
     Args:
         trainer (`GRPOTrainer`):
             The trainer to observe, before `train()`.
         after_scoring (`Callable[[GRPOTrainer, dict], None]`, *optional*):
-            Called on every training generation batch after `_generate_and_score_completions`, within `scoring_s`
-            (e.g. [`add_old_logps_forward`]).
+            Called with every training generation batch as `_generate_and_score_completions` returns it, within
+            `scoring_s` (e.g. [`add_old_logps_forward`]).
         fig3 (`bool`, *optional*, defaults to `False`):
             Keep in `fig3_batches` the Fig.-3 statistic (`trl_lopti.diagnostics.probability_shift`, and the quartile
             `edges`) of every batch, its tokens scored after generation (`pi_old`) and after the last optimizer step
-            trained on it (uncounted forwards, timed as `probe_s`).
+            trained on it (uncounted forwards).
         capture_token_gradients (`bool`, *optional*, defaults to `False`):
             Keep in `token_gradients` the micro-batch and the per-token log-probabilities (with `.grad`) of the first
             training forward.
@@ -88,18 +89,21 @@ class Probe(TrainerCallback):
         self.fig3_batches: list[dict[str, Any]] = []
         self.token_gradients: tuple[dict[str, Any], torch.Tensor] | None = None
         self._cuda = trainer.accelerator.device.type == "cuda"
-        self._in_generation = self._uncounted = False
-        self._inside_step = (0.0, 0.0)  # generation, scoring and probe time inside the running training_step
-        self._last_step_end = self._train_begin = None
+        self._phases: list[str] = []  # the running phases, innermost last
+        self._mark = self._train_begin = None  # when time was last charged to a phase; when train() began
+        self._uncounted = False
         self._pending: dict[str, Any] | None = None  # the last batch and its pi_old, until it is re-scored (Fig. 3)
         self._loss_inputs: dict[str, Any] | None = None
         trainer.remove_callback(PrinterCallback)
         trainer.add_callback(self)
-        for name, around in (
-            ("_generate_and_score_completions", self._around_generate_and_score),
-            ("_generate", self._around_generate),
-            ("training_step", self._around_training_step),
-        ):
+        wrappers = {
+            "_generate_and_score_completions": self._around_generate_and_score,
+            "_generate": self._around_generate,
+            "training_step": self._around_training_step,
+        }
+        if capture_token_gradients:
+            wrappers["compute_loss"] = self._around_compute_loss
+        for name, around in wrappers.items():
             setattr(trainer, name, functools.partial(around, getattr(trainer, name)))  # on the instance only
         model = trainer.model
         self._handles = [
@@ -107,7 +111,6 @@ class Probe(TrainerCallback):
             model.get_input_embeddings().weight.register_post_accumulate_grad_hook(self._on_backward),
         ]
         if capture_token_gradients:
-            trainer.compute_loss = functools.partial(self._around_compute_loss, trainer.compute_loss)
             self._handles.append(model.register_forward_hook(self._keep_log_prob_gradient, with_kwargs=True))
 
     # clocks -------------------------------------------------------------------------------------------------------
@@ -116,19 +119,25 @@ class Probe(TrainerCallback):
             torch.cuda.synchronize()
         return time.perf_counter(), time.process_time()
 
-    def _add(self, phase: str, start: tuple[float, float], end: tuple[float, float] | None = None):
-        """Adds `end - start` (default: until now) to `phase` of the current batch; returns `end`."""
-        end = end or self._now()
-        for clock, index in (("wall", 0), ("cpu", 1)):
-            self.batches[-1][clock][phase] += end[index] - start[index]
-        return end
+    def _charge(self, phase: str | None = None) -> tuple[float, float]:
+        """Adds the time since the last charge to `phase` (default: the innermost running one; none between steps) of
+        the current batch, on both clocks; returns now."""
+        now, phase = self._now(), phase or (self._phases[-1] if self._phases else None)
+        if phase and self.batches and self._mark:
+            for clock, index in (("wall", 0), ("cpu", 1)):
+                self.batches[-1][clock][phase] += now[index] - self._mark[index]
+        self._mark = now
+        return now
 
     @contextlib.contextmanager
-    def _inside_training_step(self, phase: str):
-        start = self._now()
-        yield
-        end = self._add(phase, start)
-        self._inside_step = tuple(total + e - s for total, e, s in zip(self._inside_step, end, start, strict=True))
+    def _phase(self, phase: str):
+        self._charge()
+        self._phases.append(phase)
+        try:
+            yield
+        finally:
+            self._charge()
+            self._phases.pop()
 
     # wrappers of TRL's methods ------------------------------------------------------------------------------------
     def _around_generate_and_score(self, original, inputs):
@@ -142,20 +151,18 @@ class Probe(TrainerCallback):
                 "logged": {},
             }
         )
-        with self._inside_training_step("probe_s"):
+        with self._phase("probe_s"):
             self._rescore()
-        with self._inside_training_step("scoring_s"):
+        with self._phase("scoring_s"):
             output = original(inputs)
             if self.after_scoring is not None:
                 self.after_scoring(self.trainer, output)
         batch = self.batches[-1]
-        for clock in ("wall", "cpu"):
-            batch[clock]["scoring_s"] -= batch[clock]["generation_s"]
         batch["prompt_tokens"] += int(output["prompt_mask"].sum())
         batch["completion_tokens"] += int(output["completion_mask"].sum())
         batch["completions"] += int(output["completion_ids"].size(0))
         if self.fig3:
-            with self._inside_training_step("probe_s"):
+            with self._phase("probe_s"):
                 keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
                 self._pending = {key: output[key].detach() for key in keys}
                 self._pending["logps"] = self._score(self._pending)
@@ -164,23 +171,13 @@ class Probe(TrainerCallback):
     def _around_generate(self, original, *args, **kwargs):
         if not self.trainer.model.training:
             return original(*args, **kwargs)
-        self._in_generation, start = True, self._now()
-        try:
+        self.batches[-1]["generate_calls"] += 1
+        with self._phase("generation_s"):
             return original(*args, **kwargs)
-        finally:
-            self._in_generation = False
-            self._add("generation_s", start)
-            self.batches[-1]["generate_calls"] += 1
 
     def _around_training_step(self, original, *args, **kwargs):
-        self._inside_step, start = (0.0, 0.0), self._now()
-        output = original(*args, **kwargs)
-        end = self._now()
-        if self.batches:  # the step's time outside generation, scoring and probe
-            outside = tuple(s + inside for s, inside in zip(start, self._inside_step, strict=True))
-            self._add("loss_backward_optimizer_s", outside, end)
-        self._last_step_end = end
-        return output
+        with self._phase("loss_backward_optimizer_s"):
+            return original(*args, **kwargs)
 
     def _around_compute_loss(self, original, model, inputs, *args, **kwargs):
         self._loss_inputs = inputs
@@ -190,13 +187,13 @@ class Probe(TrainerCallback):
     def _on_forward(self, module, args, kwargs) -> None:
         if not self.batches or self._uncounted:
             return
-        if self._in_generation:
+        if self._phases[-1:] == ["generation_s"]:
             self.batches[-1]["generation_forwards"] += 1
         else:
             self.batches[-1]["policy_forwards_grad" if torch.is_grad_enabled() else "policy_forwards_no_grad"] += 1
 
     def _keep_log_prob_gradient(self, module, args, kwargs, output) -> None:
-        if self.token_gradients is None and torch.is_grad_enabled() and not self._in_generation and self.batches:
+        if self.token_gradients is None and torch.is_grad_enabled() and self._phases[-1:] != ["generation_s"]:
             output.log_probs.retain_grad()  # TRL's fused head: per-token log-probabilities of every position
             self.token_gradients = (self._loss_inputs, output.log_probs)
 
@@ -206,11 +203,11 @@ class Probe(TrainerCallback):
 
     # callback events ----------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
-        self._train_begin = self._now()
+        self._mark = self._train_begin = self._now()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.batches and self._last_step_end is not None:
-            self.batches[-1]["end"] = self._add("loss_backward_optimizer_s", self._last_step_end)
+        if self.batches:
+            self.batches[-1]["end"] = self._charge("loss_backward_optimizer_s")
             self.batches[-1]["optimizer_steps"] += 1
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -220,10 +217,8 @@ class Probe(TrainerCallback):
                     self.batches[-1]["logged"].setdefault(key, []).append(value)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.batches:
-            start = self._now()
+        with self._phase("probe_s"):
             self._rescore()
-            self._add("probe_s", start)
 
     # Fig. 3 -------------------------------------------------------------------------------------------------------
     def _score(self, batch: dict[str, Any]) -> torch.Tensor:
@@ -283,25 +278,11 @@ def measure_training(
     **config_fields: Any,
 ) -> dict[str, Any]:
     """
-    Trains one configuration for `generation_batches` generation batches and returns what the [`Probe`] measured.
-
-    Args:
-        model_path (`str`), dataset (`datasets.Dataset`), reward_funcs, processing_class (*optional*):
-            What the trainer is built with.
-        generation_batches (`int`):
-            Generation batches to train (`max_steps` is this times `lopti_num_passes`: equal rollouts).
-        lopti (`dict`, *optional*):
-            `LoptiGRPOConfig` fields; `None` trains TRL's `GRPOTrainer` with a `GRPOConfig`.
-        after_scoring, fig3, capture_token_gradients:
-            See [`Probe`].
-        after_training (`Callable[[GRPOTrainer], dict]`, *optional*):
-            Called after training (hooks removed); its entries join the result.
-        **config_fields:
-            `GRPOConfig` fields, on top of `BASE_ARGS`.
-
-    Returns:
-        `dict`: `trainer`, `global_step`, `train_wall_s`, `train_cpu_s`, `peak_memory_mb`, `batches`, and when asked
-        `fig3_batches`, `token_gradients`.
+    Trains one configuration for `generation_batches` generation batches (`max_steps` is this times `lopti_num_passes`:
+    equal rollouts): TRL's `GRPOTrainer` where `lopti` is `None`, else `LoptiGRPOTrainer` with those `LoptiGRPOConfig`
+    fields; `config_fields` are `GRPOConfig` fields on top of `BASE_ARGS`. `after_training(trainer)` runs after training
+    (hooks removed) and its entries join the result, beside `trainer`, `method`, `global_step`, `train_wall_s`,
+    `train_cpu_s`, `peak_memory_mb`, `batches` and, when asked (see [`Probe`]), `fig3_batches`, `token_gradients`.
     """
     cuda = not config_fields.get("use_cpu", True)
     _reset_peak_memory(cuda)
@@ -311,13 +292,7 @@ def measure_training(
         args.max_steps = generation_batches * getattr(args, "lopti_num_passes", 1)
         set_seed(args.seed)
         trainer_class = GRPOTrainer if lopti is None else LoptiGRPOTrainer
-        trainer = trainer_class(
-            model=model_path,
-            reward_funcs=reward_funcs,
-            args=args,
-            train_dataset=dataset,
-            processing_class=processing_class,
-        )
+        trainer = trainer_class(model_path, reward_funcs, args, dataset, processing_class=processing_class)
         probe = Probe(trainer, after_scoring, fig3, capture_token_gradients)
         torch.manual_seed(args.seed)
         start = probe._now()
@@ -325,6 +300,7 @@ def measure_training(
         end = probe._now()
         result = {
             "trainer": trainer_class.__name__,
+            "method": "GRPO" if lopti is None else describe_method(args),
             "global_step": trainer.state.global_step,
             "train_wall_s": end[0] - start[0],
             "train_cpu_s": end[1] - start[1],
@@ -363,57 +339,51 @@ def _peak_memory_mb(cuda: bool) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Models, prompts, rewards, environment
+# Models, prompts, rewards, records
 # ---------------------------------------------------------------------------------------------------------------------
 def prepare_model(kind: str, work_dir: Path, seed: int = 0, device: str = "cpu", **model_config: Any) -> str:
     """A local model folder: `"smollm2"` (offline, `trl_lopti.cli.demo_model.get_smollm2`), else a random Qwen2."""
-    from trl_lopti.cli.demo_model import get_smollm2
-    from trl_lopti.models import build_tiny_model
-
     if kind == "smollm2":
         return get_smollm2()
-    return build_tiny_model(work_dir / "model", seed=seed, device=device, **model_config)
+    return build_tiny_model(work_dir / "random-qwen2", seed=seed, device=device, **model_config)
 
 
 def addition_prompts(num_prompts: int, seed: int):
     """Two-digit additions as chat prompts with their answers (a cheap reward with a real signal for SmolLM2)."""
-    from datasets import Dataset
-
     rng = random.Random(seed)
     rows = []
     for _ in range(num_prompts):
         a, b = rng.randint(10, 99), rng.randint(10, 99)
-        rows.append(
-            {
-                "prompt": [{"role": "user", "content": f"What is {a} + {b}? Reply with the number only."}],
-                "answer": str(a + b),
-            }
-        )
+        prompt = [{"role": "user", "content": f"What is {a} + {b}? Reply with the number only."}]
+        rows.append({"prompt": prompt, "answer": str(a + b)})
     return Dataset.from_list(rows)
 
 
 def answer_reward(completions: list, answer: list[str], **kwargs) -> list[float]:
     """1 when the reference answer appears in the completion, else 0."""
-    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [1.0 if ref in text else 0.0 for text, ref in zip(texts, answer, strict=True)]
+    return [float(ref in completion_to_text(c)) for c, ref in zip(completions, answer, strict=True)]
 
 
-def environment() -> dict[str, Any]:
-    """Versions, device, threads and the 1-minute load average (the conditions a figure was measured in)."""
-    import transformers
-    import trl
-
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+def record(args, model_path: str, **fields: Any) -> dict[str, Any]:
+    """The head of an experiment's JSON: the experiment, its command line and options (the dataclass `args`), the
+    model, the conditions it ran in (versions, device, threads, 1-minute load average), then `fields`."""
+    config = AutoConfig.from_pretrained(model_path)
     return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "trl": trl.__version__,
-        "device": device,
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "load_average": os.getloadavg(),
+        "experiment": type(args).__name__.lower(),
+        "command": shlex.join(["python", *sys.argv]),
+        "options": dataclasses.asdict(args),
+        "model": f"{Path(model_path).name} ({config.model_type}, hidden {config.hidden_size}, "
+        f"{config.num_hidden_layers} layers, vocab {config.vocab_size})",
+        "environment": {
+            "python": platform.python_version(),
+            **{package: version(package) for package in ("torch", "transformers", "trl")},
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
+            "machine": platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "load_average": os.getloadavg(),
+        },
+        **fields,
     }
 
 

@@ -28,14 +28,17 @@ def benchmarks():
 @pytest.fixture(scope="module")
 def cost(benchmarks, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("cost")
-    benchmarks.cost("tiny", VARIANTS, str(output_dir), command="pytest", warmup_batches=1, measured_batches=1)
+    options = dict(size="tiny", variants=VARIANTS, warmup_batches=1, measured_batches=1)
+    benchmarks.cost(benchmarks.Cost(output_dir=str(output_dir), **options))
     return json.loads((output_dir / "bench_tiny.json").read_text()), output_dir
 
 
 @pytest.fixture(scope="module")
 def comparison(benchmarks, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("compare")
-    benchmarks.compare("tiny", ["grpo", "lopti"], str(output_dir), command="pytest", seeds=[0, 1])
+    benchmarks.compare(
+        benchmarks.Compare(size="tiny", methods=["grpo", "lopti"], seeds=[0, 1], output_dir=str(output_dir))
+    )
     return json.loads((output_dir / "compare_tiny.json").read_text()), output_dir
 
 
@@ -124,6 +127,8 @@ def test_statistics_against_scipy(benchmarks):
     low, high = stats.t.interval(0.95, len(values) - 1, loc=sum(values) / 5, scale=stats.sem(values))
     assert (stat["low"], stat["high"]) == pytest.approx((low, high), rel=1e-12)
     assert report.t_interval([0.5]) == {"mean": 0.5, "low": None, "high": None, "sd": None, "n": 1}
+    equal = report.t_interval([0.4, None, 0.4, float("nan")])  # None and NaN dropped; equal values: zero width
+    assert (equal["low"], equal["mean"], equal["high"], equal["n"]) == (0.4, 0.4, 0.4, 2)
     # Paired by seed: seed 4 has no baseline and seed 3 no value; the others pair up.
     method = {0: 0.70, 1: 0.52, 2: 0.75, 3: None, 4: 0.9}
     baseline = {0: 0.61, 1: 0.55, 2: 0.72, 3: 0.58}
