@@ -73,9 +73,8 @@ def parse_args(argv: Sequence[str]) -> tuple:
     return diagnose_args, script_args, training_args, model_args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str]) -> int:
     """`trl-lopti diagnose`: sample a generation batch of the run and write its token diagnostics."""
-    argv = list(sys.argv[1:] if argv is None else argv)
     diagnose_args, script_args, training_args, model_args = parse_args(argv)
     if model_args.model_name_or_path.lower() == "smollm2" and not Path(model_args.model_name_or_path).exists():
         model_args.model_name_or_path = get_smollm2()  # the demo's model
