@@ -9,11 +9,10 @@ accelerator it runs on the CPU (`use_cpu`), and says so.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -100,7 +99,7 @@ def main(argv: Sequence[str]) -> int:
         generation=summary,
         inner_steps=inner,
         command="trl-lopti diagnose " + " ".join(argv),
-        args=dataclasses.asdict(diagnose_args),
+        args=asdict(diagnose_args),
     )
     output_dir = Path(training_args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
