@@ -44,11 +44,9 @@ def unsupported_trl_message(installed: str) -> str:
             f"{supported}, but TRL {installed} is installed: its GRPO losses differ from the ones trl_lopti is "
             f"exact for. Upgrade: pip install 'trl{SUPPORTED_TRL_SPEC}'"
         )
-    untested = (
-        "its fused log-prob head needs Triton, so no CPU test runs it"
-        if installed.startswith("1.15.")
-        else ("this release was not tested")
-    )
+    untested = "this release was not tested"
+    if installed.startswith("1.15."):
+        untested = "its fused log-prob head needs Triton, so no CPU test runs it"
     return (
         f"{supported}, but TRL {installed} is installed: trl_lopti relies on GRPOTrainer internals (see "
         f"trl_lopti/trainer.py) and {untested}. Install a supported release (pip install "
@@ -58,12 +56,7 @@ def unsupported_trl_message(installed: str) -> str:
 
 
 def check_trl_version() -> str:
-    """
-    Raises `ImportError` with a clear message when the installed TRL is not a supported release.
-
-    Returns:
-        `str`: The installed TRL version.
-    """
+    """The installed TRL version; `ImportError` with a clear message when it is not a supported release."""
     try:
         installed = version("trl")
     except PackageNotFoundError as error:
@@ -79,14 +72,8 @@ def check_trl_version() -> str:
 
 
 def check_features(config) -> None:
-    """
-    Raises `ValueError` at config construction for a TRL option that the installed release runs outside the hooks
-    AR and Lopti act through.
-
-    Args:
-        config (`trl.GRPOConfig`):
-            The configuration being built.
-    """
+    """Raises `ValueError` at the construction of `config` (a `GRPOConfig`) for a TRL option that the installed
+    release runs outside the hooks AR and Lopti act through."""
     if config.use_liger_kernel and Version(TRL_VERSION) < LIGER_MINIMUM_TRL:
         raise ValueError(
             f"use_liger_kernel=True: with TRL {TRL_VERSION}, GRPOTrainer computes the Liger loss in compute_liger_loss, "

@@ -36,16 +36,8 @@ logits only through the final norm), and whose attention heads (32 wide) vLLM's 
 
 
 def build_tiny_tokenizer(vocab_size: int = 320):
-    """
-    Builds a byte-level BPE tokenizer with Qwen-style special tokens and a chat template, offline.
-
-    Args:
-        vocab_size (`int`, *optional*, defaults to `320`):
-            Target vocabulary size (the 256 byte symbols plus merges and 3 special tokens).
-
-    Returns:
-        `transformers.PreTrainedTokenizerFast`: A tokenizer with `eos_token="<|im_end|>"`, `pad_token="<|endoftext|>"`.
-    """
+    """A byte-level BPE tokenizer (`vocab_size`: the 256 byte symbols, merges and 3 special tokens), built offline,
+    with Qwen-style special tokens (`eos_token="<|im_end|>"`, `pad_token="<|endoftext|>"`) and a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -82,34 +74,19 @@ def build_tiny_model(
     **config_overrides: Any,
 ) -> str:
     """
-    Writes a tiny randomly initialised causal LM and its tokenizer to `output_dir` and returns the path.
+    Writes a tiny randomly initialised causal LM of a transformers model type (`architecture`: `"qwen2"`, `"llama"`,
+    ...) and its tokenizer to `output_dir` (created if missing) and returns the folder, loadable with
+    `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
 
-    Args:
-        output_dir (`str` or `os.PathLike`):
-            Folder to write to (created if missing).
-        architecture (`str`, *optional*, defaults to `"qwen2"`):
-            `"qwen2"` or `"llama"`.
-        hidden_size (`int`, *optional*, defaults to `32`):
-            Width of the model.
-        num_hidden_layers (`int`, *optional*, defaults to `2`):
-            Depth of the model.
-        seed (`int`, *optional*, defaults to `0`):
-            Seed of the random initialisation.
-        device (`str`, *optional*, defaults to `"cpu"`):
-            Where to initialise the weights (`"cuda"` initialises a large model in seconds); saved either way.
-        logit_scale (`float`, *optional*, defaults to `1.0`):
-            Multiplies the weight of the final norm, hence every logit: peaked next-token distributions while every
-            weight stays small (see `PEAKED_TINY_MODEL`).
-        **config_overrides:
-            Other fields of the model config (`intermediate_size`, `num_attention_heads`, `vocab_size`,
-            `tie_word_embeddings`, ...), e.g. to build a random model of a real model's shape. A `vocab_size` below the
-            tokenizer's is raised to it; ids above the tokenizer's decode to nothing.
-
-    Returns:
-        `str`: The folder, loadable with `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
+    The weights are initialised from `seed` on `device` (`"cuda"` initialises a large model in seconds). `logit_scale`
+    multiplies the weight of the final norm, hence every logit: peaked next-token distributions while every weight
+    stays small (see `PEAKED_TINY_MODEL`). `config_overrides` are other fields of the model config
+    (`intermediate_size`, `num_attention_heads`, `vocab_size`, `tie_word_embeddings`, ...), e.g. to build a random
+    model of a real model's shape; a `vocab_size` below the tokenizer's is raised to it (ids above the tokenizer's
+    decode to nothing).
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = build_tiny_tokenizer()
     common = dict(
@@ -127,15 +104,9 @@ def build_tiny_model(
     )
     common.update(config_overrides)
     common["vocab_size"] = max(common["vocab_size"], len(tokenizer))
-    if architecture == "qwen2":
-        config = Qwen2Config(**common)
-    elif architecture == "llama":
-        config = LlamaConfig(**common)
-    else:
-        raise ValueError(f"architecture must be 'qwen2' or 'llama', got {architecture!r}")
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(architecture, **common))
     with torch.no_grad():
         model.model.norm.weight.mul_(logit_scale)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -90,9 +89,8 @@ def plot_curve(path: Path, batches: list[int], rewards: list[float], before: dic
     return save_figure(figure, path, "GRPO + AR + Lopti on single-digit addition")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str]) -> int:
     """`trl-lopti demo [--field value ...]`: model, evaluation before, training, evaluation after, table, JSON, PNG."""
-    argv = list(sys.argv[1:] if argv is None else argv)
     if not torch.accelerator.is_available():
         argv = on_cpu(argv, "demo", {"use_cpu": True, "bf16": False})
     demo_args, training_args, model_args = parse_with_config(make_parser(), argv)
@@ -139,10 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = {
         "model": model_path,
         "task": "single-digit addition, answer pre-filled with 'The answer is'; reward 1 if the first number is a + b",
-        "method": {
-            "advantage_reweighting_alpha": training_args.advantage_reweighting_alpha,
-            "lopti_threshold": training_args.lopti_threshold,
-        },
+        "method": {name: getattr(training_args, name) for name in ("advantage_reweighting_alpha", "lopti_threshold")},
         "before": before,
         "after": after,
         "table": format_table(before, after, training_args.temperature),

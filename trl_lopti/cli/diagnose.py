@@ -9,16 +9,16 @@ accelerator it runs on the CPU (`use_cpu`), and says so.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from trl import TrlParser
+from trl import ModelConfig, TrlParser
 
+from ..config import LoptiGRPOConfig
 from ..diagnostics import (
     DEFAULT_PROBE_METHODS,
     PROBE_METHODS,
@@ -30,8 +30,8 @@ from ..diagnostics import (
     sample_generation_batch,
 )
 from .demo_model import get_smollm2
-from .parsing import CliError, check_model_name_or_path, on_cpu
-from .train import build_trainer, parse_train_args
+from .parsing import CliError, check_model_name_or_path, on_cpu, parse_with_config
+from .train import LoptiScriptArguments, build_trainer
 
 
 @dataclass
@@ -52,18 +52,14 @@ class DiagnoseArguments:
 
 
 def parse_args(argv: Sequence[str]) -> tuple:
-    """[`DiagnoseArguments`] and, from the other flags (and `--config FILE.yaml`), `trl-lopti train`'s arguments
-    `(LoptiScriptArguments, LoptiGRPOConfig, ModelConfig)`; bad ones are refused before a model loads."""
-    parser = TrlParser(
-        DiagnoseArguments,
-        prog="trl-lopti diagnose",
-        allow_abbrev=False,
-        epilog="Every option of `trl-lopti train --help` is accepted too.",
-    )
-    diagnose_args, train_argv = parser.parse_args_into_dataclasses(list(argv), return_remaining_strings=True)
+    """[`DiagnoseArguments`] and `trl-lopti train`'s arguments `(LoptiScriptArguments, LoptiGRPOConfig, ModelConfig)`
+    from the flags and `--config FILE.yaml`; bad ones are refused before a model loads."""
     if not torch.accelerator.is_available():
-        train_argv = on_cpu(train_argv, "diagnose")
-    script_args, training_args, model_args = parse_train_args(train_argv)
+        argv = on_cpu(argv, "diagnose")
+    arguments = (DiagnoseArguments, LoptiScriptArguments, LoptiGRPOConfig, ModelConfig)
+    diagnose_args, script_args, training_args, model_args = parse_with_config(
+        TrlParser(arguments, prog="trl-lopti diagnose"), argv
+    )
     check_model_name_or_path(model_args.model_name_or_path)
     if script_args.dry_run or script_args.rehearse:
         raise CliError("dry_run, rehearse: options of trl-lopti train, not of diagnose")
@@ -76,9 +72,8 @@ def parse_args(argv: Sequence[str]) -> tuple:
     return diagnose_args, script_args, training_args, model_args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str]) -> int:
     """`trl-lopti diagnose`: sample a generation batch of the run and write its token diagnostics."""
-    argv = list(sys.argv[1:] if argv is None else argv)
     diagnose_args, script_args, training_args, model_args = parse_args(argv)
     if model_args.model_name_or_path.lower() == "smollm2" and not Path(model_args.model_name_or_path).exists():
         model_args.model_name_or_path = get_smollm2()  # the demo's model
@@ -88,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"generated {summary['num_completions']} completions (mean reward {summary['reward_mean']:.3f})", flush=True)
     micro_batch_size = training_args.per_device_train_batch_size
     inner = None
-    if training_args.num_iterations > 1:  # TRL's last iteration on a batch sees a policy num_iterations - 1 steps on
+    if training_args.num_iterations > 1:  # TRL's last iteration on a batch sees the policy num_iterations - 1 steps on
         steps, lr = training_args.num_iterations - 1, training_args.learning_rate
         inner = advance_policy_on_batch(trainer, inputs, steps, lr, micro_batch_size)
     methods = [] if "none" in diagnose_args.probe_methods else diagnose_args.probe_methods
@@ -104,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         generation=summary,
         inner_steps=inner,
         command="trl-lopti diagnose " + " ".join(argv),
-        args=dataclasses.asdict(diagnose_args),
+        args=asdict(diagnose_args),
     )
     output_dir = Path(training_args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

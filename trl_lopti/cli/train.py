@@ -39,39 +39,37 @@ DEFAULT_REWARD_FUNCS = {"knights_knaves": ["knights_knaves_reward"], "math": ["m
 
 @dataclass
 class LoptiScriptArguments(ScriptArguments):
-    r"""
-    Script arguments of `trl-lopti train`: TRL's `ScriptArguments` (`dataset_name`, `dataset_config`,
-    `dataset_train_split`, `dataset_test_split`: the evaluation set when `eval_strategy` is not `"no"`) plus these.
+    """Script arguments of `trl-lopti train`: TRL's `ScriptArguments` (`dataset_name`, `dataset_config`,
+    `dataset_train_split`, `dataset_test_split`: the evaluation set when `eval_strategy` is not `"no"`) plus these."""
 
-    Args:
-        task (`str`, *optional*, defaults to `"knights_knaves"`):
-            `"knights_knaves"` (see `kk_source`), `"math"` (`dataset_name` a key of `trl_lopti.tasks.math`'s
-            `PAPER_MATH_FILES` or `MATH_DATASETS`) or `"dataset"` (`dataset_name` a hub id, a data file or a folder).
-        reward_funcs (`list[str]`, *optional*):
-            Names of [`REWARD_FUNCS`] or dotted import paths. Defaults to the task's reward.
-        kk_source (`str`, *optional*):
-            `"paper"` (the authors' split and prompts, from `kk_data_dir` or their repository), `"hub"` (`dataset_name`,
-            default `K-and-K/knights-and-knaves`) or `"generated"` (`kk_num_samples` and `kk_num_eval_samples` puzzles
-            from `kk_seed`). Unset: `"hub"` with a `dataset_name`, else `"generated"`.
-        kk_num_people (`list[int]`, *optional*, defaults to `[3]`):
-            K&K puzzle sizes (2 to 8; the paper's files hold 3 to 7); several give a mixture.
-        kk_prefill_think (`bool`, *optional*, defaults to `True`):
-            End generated and hub K&K prompts with an assistant `"<think>"` to continue (the paper's always do).
-        kk_data_dir (`str`, *optional*), math_data_file (`str`, *optional*):
-            A local copy of the authors' files: K&K laid out as `{3..7}ppl/{train,test}.parquet`; the math file.
-        dry_run (`bool`, *optional*, defaults to `False`), rehearse (`bool`, *optional*, defaults to `False`):
-            Print the resolved configuration and load nothing; rehearse the run offline (`trl_lopti.cli.rehearse`).
-    """
-
-    task: str = field(default="knights_knaves", metadata={"help": f"One of {list(DEFAULT_REWARD_FUNCS)}."})
-    reward_funcs: list[str] | None = field(default=None, metadata={"help": "Names or dotted import paths of rewards."})
-    kk_source: str | None = field(default=None, metadata={"help": "K&K data: 'paper', 'hub' or 'generated'."})
-    kk_num_people: list[int] = field(default_factory=lambda: [3], metadata={"help": "K&K puzzle sizes (2-8)."})
+    task: str = field(
+        default="knights_knaves",
+        metadata={
+            "help": "'knights_knaves' (see kk_source), 'math' (dataset_name: a key of trl_lopti.tasks.math's "
+            "PAPER_MATH_FILES or MATH_DATASETS) or 'dataset' (dataset_name: a hub id, a data file or a folder)."
+        },
+    )
+    reward_funcs: list[str] | None = field(
+        default=None, metadata={"help": "Names of REWARD_FUNCS or dotted import paths (default: the task's reward)."}
+    )
+    kk_source: str | None = field(
+        default=None,
+        metadata={
+            "help": "K&K data: 'paper' (the authors' split and prompts, from kk_data_dir or their repository), 'hub' "
+            "(dataset_name, default K-and-K/knights-and-knaves) or 'generated' (kk_num_samples and "
+            "kk_num_eval_samples puzzles from kk_seed). Unset: 'hub' with a dataset_name, else 'generated'."
+        },
+    )
+    kk_num_people: list[int] = field(
+        default_factory=lambda: [3], metadata={"help": "K&K puzzle sizes (2-8; the paper's: 3-7); several: a mixture."}
+    )
     kk_num_samples: int = field(default=1000, metadata={"help": "Generated K&K training puzzles."})
     kk_num_eval_samples: int = field(default=100, metadata={"help": "Generated K&K evaluation puzzles."})
     kk_seed: int = field(default=0, metadata={"help": "Seed of the K&K generator."})
     kk_prefill_think: bool = field(default=True, metadata={"help": "End K&K prompts with an assistant '<think>'."})
-    kk_data_dir: str | None = field(default=None, metadata={"help": "kk_source 'paper': a local copy of the files."})
+    kk_data_dir: str | None = field(
+        default=None, metadata={"help": "kk_source 'paper': a local copy, laid out as {3..7}ppl/{train,test}.parquet."}
+    )
     math_data_file: str | None = field(default=None, metadata={"help": "A paper math set: a local copy of its file."})
     dry_run: bool = field(default=False, metadata={"help": "Print the resolved configuration; load no model."})
     rehearse: bool = field(default=False, metadata={"help": "Rehearse offline: tiny model, one Lopti cycle, resume."})
@@ -94,17 +92,13 @@ class LoptiScriptArguments(ScriptArguments):
             raise ValueError("dataset_streaming: trl-lopti train does not stream datasets")
 
 
-def make_parser():
-    """The parser of `trl-lopti train`: TRL's `TrlParser` of `(LoptiScriptArguments, LoptiGRPOConfig, ModelConfig)`."""
-    return TrlParser((LoptiScriptArguments, LoptiGRPOConfig, ModelConfig), prog="trl-lopti train")
-
-
 def parse_train_args(argv: Sequence[str]) -> tuple:
     """`(LoptiScriptArguments, LoptiGRPOConfig, ModelConfig)` from `--config FILE.yaml` and flags, which override it."""
     args = list(argv)
     if {"--dry_run", "--dry-run"} & set(args) and not torch.accelerator.is_available():
         args = on_cpu(args, "train --dry_run")  # a dry run validates the GPU presets (bf16) on any machine
-    return parse_with_config(make_parser(), args)
+    parser = TrlParser((LoptiScriptArguments, LoptiGRPOConfig, ModelConfig), prog="trl-lopti train")
+    return parse_with_config(parser, args)
 
 
 def resolve_reward_funcs(script_args: LoptiScriptArguments) -> dict[str, Callable]:
@@ -173,9 +167,7 @@ def build_datasets(script_args: LoptiScriptArguments, training_args) -> tuple:
         path = Path(args.dataset_name).expanduser()
         if path.is_file():  # all its rows in either split; the builder (json, parquet, ...) follows from its extension
             return datasets.load_dataset(str(path.parent), data_files=path.name, split="train")
-        return datasets.load_dataset(
-            args.dataset_name, args.dataset_config, split=split
-        )  # also `save_to_disk` folders
+        return datasets.load_dataset(args.dataset_name, args.dataset_config, split=split)  # or a `save_to_disk` folder
 
     try:
         train = load(args.dataset_train_split, train=True)

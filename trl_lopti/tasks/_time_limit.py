@@ -25,19 +25,11 @@ from typing import Any, TypeVar
 
 _T = TypeVar("_T")
 
-ALARM_REPEAT_SECONDS = 0.05
-"""The `SIGALRM` timer repeats at this interval until disarmed, in case library code swallows the first
-interruption."""
+ALARM_REPEAT_SECONDS = 0.05  # the timer repeats until disarmed, in case library code swallows the first interruption
+WORKER_STARTUP_SECONDS = 120.0  # for a new worker to import its module and answer `ready`
+WORKER_GRACE_SECONDS = 1.0  # how much longer than the work's own limit the parent waits for a worker's answer
 
-WORKER_STARTUP_SECONDS = 120.0
-"""How long a new worker process may take to import its module and answer `ready`."""
-
-WORKER_GRACE_SECONDS = 1.0
-"""How much longer than the work's own limit the parent waits for a worker's answer before killing it."""
-
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding `trl_lopti/`
-
-# Imports the target's module (`import trl_lopti` imports no TRL), then serves.
+# Imports the target's module from the folder holding `trl_lopti/` (`import trl_lopti` imports no TRL), then serves.
 _WORKER_SCRIPT = """
 import importlib, json, sys
 sys.path.insert(0, sys.argv[1])
@@ -76,10 +68,8 @@ def _run_with_alarm(func: Callable[[], _T], seconds: float) -> _T:
 
 
 def _run_in_thread(func: Callable[[], _T], seconds: float) -> _T:
-    """
-    Runs `func` in a helper thread and waits at most `seconds`. On timeout the helper is stopped by an asynchronous
-    exception (raised at its next Python instruction) and `DeadlineExceeded` is raised here.
-    """
+    """Runs `func` in a helper thread and waits at most `seconds`; on timeout stops the helper with an asynchronous
+    `DeadlineExceeded` (raised at its next Python instruction, not inside C code) and raises it here."""
     outcome: dict[str, Any] = {}
 
     def target():
@@ -110,20 +100,9 @@ def in_main_thread() -> bool:
 
 def run_with_time_limit(func: Callable[[], _T], seconds: float | None) -> _T:
     """
-    Runs `func()` in this process, interrupting it after `seconds` of wall-clock time.
-
-    In the main thread a `SIGALRM` timer interrupts it (any timer already set is restored afterwards). In other
-    threads, where signals cannot be used, it runs in a helper thread that is stopped with an asynchronous exception;
-    that cannot interrupt a long call into C code: use a [`WorkerProcess`] there.
-
-    Args:
-        func (`Callable[[], T]`):
-            The work.
-        seconds (`float` or `None`):
-            Time limit; `None` or `<= 0` for none.
-
-    Returns:
-        `T`: What `func` returned. Raises [`DeadlineExceeded`] (a `BaseException`) on timeout.
+    Runs `func()` in this process and raises [`DeadlineExceeded`] after `seconds` of wall-clock time (`None` or `<= 0`:
+    no limit): in the main thread by a `SIGALRM` timer (any timer already set is restored afterwards), elsewhere in a
+    helper thread, which cannot interrupt a long call into C code (a [`WorkerProcess`] can).
     """
     if seconds is None or seconds <= 0:
         return func()
@@ -138,23 +117,21 @@ def run_with_time_limit(func: Callable[[], _T], seconds: float | None) -> _T:
 
 class WorkerProcess:
     """
-    A child Python process that calls one function for the parent, one JSON-encoded call at a time.
-
-    Requests from several threads are served one at a time. A call that gets no answer in time kills the child (it
-    is stuck, e.g. in C code) and returns `None`; the next call starts a new child.
+    A child Python process that calls one function for the parent, one JSON-encoded call at a time (calls from several
+    threads wait their turn). A call that gets no answer in time kills the child (stuck, e.g. in C code) and returns
+    `None`; the next call starts a new child.
 
     Args:
         target (`str`):
-            `"module:function"` of a module under `trl_lopti` (e.g. `"trl_lopti.tasks.math.grading:score_in_process"`).
-            Arguments and the result must be JSON-serialisable; the function should enforce its own time limit with
-            [`run_with_time_limit`] (it runs in the child's main thread).
+            `"module:function"` of a module under `trl_lopti` (e.g. `"trl_lopti.tasks.math.grading:score_in_process"`),
+            with JSON-serialisable arguments and result. It runs in the child's main thread, where
+            [`run_with_time_limit`] can enforce its own limit.
         warmup_args (`tuple`):
             Arguments of a first call made before the child reports ready (imports, caches).
     """
 
     def __init__(self, target: str, warmup_args: tuple = ()):
-        self.target = target
-        self.warmup_args = warmup_args
+        self.target, self.warmup_args = target, warmup_args
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
 
@@ -169,8 +146,9 @@ class WorkerProcess:
         return self._process.stdout.readline() if ready else None
 
     def _start(self) -> None:
+        package_root = str(Path(__file__).resolve().parents[2])
         self._process = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_SCRIPT, str(_PACKAGE_ROOT), self.target, json.dumps(self.warmup_args)],
+            [sys.executable, "-c", _WORKER_SCRIPT, package_root, self.target, json.dumps(self.warmup_args)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -181,18 +159,8 @@ class WorkerProcess:
             raise RuntimeError(f"The worker process for {self.target} did not start")
 
     def call(self, args: tuple, timeout_seconds: float | None) -> Any:
-        """
-        Calls the target with `args` in the child.
-
-        Args:
-            args (`tuple`):
-                JSON-serialisable arguments.
-            timeout_seconds (`float` or `None`):
-                The work's own limit; the parent waits [`WORKER_GRACE_SECONDS`] longer. `None` or `<= 0`: no limit.
-
-        Returns:
-            `Any`: The result, or `None` when the child did not answer in time (it is then killed).
-        """
+        """The target's result for `args`, or `None` when the child gave none within `timeout_seconds` (the work's own
+        limit; `None` or `<= 0`: none) plus [`WORKER_GRACE_SECONDS`], and was killed."""
         with self._lock:
             if self._process is None or self._process.poll() is not None:
                 self._start()
@@ -206,7 +174,6 @@ class WorkerProcess:
             return json.loads(reply)
 
     def close(self) -> None:
-        """Stops the child process, if any."""
         with self._lock:
             self._stop()
 
@@ -216,10 +183,8 @@ _workers_lock = threading.Lock()
 
 
 def shared_worker(target: str, warmup_args: tuple = ()) -> WorkerProcess | None:
-    """
-    The process-wide [`WorkerProcess`] of `target` (created on first use, closed at exit); `None` off POSIX, where
-    `select` cannot wait on pipes.
-    """
+    """The process-wide [`WorkerProcess`] of `target` (created on first use, closed at exit); `None` off POSIX, where
+    `select` cannot wait on pipes."""
     if os.name != "posix":
         return None
     with _workers_lock:

@@ -20,61 +20,33 @@ from ._text import completion_to_text, token_parity_reward
 ANSWER_PREFIX = "The answer is"
 """Pre-filled start of the answer: the completion's first integer is the model's answer."""
 
-TASKS: dict[str, tuple[str, ...]] = {
-    "add": ("add",),
-    "sub": ("sub",),
-    "mul": ("mul",),
-    "add3": ("add3",),
-    "mixed": ("add", "sub", "mul", "add3"),
+FAMILIES: dict[str, Callable[[range], list[tuple[str, int]]]] = {
+    "add": lambda d: [(f"{a} + {b}", a + b) for a in d for b in d],
+    "sub": lambda d: [(f"{a} - {b}", a - b) for a in d for b in d if a >= b],
+    "mul": lambda d: [(f"{a} * {b}", a * b) for a in d for b in d],
+    "add3": lambda d: [(f"{a} + {b} + {c}", a + b + c) for a in d for b in d for c in d],
 }
+"""Problem family -> its `(expression, result)` pairs for the operands `d` (0-9), in a fixed order."""
+
+TASKS: dict[str, tuple[str, ...]] = {**{family: (family,) for family in FAMILIES}, "mixed": tuple(FAMILIES)}
 """Task name -> its problem families."""
 
 _FIRST_INTEGER = re.compile(r"-?\d+")
 
 
 def family_problems(family: str) -> list[tuple[str, int]]:
-    """
-    Every problem of one family, as `(prompt, answer)` in a fixed order.
-
-    Args:
-        family (`str`):
-            `add` (a + b), `sub` (a - b with a >= b), `mul` (a * b), `add3` (a + b + c); operands 0-9.
-
-    Returns:
-        `list[tuple[str, int]]`: The problems.
-    """
-    digits = range(10)
-    if family == "add":
-        items = [(f"{a} + {b}", a + b) for a in digits for b in digits]
-    elif family == "sub":
-        items = [(f"{a} - {b}", a - b) for a in digits for b in digits if a >= b]
-    elif family == "mul":
-        items = [(f"{a} * {b}", a * b) for a in digits for b in digits]
-    elif family == "add3":
-        items = [(f"{a} + {b} + {c}", a + b + c) for a in digits for b in digits for c in digits]
-    else:
-        raise ValueError(f"family must be one of add, sub, mul, add3, got {family!r}")
-    return [(f"What is {expression}? {ANSWER_PREFIX}", answer) for expression, answer in items]
+    """Every problem of a family of [`FAMILIES`], as `(prompt, answer)` in a fixed order."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {list(FAMILIES)}, got {family!r}")
+    return [(f"What is {expression}? {ANSWER_PREFIX}", answer) for expression, answer in FAMILIES[family](range(10))]
 
 
 def split_problems(
     task: str, num_eval_per_family: int, split_seed: int = 0
 ) -> tuple[dict[str, list[tuple[str, int]]], list[tuple[str, str, int]]]:
-    """
-    Splits the task's problems into training and held-out problems, per family.
-
-    Args:
-        task (`str`):
-            A key of `TASKS`.
-        num_eval_per_family (`int`):
-            Held-out problems per family; must leave at least one training problem in every family.
-        split_seed (`int`, *optional*, defaults to `0`):
-            Seed of the split.
-
-    Returns:
-        `tuple[dict, list]`: `(train, held_out)`: training problems per family, and the held-out problems as
-        `(family, prompt, answer)`.
-    """
+    """`(train, held_out)`: the problems of a task of [`TASKS`] split per family (by `split_seed`), training problems
+    per family, and `num_eval_per_family` held-out problems of each (leaving at least one training problem) as
+    `(family, prompt, answer)`."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {sorted(TASKS)}, got {task!r}")
     train, held_out = {}, []
@@ -92,20 +64,8 @@ def split_problems(
 
 
 def build_train_dataset(train: dict[str, list[tuple[str, int]]], num_rows: int, seed: int):
-    """
-    `num_rows` training prompts: the families in turn (shuffled every round), a random problem of each.
-
-    Args:
-        train (`dict`):
-            Training problems per family (from [`split_problems`]).
-        num_rows (`int`):
-            Rows (generation batches x prompts per batch).
-        seed (`int`):
-            Seed of the draw and the order.
-
-    Returns:
-        `datasets.Dataset`: Columns `prompt`, `answer`, `family`.
-    """
+    """A dataset (columns `prompt`, `answer`, `family`) of `num_rows` training prompts from the training problems of
+    [`split_problems`]: the families in turn (shuffled every round, by `seed`), a random problem of each."""
     from datasets import Dataset
 
     rng = random.Random(seed)
@@ -125,20 +85,8 @@ def parse_answer(completion: Any) -> int | None:
 
 
 def exact_answer_reward(completions: Sequence[Any], answer: Sequence[int], **kwargs: Any) -> list[float]:
-    """
-    TRL reward function: 1.0 when the first integer of the completion is the answer, else 0.0.
-
-    Args:
-        completions (`Sequence[str]`):
-            Completions (continuations of "The answer is").
-        answer (`Sequence[int]`):
-            The results (dataset column).
-        **kwargs:
-            Other columns and trainer arguments, ignored.
-
-    Returns:
-        `list[float]`: One reward per completion.
-    """
+    """TRL reward function: 1.0 when the first integer of the completion (a continuation of "The answer is") is the
+    result in the dataset column `answer`, else 0.0."""
     return [1.0 if parse_answer(c) == int(y) else 0.0 for c, y in zip(completions, answer, strict=True)]
 
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._paper import AUTHORS_DATA_URL
-from .puzzles import MAX_PEOPLE, MIN_PEOPLE, _validate_num_people, generate_puzzles, parse_statements, puzzle_record
+from .puzzles import generate_puzzles, parse_statements, puzzle_record, puzzle_sizes
 from .rewards import THINK_PREFILL
 
 
@@ -57,19 +57,12 @@ PAPER_KK_DIR = "data/kk/instruct"
 
 def paper_prompt(quiz: str) -> str:
     """
-    The exact prompt text of the paper's K&K runs for a quiz.
+    The exact prompt text of the paper's K&K runs for a quiz (the `quiz` column).
 
     Qwen2.5's chat markup written out as text: a system turn with [`PAPER_SYSTEM_PROMPT`], a user turn with the quiz,
     each ending in a newline before `<|im_end|>`, then an open assistant turn pre-filled with `<think>`. It equals the
     `prompt` column of all 5,500 rows of the authors' `data/kk/instruct/{3..7}ppl/{train,test,test_new}.parquet`
     byte for byte. Give it to TRL as a plain-text prompt: no chat template goes on top.
-
-    Args:
-        quiz (`str`):
-            The puzzle text (the `quiz` column).
-
-    Returns:
-        `str`: The prompt.
     """
     return (
         f"<|im_start|>system\n{PAPER_SYSTEM_PROMPT}\n<|im_end|>\n"
@@ -80,22 +73,13 @@ def paper_prompt(quiz: str) -> str:
 
 def make_prompt(quiz: str, system_prompt: str = SYSTEM_PROMPT, prefill_think: bool = False) -> list[dict[str, str]]:
     """
-    Builds the conversational prompt of a puzzle.
+    The conversational prompt of a puzzle: the system message and the quiz, then with `prefill_think` an assistant
+    message holding `"<think>"` for the model to continue, as the paper prompts.
 
-    Args:
-        quiz (`str`):
-            The puzzle text.
-        system_prompt (`str`, *optional*, defaults to [`SYSTEM_PROMPT`]):
-            The system message.
-        prefill_think (`bool`, *optional*, defaults to `False`):
-            Whether to end the prompt with an assistant message holding `"<think>"` for the model to continue, as the
-            paper prompts. TRL 1.16's GRPOTrainer renders conversational prompts with `add_generation_prompt=True`
-            only (it would close that assistant turn and open a new one), so render such prompts to text first with
-            [`render_prompts_as_text`] (the CLI does this). The `<think>` is then part of the prompt, not of the
-            completion: score with `think_prefilled=True` (the `think_prefilled` column does this automatically).
-
-    Returns:
-        `list[dict[str, str]]`: The messages.
+    TRL 1.16's GRPOTrainer renders conversational prompts with `add_generation_prompt=True` only (it would close that
+    assistant turn and open a new one), so render such prompts to text first with [`render_prompts_as_text`] (the CLI
+    does this). The `<think>` is then part of the prompt, not of the completion: score with `think_prefilled=True` (the
+    `think_prefilled` column does this automatically).
     """
     messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": quiz}]
     if prefill_think:
@@ -117,25 +101,10 @@ def generate_dataset(
     **generator_options: Any,
 ):
     """
-    Generates Knights & Knaves puzzles with exactly one solution (see [`generate_puzzles`]) as a TRL-ready dataset.
-
-    Args:
-        num_people (`int` or `Sequence[int]`):
-            People per puzzle, 2 to 8; a list gives a mixture.
-        num_samples (`int`):
-            Number of puzzles.
-        system_prompt (`str`, *optional*, defaults to [`SYSTEM_PROMPT`]):
-            System message of each prompt.
-        prefill_think (`bool`, *optional*, defaults to `False`):
-            End each prompt with an assistant message `"<think>"` that the model continues, as the paper does. The
-            `think_prefilled` column records it, and the K&K reward functions read that column to count the
-            pre-filled `<think>` as part of the response.
-        **generator_options:
-            `seed`, `max_width`, `max_attempts` of [`generate_puzzles`].
-
-    Returns:
-        `datasets.Dataset`: Columns `prompt` (system + user [+ assistant `"<think>"`] messages), the puzzle columns
-        of [`generate_puzzles`] and `think_prefilled`.
+    `num_samples` Knights & Knaves puzzles with exactly one solution ([`generate_puzzles`], which takes
+    `**generator_options`: `seed`, `max_width`, `max_attempts`) as a TRL-ready dataset: columns `prompt` (see
+    [`make_prompt`]), the puzzle columns and `think_prefilled` (`prefill_think`, which the K&K reward functions read to
+    count the pre-filled `<think>` as part of the response).
     """
     from datasets import Dataset
 
@@ -160,59 +129,22 @@ def _published_record(record: dict[str, Any]) -> dict[str, Any]:
 def knights_knaves_record_to_example(
     record: dict[str, Any], system_prompt: str = SYSTEM_PROMPT, prefill_think: bool = False
 ) -> dict[str, Any]:
-    """
-    Maps one row of the published K&K data (`quiz`, `names`, `solution`, `solution_text`, `solution_text_format`,
-    `statements`, ...) to the columns of [`generate_dataset`].
-
-    Args:
-        record (`dict[str, Any]`):
-            A row of `K-and-K/knights-and-knaves`.
-        system_prompt (`str`, *optional*, defaults to [`SYSTEM_PROMPT`]):
-            System message of the prompt.
-        prefill_think (`bool`, *optional*, defaults to `False`):
-            See [`generate_dataset`].
-
-    Returns:
-        `dict[str, Any]`: The row with the columns of [`generate_dataset`].
-    """
+    """One row of the published K&K data (`quiz`, `names`, `solution`, `solution_text`, `solution_text_format`,
+    `statements`, ...) with the columns of [`generate_dataset`]."""
     return _example(_published_record(record), system_prompt, prefill_think)
 
 
 def prepare_knights_knaves_dataset(dataset, system_prompt: str = SYSTEM_PROMPT, prefill_think: bool = False):
-    """
-    Maps a dataset in the published K&K format to the columns of [`generate_dataset`], dropping the other columns.
-
-    Args:
-        dataset (`datasets.Dataset`):
-            Rows with the published columns (from the Hub or from local JSON/parquet files).
-        system_prompt (`str`, *optional*, defaults to [`SYSTEM_PROMPT`]):
-            System message of each prompt.
-        prefill_think (`bool`, *optional*, defaults to `False`):
-            See [`generate_dataset`].
-
-    Returns:
-        `datasets.Dataset`: The mapped dataset.
-    """
-    return dataset.map(
-        knights_knaves_record_to_example,
-        fn_kwargs={"system_prompt": system_prompt, "prefill_think": prefill_think},
-        remove_columns=dataset.column_names,
-    )
+    """A dataset in the published K&K format (from the Hub or local JSON/parquet files) mapped to the columns of
+    [`generate_dataset`]; its other columns are dropped."""
+    fn_kwargs = {"system_prompt": system_prompt, "prefill_think": prefill_think}
+    return dataset.map(knights_knaves_record_to_example, fn_kwargs=fn_kwargs, remove_columns=dataset.column_names)
 
 
 def paper_record_to_example(record: dict[str, Any]) -> dict[str, Any]:
-    """
-    Maps one row of the authors' K&K parquet files to the columns of [`generate_dataset`] plus `index`, with the
-    paper's text prompt (checked to be [`paper_prompt`] of the quiz).
-
-    Args:
-        record (`dict[str, Any]`):
-            A row of `data/kk/instruct/{n}ppl/{train,test}.parquet` (columns `quiz`, `names`, `solution`,
-            `solution_text`, `solution_text_format`, `statements`, `index`, `prompt`, ...).
-
-    Returns:
-        `dict[str, Any]`: `prompt` (text), the puzzle columns, `think_prefilled` (`True`) and `index`.
-    """
+    """One row of the authors' `data/kk/instruct/{n}ppl/{train,test}.parquet` with the columns of
+    [`generate_dataset`] plus `index`, and the paper's text prompt (its `prompt` checked to be [`paper_prompt`] of the
+    quiz)."""
     prompt = paper_prompt(record["quiz"])
     published = record.get("prompt")
     if published is not None:
@@ -273,21 +205,12 @@ def load_paper_knights_knaves(
     """
     if split not in PAPER_SPLITS:
         raise ValueError(f"split: must be one of {list(PAPER_SPLITS)}, got {split!r}")
-    sizes = _sizes(num_people)
+    sizes = puzzle_sizes(num_people)
     loaded = {name: _load_paper_split(name, sizes, data_dir) for name in PAPER_SPLITS}
     shared = set(loaded["train"]["quiz"]) & set(loaded["test"]["quiz"])
     if shared:
         raise ValueError(f"The paper's train and test splits share {len(shared)} puzzles; check the files in use")
     return loaded[split]
-
-
-def _sizes(num_people: int | Sequence[int]) -> list[int]:
-    sizes = [num_people] if isinstance(num_people, int) else list(num_people)
-    if not sizes:
-        raise ValueError(f"num_people: give at least one size from {MIN_PEOPLE} to {MAX_PEOPLE}")
-    for size in sizes:
-        _validate_num_people(size)
-    return sizes
 
 
 KNIGHTS_KNAVES_SOURCES = ("paper", "hub")
@@ -334,11 +257,11 @@ def load_knights_knaves_dataset(
     if source not in KNIGHTS_KNAVES_SOURCES:
         raise ValueError(f"source: must be one of {list(KNIGHTS_KNAVES_SOURCES)}, got {source!r}")
     if source == "paper":
-        return load_paper_knights_knaves(split, _sizes(num_people), data_dir)
+        return load_paper_knights_knaves(split, puzzle_sizes(num_people), data_dir)
     import datasets
 
     parts = []
-    for size in _sizes(num_people):
+    for size in puzzle_sizes(num_people):
         raw = datasets.load_dataset(path, split, split=f"{size}ppl", **load_dataset_kwargs)
         parts.append(prepare_knights_knaves_dataset(raw, system_prompt, prefill_think))
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
@@ -346,23 +269,13 @@ def load_knights_knaves_dataset(
 
 def render_prompts_as_text(dataset, tokenizer, prompt_column: str = "prompt"):
     """
-    Renders conversational prompts to text with the model's chat template, continuing a final assistant message.
+    `dataset` with its conversational prompts rendered to text by the chat template of `tokenizer` (the model's),
+    continuing a final assistant message.
 
     TRL 1.16's `GRPOTrainer` applies the chat template with `add_generation_prompt=True` and never continues a final
     assistant message, so a prompt that pre-fills `"<think>"` (the paper's format, `prefill_think=True`) must be
     given to it as text: this opens the assistant turn and leaves `"<think>"` open for the model to continue.
     Prompts without a final assistant message get the usual generation prompt.
-
-    Args:
-        dataset (`datasets.Dataset`):
-            A dataset with a conversational prompt column.
-        tokenizer (`transformers.PreTrainedTokenizerBase`):
-            The tokenizer of the model to train (its chat template is used).
-        prompt_column (`str`, *optional*, defaults to `"prompt"`):
-            The column to render.
-
-    Returns:
-        `datasets.Dataset`: The dataset with plain-text prompts.
     """
 
     def render(example: dict[str, Any]) -> dict[str, str]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import ast
 import random
 from collections.abc import Sequence
-from functools import cache
+from functools import cache, reduce
 from typing import Any
 
 
@@ -92,15 +92,9 @@ def _truth_table(statement: Statement, num_people: int) -> int:
     if operator == "not":
         return all_assignments & ~operands[0]
     if operator == "and":
-        result = all_assignments
-        for operand in operands:
-            result &= operand
-        return result
+        return reduce(lambda a, b: a & b, operands, all_assignments)
     if operator == "or":
-        result = 0
-        for operand in operands:
-            result |= operand
-        return result
+        return reduce(lambda a, b: a | b, operands, 0)
     if operator == "->":
         return all_assignments & (~operands[0] | operands[1])
     if operator == "<=>":
@@ -109,18 +103,8 @@ def _truth_table(statement: Statement, num_people: int) -> int:
 
 
 def solve(statements: Sequence[Statement]) -> list[tuple[bool, ...]]:
-    """
-    Finds every assignment of knights and knaves consistent with the statements.
-
-    Person `i` is consistent when their statement is true if and only if they are a knight.
-
-    Args:
-        statements (`Sequence[Statement]`):
-            One statement per person, in the published tuple notation (person indices start at 0).
-
-    Returns:
-        `list[tuple[bool, ...]]`: The consistent assignments (`True` = knight), in a fixed order.
-    """
+    """Every assignment of knights (`True`) and knaves consistent with one statement per person (person indices from
+    0), in a fixed order: person `i` is consistent when their statement is true if and only if they are a knight."""
     num_people = len(statements)
     consistent = (1 << (1 << num_people)) - 1
     for person, statement in enumerate(statements):
@@ -134,16 +118,8 @@ def solve(statements: Sequence[Statement]) -> list[tuple[bool, ...]]:
 
 
 def parse_statements(statements: str | Sequence) -> tuple[Statement, ...]:
-    """
-    Reads statements from their `str` form (as stored in the `statements` column) or from nested lists (as JSON gives).
-
-    Args:
-        statements (`str` or `Sequence`):
-            E.g. `"(('lying', 1), ('and', ('telling-truth', 0), ('telling-truth', 1)))"`.
-
-    Returns:
-        `tuple[Statement, ...]`: One nested tuple per person.
-    """
+    """One nested tuple per person, from the `str` form of the `statements` column (`"(('lying', 1), ('and',
+    ('telling-truth', 0), ('telling-truth', 1)))"`) or from nested lists (as JSON gives)."""
     if isinstance(statements, str):
         statements = ast.literal_eval(statements)
 
@@ -172,31 +148,13 @@ def _sample_distinct_atoms(rng: random.Random, speaker: int, num_people: int, co
     return tuple(atoms)
 
 
-def sample_statement(rng: random.Random, speaker: int, num_people: int, max_depth: int = 2, max_width: int = 2):
+def sample_statement(rng: random.Random, speaker: int, num_people: int, max_width: int = 2) -> Statement:
     """
-    Samples one person's statement with the published generator's distribution.
-
-    At depth 2 the six kinds (atom, `not`, `and`, `or`, `->`, `<=>`) are equally likely; `and`/`or` take 2 to
-    `max_width` distinct atoms, `->`/`<=>` two distinct atoms. At depth 1 only atoms are drawn.
-
-    Args:
-        rng (`random.Random`):
-            Source of randomness.
-        speaker (`int`):
-            Index of the person making the statement.
-        num_people (`int`):
-            Number of people in the puzzle.
-        max_depth (`int`, *optional*, defaults to `2`):
-            2 (one operator over atoms, as in the published data) or 1 (atoms only; puzzles made of atoms alone never
-            have a unique solution, since flipping everyone's role keeps them consistent).
-        max_width (`int`, *optional*, defaults to `2`):
-            Largest number of operands of `and`/`or`.
-
-    Returns:
-        `Statement`: The statement, in the published tuple notation.
+    One statement of person `speaker` with the published generator's distribution at nesting depth 2: the six kinds
+    (atom, `not`, `and`, `or`, `->`, `<=>`) equally likely; `and`/`or` over 2 to `max_width` distinct atoms, `->`/`<=>`
+    over two. (Puzzles made of atoms alone never have a unique solution: flipping everyone's role keeps them
+    consistent.)
     """
-    if max_depth <= 1:
-        return _sample_atom(rng, speaker, num_people)
     kind = rng.randrange(6)
     if kind == 0:
         return _sample_atom(rng, speaker, num_people)
@@ -220,20 +178,10 @@ def _render_atom(atom: Statement, names: Sequence[str], negated: bool = False) -
 
 def render_statement(statement: Statement, names: Sequence[str]) -> str:
     """
-    Writes a statement in English, the way the published data writes it.
-
+    A statement of nesting depth at most 2 in English, as the published data writes it, without final punctuation:
     `('telling-truth', i)` -> "N is a knight", `('lying', i)` -> "N is a knave", `('not', atom)` -> "N is not a
     knight/knave", `and`/`or` join their operands with " and "/" or ", `('->', a, b)` -> "If A then B" and
-    `('<=>', a, b)` -> "A if and only if B".
-
-    Args:
-        statement (`Statement`):
-            A statement of nesting depth at most 2.
-        names (`Sequence[str]`):
-            The people's names, by index.
-
-    Returns:
-        `str`: The claim, without final punctuation.
+    `('<=>', a, b)` -> "A if and only if B" (`names`: the people's names, by index).
     """
     operator = statement[0]
     if operator == "not":
@@ -254,20 +202,8 @@ def _join_names(names: Sequence[str]) -> str:
 
 
 def render_quiz(statements: Sequence[Statement], names: Sequence[str], rng: random.Random) -> str:
-    """
-    Writes the puzzle text: the island's rules, the inhabitants, each one's claim in a randomly chosen phrasing.
-
-    Args:
-        statements (`Sequence[Statement]`):
-            One statement per person.
-        names (`Sequence[str]`):
-            The people's names, by index.
-        rng (`random.Random`):
-            Chooses each claim's phrasing from [`SPEECH_TEMPLATES`].
-
-    Returns:
-        `str`: The puzzle, ending with the question.
-    """
+    """The puzzle text: the island's rules, the inhabitants, each one's claim in a phrasing of [`SPEECH_TEMPLATES`]
+    that `rng` chooses, and the question."""
     introduction = (
         "A very special island is inhabited only by knights and knaves. Knights always tell the truth, and knaves "
         f"always lie. You meet {len(names)} inhabitants: {_join_names(names)}."
@@ -281,20 +217,9 @@ def render_quiz(statements: Sequence[Statement], names: Sequence[str], rng: rand
 
 
 def solution_to_text(names: Sequence[str], solution: Sequence[bool]) -> tuple[str, str]:
-    """
-    Writes a solution in the two published forms.
-
-    Args:
-        names (`Sequence[str]`):
-            The people's names, by index.
-        solution (`Sequence[bool]`):
-            `True` for a knight, `False` for a knave.
-
-    Returns:
-        `tuple[str, str]`: `solution_text` ("A is a knight, B is a knave, and C is a knight.") and
-        `solution_text_format` ("(1) A is a knight\\n(2) B is a knave\\n(3) C is a knight"), the answer format the
-        prompt asks for.
-    """
+    """A solution (`True`: a knight) in the two published forms: `solution_text` ("A is a knight, B is a knave, and C
+    is a knight.") and `solution_text_format` ("(1) A is a knight\\n(2) B is a knave\\n(3) C is a knight"), the
+    answer format the prompt asks for."""
     clauses = [
         f"{name} is {'a knight' if is_knight else 'a knave'}" for name, is_knight in zip(names, solution, strict=True)
     ]
@@ -311,13 +236,9 @@ def puzzle_record(
     solution_text_format: str | None = None,
     solution_text: str | None = None,
 ) -> dict[str, Any]:
-    """
-    One puzzle in the published data's columns (the solution texts written with [`solution_to_text`] unless given).
-
-    Returns:
-        `dict[str, Any]`: `quiz`, `names`, `solution`, `solution_text`, `solution_text_format`, `statements`,
-        `num_people`.
-    """
+    """One puzzle in the published data's columns (`quiz`, `names`, `solution`, `solution_text`,
+    `solution_text_format`, `statements`, `num_people`), the solution texts written with [`solution_to_text`] unless
+    given."""
     default_text, default_text_format = solution_to_text(names, solution)
     return {
         "quiz": quiz,
@@ -330,11 +251,17 @@ def puzzle_record(
     }
 
 
-def _validate_num_people(num_people: int) -> None:
-    if isinstance(num_people, bool) or not isinstance(num_people, int):
-        raise TypeError(f"num_people must be an int, got {num_people!r}")
-    if not MIN_PEOPLE <= num_people <= MAX_PEOPLE:
-        raise ValueError(f"num_people must lie in [{MIN_PEOPLE}, {MAX_PEOPLE}], got {num_people}")
+def puzzle_sizes(num_people: int | Sequence[int]) -> list[int]:
+    """`num_people` (one size, or several for a mixture) as a list, checked: a non-empty list of ints from 2 to 8."""
+    sizes = [num_people] if isinstance(num_people, int) else list(num_people)
+    if not sizes:
+        raise ValueError(f"num_people: give at least one size from {MIN_PEOPLE} to {MAX_PEOPLE}")
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"num_people must be an int, got {size!r}")
+        if not MIN_PEOPLE <= size <= MAX_PEOPLE:
+            raise ValueError(f"num_people must lie in [{MIN_PEOPLE}, {MAX_PEOPLE}], got {size}")
+    return sizes
 
 
 def generate_puzzles(
@@ -370,11 +297,7 @@ def generate_puzzles(
         knight), `solution_text`, `solution_text_format` (`"(1) Name is a knight\\n(2) ..."`), `statements` (the `str`
         of the tuple notation) and `num_people`.
     """
-    sizes = [num_people] if isinstance(num_people, int) else list(num_people)
-    if not sizes:
-        raise ValueError("num_people must be an int or a non-empty list of ints")
-    for size in sizes:
-        _validate_num_people(size)
+    sizes = puzzle_sizes(num_people)
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0, got {num_samples}")
     if not 2 <= max_width <= 2 * min(sizes) - 1:
@@ -386,7 +309,7 @@ def generate_puzzles(
     for index in range(num_samples):
         size = sizes[index % len(sizes)]
         for _ in range(max_attempts):
-            statements = tuple(sample_statement(rng, speaker, size, 2, max_width) for speaker in range(size))
+            statements = tuple(sample_statement(rng, speaker, size, max_width) for speaker in range(size))
             if statements in seen:
                 continue
             solutions = solve(statements)

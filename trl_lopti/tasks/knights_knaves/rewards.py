@@ -42,16 +42,8 @@ _SOLUTION_LINE = re.compile(r"^\s*(?:\(\d+\)\s*)?([A-Za-z][\w'-]*)\b.*?\b(knight
 
 
 def has_valid_format(response: str) -> bool:
-    """
-    Whether the response holds exactly one `<think>`, `</think>`, `<answer>` and `</answer>`, in that order.
-
-    Args:
-        response (`str`):
-            The model's response (with the pre-filled `<think>` when the prompt has one).
-
-    Returns:
-        `bool`: The format check of the paper's reward.
-    """
+    """Whether `response` (with a pre-filled `<think>`) holds exactly one `<think>`, `</think>`, `<answer>` and
+    `</answer>`, in that order: the format check of the paper's reward."""
     if any(response.count(tag) != 1 for tag in _TAGS):
         return False
     positions = [response.find(tag) for tag in _TAGS]
@@ -59,31 +51,14 @@ def has_valid_format(response: str) -> bool:
 
 
 def extract_answer(response: str) -> str | None:
-    """
-    The stripped content of the last `<answer> ... </answer>` block.
-
-    Args:
-        response (`str`):
-            The model's response.
-
-    Returns:
-        `str` or `None`: The answer text, `None` when there is no block.
-    """
+    """The stripped content of the last `<answer> ... </answer>` block, `None` without one."""
     blocks = _ANSWER_BLOCK.findall(response)
     return blocks[-1].strip() if blocks else None
 
 
 def parse_solution_text_format(solution_text_format: str) -> dict[str, str]:
-    """
-    Reads a ground truth such as `"(1) Zoey is a knight\\n(2) Oliver is a knave"`.
-
-    Args:
-        solution_text_format (`str`):
-            One person per line, name first, role (`knight`/`knave`) last.
-
-    Returns:
-        `dict[str, str]`: Name -> `"knight"` or `"knave"`, in line order.
-    """
+    """Name -> `"knight"` or `"knave"`, in line order, from a ground truth with one person a line, name first, role
+    last (`"(1) Zoey is a knight\\n(2) Oliver is a knave"`)."""
     roles = {}
     for line in solution_text_format.splitlines():
         match = _SOLUTION_LINE.search(line)
@@ -94,20 +69,10 @@ def parse_solution_text_format(solution_text_format: str) -> dict[str, str]:
 
 def parse_answer_roles(answer: str, names: Sequence[str]) -> dict[str, str] | None:
     """
-    Reads each person's role from an answer, as the paper's reward does.
-
-    The answer is unparsable when the words "knight" and "knave" (case-insensitive, also inside longer words) occur
-    in total a different number of times than there are people, or when some name is not followed by "is a knight" /
-    "is a knave" (whole-word, case-insensitive; the first such phrase per name counts).
-
-    Args:
-        answer (`str`):
-            Content of the `<answer>` block.
-        names (`Sequence[str]`):
-            The people to identify.
-
-    Returns:
-        `dict[str, str]` or `None`: Name -> `"knight"`/`"knave"`, or `None` when unparsable.
+    Name -> `"knight"`/`"knave"` for each of `names`, read from the content of an `<answer>` block as the paper's
+    reward reads it; `None` (unparsable) when the words "knight" and "knave" (case-insensitive, also inside longer
+    words) occur in total a different number of times than there are people, or when some name is not followed by "is
+    a knight" / "is a knave" (whole-word, case-insensitive; the first such phrase per name counts).
     """
     lowered = answer.lower()
     if lowered.count("knight") + lowered.count("knave") != len(names):
@@ -122,32 +87,14 @@ def parse_answer_roles(answer: str, names: Sequence[str]) -> dict[str, str] | No
 
 
 def score_format(response: str) -> float:
-    """
-    Format part of the paper's reward.
-
-    Args:
-        response (`str`):
-            The model's response, including a pre-filled `<think>`.
-
-    Returns:
-        `float`: `1.0` if [`has_valid_format`], else `-1.0`.
-    """
+    """Format part of the paper's reward: `1.0` if [`has_valid_format`], else `-1.0`."""
     return FORMAT_REWARD if has_valid_format(response) else -FORMAT_REWARD
 
 
 def score_answer(response: str, solution_text_format: str) -> float:
-    """
-    Answer part of the paper's reward.
-
-    Args:
-        response (`str`):
-            The model's response, including a pre-filled `<think>`.
-        solution_text_format (`str`):
-            Ground truth, one person per line (see [`parse_solution_text_format`]).
-
-    Returns:
-        `float`: `2.0` all identities right, `-1.5` parsed but wrong, `-2.0` unparsable, empty or format failed.
-    """
+    """Answer part of the paper's reward for `response` (with a pre-filled `<think>`) against the ground truth (see
+    [`parse_solution_text_format`]): `2.0` all identities right, `-1.5` parsed but wrong, `-2.0` unparsable, empty or
+    format failed."""
     if not has_valid_format(response):
         return ANSWER_UNPARSABLE_REWARD
     answer = extract_answer(response)
@@ -160,65 +107,34 @@ def score_answer(response: str, solution_text_format: str) -> float:
     return ANSWER_CORRECT_REWARD if predicted == expected else ANSWER_WRONG_REWARD
 
 
-def _per_completion(value: bool | Sequence[bool] | None, count: int) -> list[bool]:
-    if value is None:
-        return [False] * count
-    if isinstance(value, (list, tuple)):
-        if len(value) != count:
-            raise ValueError(f"think_prefilled has {len(value)} values for {count} completions")
-        return [bool(item) for item in value]
-    return [bool(value)] * count
-
-
 def scored_response(completion: str, think_prefilled: bool) -> str:
-    """
-    The text the paper's reward scores for one completion: the completion after its first `Assistant:` if it holds
-    one (the authors' split), else the pre-filled `<think>` (when the prompt has it) followed by the completion.
-
-    Args:
-        completion (`str`):
-            The completion text, as TRL passes it (without the prompt).
-        think_prefilled (`bool`):
-            Whether the prompt ends with a pre-filled `<think>`.
-
-    Returns:
-        `str`: The scored text.
-    """
+    """The text the paper's reward scores for one completion (as TRL passes it, without the prompt): the completion
+    after its first `Assistant:` if it holds one (the authors' split), else the pre-filled `<think>` (when the prompt
+    has it) followed by the completion."""
     if ASSISTANT_MARKER in completion:
         return completion.split(ASSISTANT_MARKER, 1)[1]
     return (THINK_PREFILL if think_prefilled else "") + completion
 
 
 def _responses(completions: Sequence[Any], think_prefilled: bool | Sequence[bool] | None) -> list[str]:
-    prefilled = _per_completion(think_prefilled, len(completions))
-    return [
-        scored_response(completion_to_text(completion), is_prefilled)
-        for completion, is_prefilled in zip(completions, prefilled, strict=True)
-    ]
+    if isinstance(think_prefilled, (list, tuple)):
+        if len(think_prefilled) != len(completions):
+            raise ValueError(f"think_prefilled has {len(think_prefilled)} values for {len(completions)} completions")
+    else:
+        think_prefilled = [think_prefilled] * len(completions)
+    return [scored_response(completion_to_text(c), bool(p)) for c, p in zip(completions, think_prefilled, strict=True)]
 
 
 def knights_knaves_format_reward(
     completions: Sequence[Any], think_prefilled: bool | Sequence[bool] | None = False, **kwargs: Any
 ) -> list[float]:
     """
-    TRL reward function: the format part of the paper's K&K reward (`+1` / `-1`).
+    TRL reward function: the format part of the paper's K&K reward (`+1` / `-1`), arguments as
+    [`knights_knaves_reward`]'s.
 
-    Use it with [`knights_knaves_answer_reward`] (`reward_funcs=[knights_knaves_format_reward,
-    knights_knaves_answer_reward]`, default weights 1) to train on exactly [`knights_knaves_reward`] while TRL logs
-    both parts (`rewards/knights_knaves_format_reward/mean`, `rewards/knights_knaves_answer_reward/mean`).
-
-    Args:
-        completions (`Sequence[str]` or `Sequence[list[dict]]`):
-            Plain-text or conversational completions.
-        think_prefilled (`bool` or `Sequence[bool]`, *optional*, defaults to `False`):
-            Whether the prompt ends with a pre-filled `<think>` that the completion continues; it is then counted as
-            the response's first tag. TRL passes the dataset's `think_prefilled` column here (one value per
-            completion); set it yourself (e.g. `functools.partial`) for datasets without that column.
-        **kwargs:
-            Other dataset columns and trainer arguments, ignored.
-
-    Returns:
-        `list[float]`: One score per completion.
+    With [`knights_knaves_answer_reward`] (`reward_funcs=[knights_knaves_format_reward, knights_knaves_answer_reward]`,
+    default weights 1) it trains on exactly [`knights_knaves_reward`] while TRL logs both parts
+    (`rewards/knights_knaves_format_reward/mean`, `rewards/knights_knaves_answer_reward/mean`).
     """
     return [score_format(response) for response in _responses(completions, think_prefilled)]
 
@@ -229,23 +145,8 @@ def knights_knaves_answer_reward(
     think_prefilled: bool | Sequence[bool] | None = False,
     **kwargs: Any,
 ) -> list[float]:
-    """
-    TRL reward function: the answer part of the paper's K&K reward (`+2` / `-1.5` / `-2`, and `-2` when the format
-    fails).
-
-    Args:
-        completions (`Sequence[str]` or `Sequence[list[dict]]`):
-            Plain-text or conversational completions.
-        solution_text_format (`Sequence[str]`):
-            Ground truth per completion (the dataset column), e.g. `"(1) Zoey is a knight\\n(2) Oliver is a knave"`.
-        think_prefilled (`bool` or `Sequence[bool]`, *optional*, defaults to `False`):
-            See [`knights_knaves_format_reward`].
-        **kwargs:
-            Other dataset columns and trainer arguments, ignored.
-
-    Returns:
-        `list[float]`: One score per completion.
-    """
+    """TRL reward function: the answer part of the paper's K&K reward (`+2` / `-1.5` / `-2`, and `-2` when the format
+    fails), arguments as [`knights_knaves_reward`]'s."""
     responses = _responses(completions, think_prefilled)
     return [score_answer(response, truth) for response, truth in zip(responses, solution_text_format, strict=True)]
 
@@ -268,11 +169,12 @@ def knights_knaves_reward(
         completions (`Sequence[str]` or `Sequence[list[dict]]`):
             Plain-text or conversational completions.
         solution_text_format (`Sequence[str]`):
-            Ground truth per completion (the dataset column).
+            Ground truth per completion (the dataset column), e.g. `"(1) Zoey is a knight\\n(2) Oliver is a knave"`.
         think_prefilled (`bool` or `Sequence[bool]`, *optional*, defaults to `False`):
-            Whether the prompt pre-fills `<think>` (then counted as part of the response). TRL passes the dataset's
-            `think_prefilled` column, which [`generate_dataset`] and [`load_knights_knaves_dataset`] write; for other
-            datasets set it with `functools.partial(knights_knaves_reward, think_prefilled=True)`.
+            Whether the prompt ends with a pre-filled `<think>` that the completion continues; it is then counted as
+            the response's first tag. TRL passes the dataset's `think_prefilled` column (one value per completion),
+            which [`generate_dataset`] and [`load_knights_knaves_dataset`] write; for other datasets set it with
+            `functools.partial(knights_knaves_reward, think_prefilled=True)`.
         log_metric (`Callable[[str, float], None]`, *optional*):
             Passed by TRL; receives the sub-scores.
         **kwargs:

@@ -36,37 +36,17 @@ MATH_PROMPT_SUFFIX = "Let's think step by step and output the final answer withi
 
 @dataclass(frozen=True)
 class MathDatasetSpec:
-    """
-    Where a math set lives on the Hugging Face Hub and which columns hold the problem and the reference answer.
-
-    Args:
-        path (`str`):
-            Hub id.
-        split (`str`):
-            Split to load.
-        problem_column (`str`):
-            Column with the problem statement.
-        answer_column (`str`):
-            Column with the final answer (a string, a number, or a list of strings that together form the answer).
-        name (`str` or `None`, *optional*):
-            Config of the Hub dataset.
-        year_column (`str` or `None`, *optional*):
-            Column holding the year, to keep only `years`.
-        years (`tuple[int, int]` or `None`, *optional*):
-            Inclusive range of years to keep.
-        data_file (`str` or `None`, *optional*):
-            For sets stored as one JSON file of `[question, answer]` message pairs (ORZ) rather than as a table: the
-            file's name in the Hub repository.
-    """
+    """Where a math set lives on the Hugging Face Hub (id, split, config `name`) and which columns hold the problem and
+    the final answer (a string, a number, or a list of strings that together form the answer)."""
 
     path: str
     split: str
     problem_column: str
     answer_column: str
     name: str | None = None
-    year_column: str | None = None
+    year_column: str | None = None  # with `years`: keep the rows of these years (inclusive)
     years: tuple[int, int] | None = None
-    data_file: str | None = None
+    data_file: str | None = None  # a set stored as one JSON file of `[question, answer]` message pairs (ORZ)
 
 
 MATH_DATASETS: dict[str, MathDatasetSpec] = {
@@ -101,23 +81,9 @@ mirror."""
 def make_math_prompt(
     problem: str, prompt_suffix: str = MATH_PROMPT_SUFFIX, system_prompt: str | None = None, text_prompt: bool = False
 ) -> list[dict[str, str]] | str:
-    """
-    The conversational prompt of a problem, in the paper's style: the problem, then the instruction to reason step by
-    step and box the final answer.
-
-    Args:
-        problem (`str`):
-            The problem statement.
-        prompt_suffix (`str`, *optional*, defaults to [`MATH_PROMPT_SUFFIX`]):
-            Appended after a space.
-        system_prompt (`str` or `None`, *optional*):
-            An optional system message (the paper uses none; not allowed with `text_prompt`).
-        text_prompt (`bool`, *optional*, defaults to `False`):
-            Return the text itself, as the authors fed it to the model without a chat template.
-
-    Returns:
-        `list[dict[str, str]]` or `str`: The messages, or the text.
-    """
+    """The conversational prompt of a problem in the paper's style: the problem, then after a space `prompt_suffix`
+    (the instruction to reason step by step and box the final answer), after an optional system message (the paper
+    uses none); with `text_prompt`, that text itself, as the authors fed it to the model without a chat template."""
     content = f"{problem.strip()} {prompt_suffix}".strip()
     if text_prompt:
         if system_prompt:
@@ -135,27 +101,8 @@ def math_record_to_example(
     system_prompt: str | None = None,
     text_prompt: bool = False,
 ) -> dict[str, Any]:
-    """
-    Maps one row of a math set to the TRL columns `prompt` (conversational) and `solution` (reference answer), keeping
-    the raw `problem`.
-
-    Args:
-        record (`dict[str, Any]`):
-            The row.
-        problem_column (`str`):
-            Column with the problem.
-        answer_column (`str`):
-            Column with the final answer.
-        prompt_suffix (`str`, *optional*, defaults to [`MATH_PROMPT_SUFFIX`]):
-            See [`make_math_prompt`].
-        system_prompt (`str` or `None`, *optional*):
-            See [`make_math_prompt`].
-        text_prompt (`bool`, *optional*, defaults to `False`):
-            See [`make_math_prompt`].
-
-    Returns:
-        `dict[str, Any]`: `{"prompt": ..., "problem": ..., "solution": ...}`.
-    """
+    """One row of a math set as the TRL columns `prompt` ([`make_math_prompt`]) and `solution` (the reference answer),
+    keeping the raw `problem`."""
     problem = str(record[problem_column])
     return {
         "prompt": make_math_prompt(problem, prompt_suffix, system_prompt, text_prompt),
@@ -165,17 +112,9 @@ def math_record_to_example(
 
 
 def orz_pairs_to_records(pairs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """
-    Flattens ORZ's `[{"from": "human", "value": question}, {"from": "assistant", "ground_truth": {"value": answer}}]`
-    pairs into rows with columns `value` (the question) and `ground_truth` (the answer, as a string).
-
-    Args:
-        pairs (`Sequence[Sequence[dict]]`):
-            The JSON content of the ORZ file.
-
-    Returns:
-        `list[dict[str, Any]]`: One row per pair.
-    """
+    """The JSON content of the ORZ file, `[{"from": "human", "value": question}, {"from": "assistant",
+    "ground_truth": {"value": answer}}]` pairs, as rows with columns `value` (the question) and `ground_truth` (the
+    answer, a string)."""
     records = []
     for question, answer in (pair[:2] for pair in pairs):
         records.append(
@@ -261,17 +200,9 @@ def load_math_dataset(
 
 
 def paper_math_record_to_example(record: dict[str, Any]) -> dict[str, Any]:
-    """
-    Maps one row of the authors' verl parquet files (`prompt`: one message whose content is the full prompt text;
-    `reward_model.ground_truth`: the answer) to `prompt` (that text, as is), `solution` and `difficulty`.
-
-    Args:
-        record (`dict[str, Any]`):
-            The row.
-
-    Returns:
-        `dict[str, Any]`: `{"prompt": str, "solution": str, "difficulty": float | None}`.
-    """
+    """One row of the authors' verl parquet files (`prompt`: one message whose content is the full prompt text;
+    `reward_model.ground_truth`: the answer) as `prompt` (that text, as is), `solution` and `difficulty` (or
+    `None`)."""
     messages = list(record["prompt"])
     if len(messages) != 1 or "content" not in messages[0]:
         raise ValueError(f"prompt: expected one message holding the prompt text, got {messages!r:.200}")

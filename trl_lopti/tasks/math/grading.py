@@ -24,17 +24,9 @@ MAX_ANSWER_CHARS = 1_000
 
 
 def normalize_reference(answer: Any) -> str:
-    """
-    A reference answer as a string: numbers without a spurious `.0`, lists joined with ", ", `$` and spaces removed
-    at the ends.
-
-    Args:
-        answer (`Any`):
-            A string (`"\\\\frac{1}{2}"`), a number (`142.0`) or a list of strings (`["$3$", "$5$"]`).
-
-    Returns:
-        `str`: The reference, ready for [`math_reward`].
-    """
+    """A reference answer (a string, a number such as `142.0`, a list of strings such as `["$3$", "$5$"]`) as a
+    string for [`math_reward`]: numbers without a spurious `.0`, lists joined with ", ", `$` and spaces removed at the
+    ends."""
     if isinstance(answer, dict) and "value" in answer:  # ORZ's {"value": ..., "pass_at_n": ...}
         answer = answer["value"]
     if isinstance(answer, bool):
@@ -85,17 +77,8 @@ def looks_explosive(answer: str) -> bool:
     Whether a predicted answer could make sympy compute an astronomically large exact number: an exponent that holds
     a power of a number (`2^{2^{40}}`), a number of 7 or more digits (`3^{12345678}`) or a factorial (`2^{100!}`), or
     the factorial of a number of 6 or more digits. Such numbers are computed in C code, which a time limit cannot
-    always interrupt (not outside the main thread, nor with sympy's gmpy2 backend). Symbolic towers (`e^{x^2}`) are
-    fine.
-
-    Such answers score 0 without being parsed: no competition answer needs them.
-
-    Args:
-        answer (`str`):
-            The extracted answer.
-
-    Returns:
-        `bool`: `True` if the answer should not be evaluated.
+    always interrupt (not outside the main thread, nor with sympy's gmpy2 backend). Such answers get the string check
+    only, no sympy: no competition answer needs them. Symbolic towers (`e^{x^2}`) are fine.
     """
     huge_number = re.compile(rf"\d{{{_HUGE_EXPONENT_DIGITS},}}")
     for group in _exponent_groups(answer):

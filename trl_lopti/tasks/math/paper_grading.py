@@ -41,18 +41,11 @@ def graded_text(response: str) -> str:
 
 def last_box_content(text: str) -> str | None:
     r"""
-    The answer of the authors' extraction: the content of the last `\boxed{...}`, unstripped.
+    The answer of the authors' extraction from the graded text: the content of the last `\boxed{...}`, unstripped.
 
     Braces are counted from the last `\boxed` (escaped ones included); the box ends at the first `}` that brings the
     count back to zero. `None` when `text` holds no `\boxed`, when the count never returns to zero, or when the last
     `\boxed` is not directly followed by `{`.
-
-    Args:
-        text (`str`):
-            The graded text.
-
-    Returns:
-        `str` or `None`: The answer.
     """
     start = text.rfind(_BOX)
     if start < 0:
@@ -166,18 +159,12 @@ def _mathd_clean(text: str) -> str:
 
 def mathd_normalize(answer: str) -> str:
     r"""
-    The MATH dataset's answer normaliser as the authors apply it: an enclosing `\text{...}` is unwrapped, then
-    line breaks, `\!`, `\left`, `\right`, degree signs, `\$`, `\%` and spaces are removed, a trailing unit after
-    `\text{ ` is dropped, `\dfrac`/`\tfrac` become `\frac`, `x = ` (one or two characters before a single `=`) is
-    dropped, `\frac12` and `\sqrt3` get braces, `0.5` and integer `a/b` become `\frac{...}{...}`. Where the rules give
-    up (two `\text{ `, a bare `\sqrt` or `\frac` at the end) the stripped string is returned.
-
-    Args:
-        answer (`str`):
-            An answer or a reference.
-
-    Returns:
-        `str`: The normalised string.
+    The MATH dataset's answer normaliser as the authors apply it to an answer or a reference: an enclosing
+    `\text{...}` is unwrapped, then line breaks, `\!`, `\left`, `\right`, degree signs, `\$`, `\%` and spaces are
+    removed, a trailing unit after `\text{ ` is dropped, `\dfrac`/`\tfrac` become `\frac`, `x = ` (one or two
+    characters before a single `=`) is dropped, `\frac12` and `\sqrt3` get braces, `0.5` and integer `a/b` become
+    `\frac{...}{...}`. Where the rules give up (two `\text{ `, a bare `\sqrt` or `\frac` at the end) the stripped
+    string is returned.
     """
     answer = answer.strip()
     whole_text = _WHOLE_TEXT.search(answer)
@@ -250,18 +237,11 @@ def _latex_to_plain(text: str) -> str:
 
 def sympy_normalize(answer: str) -> str:
     r"""
-    The second normaliser of the authors' grader (before its sympy check): an enclosing `\text{...}` unwrapped; `$`,
-    `%` and unit words (degree, cm, meter, mile, second, ..., yard, with plural and power) removed; "million",
-    "billion", "trillion" become powers of ten; " or " / " and " become commas; one pair of enclosing braces dropped;
-    a number within 1e-7 of an integer becomes that integer; LaTeX rendered to text with pylatexenc; spaces and
-    braces removed; lower case; an integer with thousands commas loses them.
-
-    Args:
-        answer (`str`):
-            An answer or a reference.
-
-    Returns:
-        `str`: The normalised string.
+    The second normaliser of the authors' grader (before its sympy check), of an answer or a reference: an enclosing
+    `\text{...}` unwrapped; `$`, `%` and unit words (degree, cm, meter, mile, second, ..., yard, with plural and power)
+    removed; "million", "billion", "trillion" become powers of ten; " or " / " and " become commas; one pair of
+    enclosing braces dropped; a number within 1e-7 of an integer becomes that integer; LaTeX rendered to text with
+    pylatexenc; spaces and braces removed; lower case; an integer with thousands commas loses them.
     """
     whole_text = _WHOLE_TEXT.search(answer)
     if whole_text is not None:
@@ -334,19 +314,8 @@ def _parts_equal(reference: str, answer: str) -> bool:
 
 
 def sympy_equal(answer: str, reference: str) -> bool:
-    """
-    The authors' `grade_answer_sympy`: equal after [`sympy_normalize`], or the same tuple/interval brackets and, part by
-    part, equal (see the module's docstring).
-
-    Args:
-        answer (`str`):
-            The extracted answer.
-        reference (`str`):
-            One reference answer.
-
-    Returns:
-        `bool`: Whether they are equal.
-    """
+    """The authors' `grade_answer_sympy` of an extracted answer against one reference: equal after
+    [`sympy_normalize`], or the same tuple/interval brackets and, part by part, equal (see the module's docstring)."""
     reference, answer = sympy_normalize(reference), sympy_normalize(answer)
     if reference == answer:
         return True
@@ -364,17 +333,9 @@ def sympy_equal(answer: str, reference: str) -> bool:
 # The reward
 # ---------------------------------------------------------------------------------------------------------------------
 def reference_answers(solution: object) -> list[str]:
-    r"""
-    The reference answers as the authors read them: each value as `str(...)`, a list as alternatives (any one
-    counts), the `\boxed{}` content of a reference that has one (dropped when it cannot be extracted).
-
-    Args:
-        solution (`object`):
-            A string, a number, a list of those, or ORZ's `{"value": ...}`.
-
-    Returns:
-        `list[str]`: The alternatives.
-    """
+    r"""The reference answers of `solution` (a string, a number, a list of those, or ORZ's `{"value": ...}`) as the
+    authors read them: each value as `str(...)`, a list as alternatives (any one counts), the `\boxed{}` content of a
+    reference that has one (dropped when it cannot be extracted)."""
     if isinstance(solution, dict) and "value" in solution:
         solution = solution["value"]
     alternatives = list(solution) if isinstance(solution, (list, tuple)) else [solution]
@@ -391,20 +352,9 @@ def reference_answers(solution: object) -> list[str]:
 def paper_is_correct(
     response: str, solution: object, allow_sympy: Callable[[str], bool] = lambda answer: True
 ) -> bool:
-    r"""
-    Whether a response earns the authors' math reward (1) rather than 0.
-
-    Args:
-        response (`str`):
-            The model's response.
-        solution (`object`):
-            The reference (see [`reference_answers`]).
-        allow_sympy (`Callable[[str], bool]`, *optional*):
-            Called with the answer before any sympy work; `False` skips the sympy check (string rules only).
-
-    Returns:
-        `bool`: The grade.
-    """
+    r"""Whether a response earns the authors' math reward (1) rather than 0 against `solution` (see
+    [`reference_answers`]). `allow_sympy` is called with the answer before any sympy work; `False` skips the sympy
+    check (string rules only)."""
     answer = last_box_content(graded_text(response))
     if answer is None:
         return False
@@ -413,14 +363,3 @@ def paper_is_correct(
         mathd_normalize(answer) == mathd_normalize(reference) or (use_sympy and sympy_equal(answer, reference))
         for reference in reference_answers(solution)
     )
-
-
-__all__ = [
-    "graded_text",
-    "last_box_content",
-    "mathd_normalize",
-    "paper_is_correct",
-    "reference_answers",
-    "sympy_equal",
-    "sympy_normalize",
-]
