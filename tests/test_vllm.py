@@ -446,3 +446,14 @@ def test_the_cpu_stand_in_checks_the_facts_it_rests_on(vllm_server, monkeypatch)
     monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", lambda layer, remove_weight: None)
     with pytest.raises(RuntimeError, match="_supports_onednn"):
         cpu_vllm._disable_onednn()
+
+
+def test_the_cpu_server_serves_seeded_requests_whose_prompts_fill_more_than_a_default_step(vllm_server):
+    """vLLM 0.30's CPU worker dies on a seeded request whose prefill is split over steps ("CPU Generator does not use
+    offset"); `cpu_server` gives every step room for whole prompts, so that the rehearsal's seeded sampling works."""
+    from trl.generation.vllm_client import VLLMClient
+
+    prompts = [[3 + (7 * row + column) % 300 for column in range(1500)] for row in range(8)]  # 12,000 prompt tokens
+    client = VLLMClient(base_url=vllm_server, connection_timeout=60)
+    sampled = [client.generate(prompts, n=2, max_tokens=4, generation_kwargs={"seed": 1}) for _ in range(2)]
+    assert len(sampled[0]["completion_ids"]) == 16 and sampled[0]["completion_ids"] == sampled[1]["completion_ids"]

@@ -282,7 +282,9 @@ def free_port() -> int:
 def cpu_server(model: str, log_file: str | os.PathLike, timeout: float = 600.0) -> Iterator[str]:
     """Runs TRL's `vllm serve` command with the stand-in (`WORKER_EXTENSION`) on a free port until the block ends, and
     yields its base URL. For a tiny model: float32 weights as the trainer's (vLLM's "auto" would serve bfloat16), no
-    graph compilation (slow to start on a CPU), a 1 GiB KV cache (the default takes a share of the RAM: 14 GB seen).
+    graph compilation (slow to start on a CPU), a 1 GiB KV cache (the default takes a share of the RAM: 14 GB seen),
+    and a step budget that never splits a prompt's prefill: vLLM 0.30's CPU worker then fails seeded requests ("CPU
+    Generator does not use offset"), and the rehearsal samples with a seed.
 
     Args:
         model (`str`): the model's folder.
@@ -293,7 +295,7 @@ def cpu_server(model: str, log_file: str | os.PathLike, timeout: float = 600.0) 
     command = [str(executable) if executable.is_file() else "vllm", "serve", model, "--port", str(port)]
     command += ["--weight-transfer-config", '{"backend": "nccl"}', "--worker-extension-cls", WORKER_EXTENSION]
     command += ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--dtype", "float32"]
-    command += ["--enforce-eager", "--max-model-len", "2048"]
+    command += ["--enforce-eager", "--max-model-len", "2048", "--max-num-batched-tokens", "65536"]
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
     with open(log_file, "w") as log:
         environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
