@@ -65,7 +65,7 @@ def server_config(tmp_path: Path, url: str, **overrides) -> LoptiGRPOConfig:
         steps_per_generation=2,
         max_steps=3 * CYCLE_STEPS,
         max_completion_length=12,
-        learning_rate=2e-4,
+        learning_rate=1e-4,
         beta=0.04,
         advantage_reweighting_alpha=0.3,
         lopti_threshold=0.5,
@@ -74,6 +74,7 @@ def server_config(tmp_path: Path, url: str, **overrides) -> LoptiGRPOConfig:
         vllm_server_base_url=url,
         vllm_group_port=cpu_vllm.free_port(),
         vllm_importance_sampling_correction=False,
+        generation_kwargs={"seed": 0},  # the server samples the same completions in every run
         model_init_kwargs={"dtype": "auto"},
         bf16=False,
         use_cpu=True,
