@@ -327,6 +327,23 @@ def assert_vllm_rehearsal(report: dict, backend: str, steps_per_pass: int) -> No
     assert report["resume_max_abs_difference"] <= 1e-12  # seeded sampling: the resumed run samples the same batch
 
 
+def report_rehearsal(test: str, report: dict, seconds: float, **extra) -> None:
+    """A rehearsal's row of the README's table."""
+    run, resumed = report["vllm_run_weight_syncs"], report["vllm_resumed_weight_syncs"]
+    row = {"test": test, "mode": "server", "backend": report["backend"], "generation_batches": 2}
+    row |= {"syncs_at_steps": run["steps"], "resumed_syncs_at_steps": resumed["steps"]}
+    row |= {"server_minus_trainer": run["server_minus_trainer"] + resumed["server_minus_trainer"]}
+    report_row(
+        {
+            **row,
+            "is_correction": False,
+            "low_token_share": report["low_token_share"],
+            **extra,
+            "seconds": round(seconds, 1),
+        }
+    )
+
+
 @pytest.mark.slow
 def test_shipped_vllm_launcher_trains_against_one_server_as_one_process(vllm_server, served_model, tmp_path):
     """(g) `configs/accelerate/vllm_server.yaml` (FSDP2) on 2 processes against the session's server, (f) its
@@ -346,21 +363,9 @@ def test_shipped_vllm_launcher_trains_against_one_server_as_one_process(vllm_ser
     )
     assert moved > 1.0
     for processes, report, seconds in ((1, one, one_seconds), (2, two, two_seconds)):
-        report_row(
-            {
-                "test": f"rehearsal of the vLLM preset (float64, SGD), {processes} process(es)",
-                "mode": "server",
-                "processes": processes,
-                "backend": report["backend"],
-                "generation_batches": 2,
-                "syncs_at_steps": report["vllm_run_weight_syncs"]["steps"],
-                "resumed_syncs_at_steps": report["vllm_resumed_weight_syncs"]["steps"],
-                "server_minus_trainer": report["vllm_run_weight_syncs"]["server_minus_trainer"],
-                "is_correction": False,
-                "low_token_share": report["low_token_share"],
-                "two_minus_one_process": difference if processes == 2 else None,
-                "seconds": round(seconds, 1),
-            }
+        extra = {"two_minus_one_process": difference} if processes == 2 else {}
+        report_rehearsal(
+            f"rehearsal of the vLLM preset (float64, SGD), {processes} process(es)", report, seconds, **extra
         )
 
 
@@ -370,21 +375,7 @@ def test_rehearsal_of_the_vllm_preset_as_shipped_under_its_launcher(vllm_server,
     report, _, seconds = rehearse_vllm_preset(tmp_path / "shipped", vllm_server, {}, processes=2)
     assert_vllm_rehearsal(report, "FSDP on 2 process", steps_per_pass=2)
     assert "mixed precision bf16" in report["backend"]
-    report_row(
-        {
-            "test": "rehearsal of the vLLM preset as shipped (bf16), 2 processes",
-            "mode": "server",
-            "processes": 2,
-            "backend": report["backend"],
-            "generation_batches": 2,
-            "syncs_at_steps": report["vllm_run_weight_syncs"]["steps"],
-            "resumed_syncs_at_steps": report["vllm_resumed_weight_syncs"]["steps"],
-            "server_minus_trainer": report["vllm_run_weight_syncs"]["server_minus_trainer"],
-            "is_correction": False,
-            "low_token_share": report["low_token_share"],
-            "seconds": round(seconds, 1),
-        }
-    )
+    report_rehearsal("rehearsal of the vLLM preset as shipped (bf16), 2 processes", report, seconds)
 
 
 def test_colocate_mode_trains_lopti_with_the_trainer_weights_in_the_engine(served_model, tmp_path):
