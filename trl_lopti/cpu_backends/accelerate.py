@@ -114,7 +114,7 @@ def holdings(trainer) -> dict[str, str]:
         [
             (
                 f"parameters {kind}, {sum(map(local, parameters)):,} of {total:,} elements; "
-                f"{trainer.args.optim.value} state {sum(map(local, state)):,} {state[0].dtype} elements"
+                f"{trainer.args.optim.value} state {sum(map(local, state)):,} {state[0].dtype if state else ''} elements"
             )
         ]
     )
