@@ -117,8 +117,7 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
         )
     accumulation, cycle_steps = rows // (per_device * world), training_args.lopti_num_passes * steps_per_pass
     vllm_reason = vllm_server.unavailable(training_args) if training_args.use_vllm else None
-    rehearses_vllm = training_args.use_vllm and vllm_reason is None
-    max_steps = 2 * cycle_steps if rehearses_vllm else cycle_steps  # vLLM: a sync after training, and after resume
+    max_steps = (2 if training_args.use_vllm and not vllm_reason else 1) * cycle_steps  # vLLM: two generation batches
     model = Path(model_args.model_name_or_path).expanduser()  # a local model under 100 MB as it is, else a tiny one
     if not (model.is_dir() and sum(file.stat().st_size for file in model.glob("*.safetensors")) < 100e6):
         model_type = json.loads((model / "config.json").read_text())["model_type"] if model.is_dir() else str(model)
@@ -152,7 +151,7 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
             f"rehearse: vLLM ({training_args.vllm_mode} mode) NOT rehearsed: {vllm_reason}; completions come from "
             "transformers' generate"
         )
-    elif rehearses_vllm:  # seeded sampling: the resumed run samples the second batch as the uninterrupted one
+    elif training_args.use_vllm:  # seeded sampling: the resumed run samples the second batch as the uninterrupted one
         flags["generation_kwargs"] = json.dumps(
             {**(training_args.generation_kwargs or {}), "seed": training_args.seed}
         )
