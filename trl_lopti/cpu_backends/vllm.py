@@ -41,8 +41,8 @@ VLLM_FACTS = {
     "prepacking": "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm prepacks linear weights at load, "
     "which a weight update does not refresh (linear layers keep an empty weight: TRL's sync then fails), with "
     "zentorch on the ZenCPU platform, with sgl-kernel where `check_cpu_sgl_kernel` says so (AMX CPUs, bf16/fp16/int8 "
-    "weights up to 1 MiB) and with oneDNN where `vllm._custom_ops._supports_onednn`; without them every layer computes "
-    "torch.nn.functional.linear on its own weight.",
+    "weights up to 1 MiB) and with oneDNN where `vllm._custom_ops._supports_onednn`; without them every layer "
+    "computes torch.nn.functional.linear on its own weight.",
 }
 """The private vLLM (0.30.0, scripts/vllm_cpu_env.sh) and TRL behaviour the stand-in rests on, checked where it acts
 (`_check`) where a change would make the stand-in a silent no-op; a change of the rest fails loudly in the tests."""

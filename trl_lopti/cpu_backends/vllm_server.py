@@ -108,7 +108,7 @@ def weight_transfer_report(url: str) -> dict:
 
 
 class WeightSyncCheck(TrainerCallback):
-    """Checks, in a run against a CPU server, when TRL sends the trainer's weights and that the server then serves them.
+    """Checks, in a run against a CPU server, when TRL sends the trainer's weights and that the server serves them.
 
     At each optimizer step it records whether the trainer sent weights since the previous step (the broadcasts of this
     process's `GlooCommunicator`s), and after each sync compares the server's log-probabilities of fixed sequences
@@ -233,7 +233,7 @@ class ServerRuns:
             trainer.add_callback(self.sync_check)
 
     def check(self, report: dict[str, Any], run: str, expected_sync_steps: list[int]) -> None:
-        """Adds the sync of the run just trained to `report` (main process), and its failures to `report["failures"]`."""
+        """Adds the sync of the run just trained to `report` (main process), its failures to `report["failures"]`."""
         if self.url:
             report[f"vllm_{run}_weight_syncs"], failures = self.sync_check.summary(self.url, expected_sync_steps)
             report["failures"] += [f"{run}: {failure}" for failure in failures]
