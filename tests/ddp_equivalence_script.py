@@ -13,6 +13,7 @@ from datasets import Dataset
 from test_schedule import COMPLETION_LENGTH, TEMPERATURE, fixed_generation_batch
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+from trl_lopti.__main__ import exit_launched_process
 
 
 GLOBAL_ROWS_PER_MICRO_STEP, STEPS_PER_GENERATION = 4, 2
@@ -77,3 +78,4 @@ def main(model_path: str, output_dir: str, result_path: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
+    exit_launched_process(0)  # as `python -m trl_lopti` ends under a launcher

@@ -14,6 +14,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from trl_lopti import LoptiGRPOConfig
+from trl_lopti.__main__ import exit_launched_process
 
 
 def length_reward(completions, **kwargs):
@@ -149,3 +150,4 @@ def main(model_path: str, output_dir: str, result_path: str, advantage_estimator
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    exit_launched_process(0)  # as `python -m trl_lopti` ends under a launcher

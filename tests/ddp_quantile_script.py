@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOTrainer
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+from trl_lopti.__main__ import exit_launched_process
 
 
 TEMPERATURE = 0.7
@@ -143,3 +144,4 @@ def main(model_path: str, output_dir: str, result_path: str, quantile: str, rows
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    exit_launched_process(0)  # as `python -m trl_lopti` ends under a launcher

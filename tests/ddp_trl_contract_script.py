@@ -13,6 +13,8 @@ import torch.distributed as dist
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
+from trl_lopti.__main__ import exit_launched_process
+
 
 def main(model_path: str, output_dir: str, result_path: str) -> None:
     rank = int(os.environ["RANK"])
@@ -60,3 +62,4 @@ def main(model_path: str, output_dir: str, result_path: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
+    exit_launched_process(0)  # as `python -m trl_lopti` ends under a launcher

@@ -1,9 +1,44 @@
-"""`python -m trl_lopti ...` runs the `trl-lopti` command line (also under `accelerate launch -m trl_lopti ...`)."""
+"""`python -m trl_lopti ...` and the `trl-lopti` console script run the command line (also under `accelerate launch
+-m trl_lopti ...`)."""
 
+import atexit
+import os
 import sys
+import threading
+from typing import NoReturn
 
 from .cli.main import main
 
 
+def exit_launched_process(code: int) -> NoReturn:
+    """Ends a process of `accelerate launch` or `torchrun` with exit code `code` once its exit handlers have run,
+    without tearing the interpreter down.
+
+    torch 2.13 keeps a process group alive after `destroy_process_group` while a device mesh holds it (FSDP2's does,
+    past the trainer), so the group's gloo worker threads meet the interpreter's teardown, and one still releasing a
+    collective's tensor then aborts a run that succeeded ("terminate called without an active exception", exit code
+    -6; pytorch/pytorch#190489). What teardown would do first runs here, in `Py_Finalize`'s order: non-daemon threads
+    are joined, then the `atexit` handlers run (TRL's vLLM client, trackers, logging); then the process exits.
+    `tests/test_launchers.py` pins both the torch behaviour and this exit.
+
+    Args:
+        code (`int`): the exit code.
+    """
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run() -> NoReturn:
+    """The `trl-lopti` console script and `python -m trl_lopti`: exits with `trl_lopti.cli.main.main()`'s code, a
+    launched process through `exit_launched_process`."""
+    code = main()
+    if "LOCAL_RANK" in os.environ:  # set by accelerate launch and torchrun in each process they start
+        exit_launched_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
