@@ -430,35 +430,33 @@ def test_a_checkpoint_inside_a_generation_batch_refuses_another_process_count(tr
 
 def test_a_launched_process_exits_after_its_exit_handlers_without_teardown(tmp_path):
     """`trl_lopti.__main__.exit_launched_process`, with what makes it needed: after `destroy_process_group`, a gloo
-    group that a device mesh holds keeps its worker threads (torch 2.13; if this changes, the exit may go back to
-    `sys.exit`). Under `torchrun` on 2 processes and alone, every `atexit` handler runs and the exit code is kept.
-    Measured on a 2-core machine: the same collectives with no `atexit` handler, ending with `sys.exit` right after
-    `destroy_process_group`, aborted in 12 of 30 runs ("terminate called without an active exception"); this script
-    in none of 30."""
+    group that a device mesh holds keeps its worker threads (torch 2.13). Under `torchrun` on 2 processes and alone:
+    a non-daemon thread finishes, the `atexit` handler runs, buffered output arrives, the exit code is kept, and the
+    interpreter's teardown does not run (a global's `__del__` never writes)."""
     script = str(ROOT / "tests/launched_exit_script.py")
     environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    port = str(free_port())
-    launched = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
-    completed = subprocess.run(
-        [*launched, script, str(tmp_path), "0"],
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert completed.returncode == 0 and "terminate called" not in completed.stderr, completed.stderr[-3000:]
-    for rank in range(2):
-        assert int((tmp_path / f"gloo_worker_threads_after_destroy_{rank}.txt").read_text()) > 0
-        assert (tmp_path / f"atexit_ran_{rank}.txt").read_text() == str(rank)
-    alone = dict(environment, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    (tmp_path / "atexit_ran_0.txt").unlink()
-    completed = subprocess.run(
-        [sys.executable, script, str(tmp_path), "3"],
-        env=alone,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert completed.returncode == 3 and (tmp_path / "atexit_ran_0.txt").read_text() == "0", completed.stderr[-3000:]
+    launched = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
+    alone = dict(environment, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    for command, env, code, ranks in (
+        ([*launched, script, str(tmp_path / "launched"), "0"], environment, 0, 2),
+        ([sys.executable, script, str(tmp_path / "alone"), "3"], dict(alone, MASTER_PORT=str(free_port())), 3, 1),
+    ):
+        folder = Path(command[-2])
+        folder.mkdir()
+        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert completed.returncode == code and "terminate called" not in completed.stderr, completed.stderr[-3000:]
+        assert completed.stdout.count("done") == ranks
+        for rank in range(ranks):
+            threads = int((folder / f"gloo_worker_threads_after_destroy_{rank}.txt").read_text())
+            assert threads > 0, "torch now stops a destroyed group's workers: the exit may go back to sys.exit"
+            assert (folder / f"atexit_ran_{rank}.txt").read_text() == str(rank)
+            assert (folder / f"thread_ran_{rank}.txt").read_text() == "ran"
+            assert not (folder / f"teardown_ran_{rank}.txt").exists()

@@ -18,7 +18,9 @@ def exit_launched_process(code: int) -> NoReturn:
     past the trainer), so the group's gloo worker threads meet the interpreter's teardown, and one still releasing a
     collective's tensor then aborts a run that succeeded ("terminate called without an active exception", exit code
     -6; pytorch/pytorch#190489). What teardown would do first runs here, in `Py_Finalize`'s order: non-daemon threads
-    are joined, then the `atexit` handlers run (TRL's vLLM client, trackers, logging); then the process exits.
+    are joined, then the `atexit` handlers run (TRL's vLLM client, trackers, logging), then the standard streams are
+    flushed; the process then exits, so no `__del__` of a module global runs and a wrapper that acts after the module
+    returns (`python -m cProfile -o ...`) does not. Call it from the main thread, as the last thing the process does.
     `tests/test_launchers.py` pins both the torch behaviour and this exit.
 
     Args:
@@ -26,8 +28,11 @@ def exit_launched_process(code: int) -> NoReturn:
     """
     threading._shutdown()
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in {sys.stdout, sys.__stdout__, sys.stderr, sys.__stderr__}:
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # None, closed or detached
+            pass
     os._exit(code)
 
 

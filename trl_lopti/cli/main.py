@@ -16,8 +16,8 @@ from .parsing import CliError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The `trl-lopti` console script and `python -m trl_lopti`: runs `trl_lopti.cli.<command>.main(args)` on `argv`
-    (default `sys.argv[1:]`) and returns its exit code (2 on a usage or configuration error)."""
+    """Runs `trl_lopti.cli.<command>.main(args)` on `argv` (default `sys.argv[1:]`) and returns its exit code (2 on a
+    usage or configuration error); `trl_lopti.__main__.run` is the console script and `python -m trl_lopti`."""
     formatter = argparse.RawTextHelpFormatter
     parser = argparse.ArgumentParser(prog="trl-lopti", description=__doc__, formatter_class=formatter)
     parser.add_argument("--version", action="version", version=f"trl-lopti {__version__}")
