@@ -33,9 +33,9 @@ from trl import GRPOConfig, GRPOTrainer
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 from trl_lopti.cli.demo_model import get_smollm2
 from trl_lopti.diagnostics import completion_log_probs, probability_quartiles, probability_shift
+from trl_lopti.lopti_mixin import describe_method, trl_completion_logps
 from trl_lopti.models import build_tiny_model
 from trl_lopti.tasks import completion_to_text
-from trl_lopti.trainer import describe_method, trl_completion_logps
 
 
 PHASES = ("generation_s", "scoring_s", "loss_backward_optimizer_s", "probe_s", "step_s")

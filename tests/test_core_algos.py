@@ -12,6 +12,7 @@ from trl_lopti.core_algos import (
     low_probability_token_mask,
     reinforce_plus_plus_advantages,
     reweight_advantages,
+    reweight_token_gradients,
     token_group_mask,
     token_level_advantages,
 )
@@ -127,6 +128,57 @@ def reinforce_plus_plus_by_tokens(rewards, lengths):
             for reward, length in zip(rewards, lengths, strict=True)
         ]
     )
+
+
+def sequence_ratio_loss(per_token_logps, old_per_token_logps, mask, advantages, epsilon=0.2):
+    """RLOO's per-sequence clipped surrogate: one ratio per sequence from the summed token log-probabilities."""
+    ratio = torch.exp(((per_token_logps - old_per_token_logps) * mask).sum(1))
+    return -torch.min(ratio * advantages, ratio.clamp(1 - epsilon, 1 + epsilon) * advantages).mean()
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
+def test_gradient_reweighting_keeps_values_and_scales_each_tokens_gradient(batch, alpha):
+    """AR's general form: the values are bitwise unchanged, d loss / d logp(t) is w(t) times the plain loss's."""
+    logps, mask, advantages = batch
+    generator = torch.Generator().manual_seed(3)
+    old = logps + 0.05 * torch.randn(logps.shape, generator=generator)  # ratios near 1: no sequence clipped
+    weights = advantage_reweighting_weights(old, alpha)
+    plain_logps = logps.clone().requires_grad_(True)
+    reweighted_logps = logps.clone().requires_grad_(True)
+    values = reweight_token_gradients(reweighted_logps, weights)
+    assert torch.equal(values, logps), "every value the loss reads is unchanged"
+    plain = sequence_ratio_loss(plain_logps, old, mask, advantages)
+    reweighted = sequence_ratio_loss(values, old, mask, advantages)
+    assert torch.equal(plain, reweighted)
+    plain.backward()
+    reweighted.backward()
+    # independent: d/d logp(t) of -mean_i(ratio_i * A_i) is -ratio_i * A_i * mask / B where unclipped
+    ratio = torch.exp(((logps - old) * mask).sum(1))
+    by_hand = -(ratio * advantages)[:, None] * mask / len(advantages)
+    torch.testing.assert_close(plain_logps.grad, by_hand, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(reweighted_logps.grad, weights * plain_logps.grad, rtol=1e-6, atol=1e-7)
+    if alpha > 0:
+        assert not torch.allclose(reweighted_logps.grad, plain_logps.grad)
+
+
+def test_gradient_reweighting_composes_with_isolation_in_either_order(batch):
+    logps, mask, _ = batch
+    weights = advantage_reweighting_weights(logps, 0.3)
+    active = low_probability_token_mask(logps, mask, 0.5)
+    gradients = []
+    for order in ("reweight first", "isolate first"):
+        values = logps.clone().requires_grad_(True)
+        if order == "reweight first":
+            out = isolate_token_gradients(reweight_token_gradients(values, weights), active)
+        else:
+            out = reweight_token_gradients(isolate_token_gradients(values, active), weights)
+        assert torch.equal(out, logps)
+        (out * torch.arange(1.0, 16.0).view(3, 5)).sum().backward()
+        gradients.append(values.grad)
+    expected = torch.where(active, weights * torch.arange(1.0, 16.0).view(3, 5), torch.zeros(3, 5))
+    torch.testing.assert_close(gradients[0], expected)
+    torch.testing.assert_close(gradients[1], expected)
+    assert not weights.requires_grad
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -1,7 +1,8 @@
-"""trl_lopti: Advantage Reweighting and Low-Probability Token Isolation (arXiv 2505.12929) for TRL.
+"""trl_lopti: Advantage Reweighting and Low-Probability Token Isolation (arXiv 2505.12929) for TRL's
+`GRPOTrainer` and `RLOOTrainer`.
 
 `import trl_lopti` and its tasks (`trl_lopti.tasks`: puzzles, rewards, graders, data loaders) need no TRL. The
-trainer and its config are imported on first use (`from trl_lopti import LoptiGRPOTrainer`); that import checks the
+trainers and their configs are imported on first use (`from trl_lopti import LoptiGRPOTrainer`); that import checks the
 installed TRL version (see `trl_lopti._compat`) and fails with a clear message outside the tested range.
 """
 
@@ -16,12 +17,15 @@ __version__ = "0.1.0"
 _LAZY_ATTRIBUTES = {
     "LoptiGRPOConfig": "trl_lopti.config",
     "LoptiGRPOTrainer": "trl_lopti.trainer",
+    "LoptiRLOOConfig": "trl_lopti.config",
+    "LoptiRLOOTrainer": "trl_lopti.rloo_trainer",
     "TRL_VERSION": "trl_lopti._compat",
 }
 
 if TYPE_CHECKING:
     from ._compat import TRL_VERSION
-    from .config import LoptiGRPOConfig
+    from .config import LoptiGRPOConfig, LoptiRLOOConfig
+    from .rloo_trainer import LoptiRLOOTrainer
     from .trainer import LoptiGRPOTrainer
 
 
@@ -37,4 +41,4 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY_ATTRIBUTES])
 
 
-__all__ = ["LoptiGRPOConfig", "LoptiGRPOTrainer", "__version__"]
+__all__ = ["LoptiGRPOConfig", "LoptiGRPOTrainer", "LoptiRLOOConfig", "LoptiRLOOTrainer", "__version__"]

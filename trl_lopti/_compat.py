@@ -3,8 +3,8 @@
 `trl_lopti.config` and `trl_lopti.trainer` import this module before they import TRL, so that an unsupported TRL fails
 with the message below rather than somewhere inside TRL; `trl_lopti.tasks` does not import TRL at all.
 
-The trainer relies on four GRPOTrainer facts (the docstring of `trl_lopti/trainer.py`), which hold unchanged from 1.10 to
-1.16: `.ci/run` runs the contract, exactness, schedule and split tests against the newest patch of each minor release.
+The trainers rely on the TRL facts in `TRL_FACTS`, which hold unchanged from 1.10 to 1.16: `.ci/run` runs the contract,
+exactness, schedule and split tests against the newest patch of each minor release.
 TRL 1.15 is left out: its fused log-prob head needs Triton on every device (1.16 made it optional), so no test of
 ours can run it on a CPU, and a release we cannot test is refused. A release above the range is refused too: the
 runtime checks catch a changed loss forward, not a changed schedule, so a new release could train the wrong update.
@@ -23,6 +23,23 @@ from packaging.version import Version
 SUPPORTED_TRL_SPEC = ">=1.10.0,<1.17,!=1.15.*"
 """The supported TRL releases, as `setup.cfg` declares them."""
 SUPPORTED_TRL = SpecifierSet(SUPPORTED_TRL_SPEC)
+
+TRL_FACTS = {
+    "S1": "schedule: generation every steps_per_generation * num_iterations micro-steps, buffered slices, _step",
+    "S2": "dataloader: each generation batch repeated num_iterations * steps_per_generation times, read when built",
+    "S3": "loss forward: _compute_loss runs _get_per_token_logps_and_entropies once for the policy",
+    "S4": "checkpoints: _save_checkpoint and _load_optimizer_and_scheduler, the latter after self.state is loaded",
+    "S5": "logging: log averages self._metrics and writes the completions table while log_completions is set",
+    "G1": "GRPO loss: reads advantages ((B, T) accepted) and old_per_token_logps after its policy forward",
+    "G2": "GRPO generation: returns old_per_token_logps exactly when TRL needs pi_old",
+    "G3": "GRPO rewards: _calculate_rewards once per generation batch, every process's rewards in process order",
+    "G4": "GRPO logs: the batch's advantages (every process) in self._logs['advantages']",
+    "R1": "RLOO generation: pi_old is its first log-prob forward, kept only as the masked sum old_logps",
+    "R2": "RLOO loss: sums its policy forward's log-probs over completion_mask, reads old_logps and advantages",
+}
+"""The TRL facts the trainers rely on, by number: S (both trainers; stated in `trl_lopti/lopti_mixin.py`), G
+(`GRPOTrainer`; `trl_lopti/trainer.py`, `trl_lopti/reinforce_plus_plus.py`), R (`RLOOTrainer`;
+`trl_lopti/rloo_trainer.py`). `tests/test_trl_contract.py` pins each under its number."""
 
 TESTED_TRL_RELEASES = ("1.10.0", "1.11.0", "1.12.0", "1.13.0", "1.14.2", "1.16.0")
 """The newest patch of each supported minor release: what `.ci/run` tests."""
@@ -48,8 +65,8 @@ def unsupported_trl_message(installed: str) -> str:
     if installed.startswith("1.15."):
         untested = "its fused log-prob head needs Triton, so no CPU test runs it"
     return (
-        f"{supported}, but TRL {installed} is installed: trl_lopti relies on GRPOTrainer internals (see "
-        f"trl_lopti/trainer.py) and {untested}. Install a supported release (pip install "
+        f"{supported}, but TRL {installed} is installed: trl_lopti relies on GRPOTrainer and RLOOTrainer internals "
+        f"(trl_lopti._compat.TRL_FACTS) and {untested}. Install a supported release (pip install "
         f"'trl{SUPPORTED_TRL_SPEC}'), or check this one: in a checkout of trl_lopti run {ALLOW_UNTESTED_TRL}=1 "
         f"python -m pytest {_CONTRACT_TESTS}; if they pass, {ALLOW_UNTESTED_TRL}=1 lets you train with it"
     )

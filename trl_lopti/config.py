@@ -1,64 +1,50 @@
-"""`LoptiGRPOConfig`: TRL's `GRPOConfig` plus the fields of Advantage Reweighting, Lopti and REINFORCE++."""
+"""The configs: TRL's `GRPOConfig` and `RLOOConfig`, each plus the fields of Advantage Reweighting and Lopti."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import numbers
+import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import _compat  # (checks the TRL version before TRL is imported)
 
 
 # isort: split
-from trl import GRPOConfig
+from trl import GRPOConfig, RLOOConfig
+from trl.trainer.utils import get_config_model_id
 
 from .core_algos import ADVANTAGE_ESTIMATORS, LOPTI_PASS_ORDERS
 
 
 @dataclass
-class LoptiGRPOConfig(GRPOConfig):
+class LoptiArguments:
     r"""
-    Configuration class for [`LoptiGRPOTrainer`].
-
-    Every field of TRL's `GRPOConfig` keeps its meaning and default. The fields below add Advantage Reweighting (AR)
-    and Low-Probability Token Isolation (Lopti) from "Do Not Let Low-Probability Tokens Over-Dominate in RL for
-    LLMs" (arXiv 2505.12929), and the paper's second base algorithm, REINFORCE++. With
-    `advantage_reweighting_alpha=0.0`, `lopti_threshold=None` and `advantage_estimator="grpo"` the trainer is exactly
-    TRL's `GRPOTrainer`.
+    The fields of Advantage Reweighting (AR) and Low-Probability Token Isolation (Lopti), arXiv 2505.12929, that
+    [`LoptiGRPOConfig`] and [`LoptiRLOOConfig`] add to TRL's configs (written once, here).
 
     Parameters:
-        > Parameters that control Advantage Reweighting
-
         advantage_reweighting_alpha (`float`, *optional*, defaults to `0.3`):
             alpha in `A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i)`, where `pi_old(i, t)` is the probability
             of the sampled token under the policy that generated the batch. Must lie in [0, 1]; `0.0` disables AR.
             The paper uses 0.3 together with Lopti on Knights & Knaves, 0.2 for AR alone there, 0.1 on math.
-
-        > Parameters that control Low-Probability Token Isolation
-
         lopti_threshold (`float` or `None`, *optional*, defaults to `0.5`):
             eta: completion tokens with `pi_old < eta` are "low", the others "high". Each generation batch is then
             trained twice: first with only the low tokens active, then with only the high tokens active (from the
             parameters the first pass produced). Must lie in (0, 1); `None` (with `lopti_quantile` unset) disables
-            Lopti. The paper uses 0.5 and recommends [0.3, 0.5]; the authors' script for Lopti alone uses 0.4. What a
-            pass costs and how it counts against `max_steps`: README, section "The Lopti schedule".
+            Lopti. The paper uses 0.5 and recommends [0.3, 0.5]; the authors' script for Lopti alone uses 0.4. Each
+            pass is the whole schedule the base trainer runs on a batch, so `max_steps` counts two optimizer steps per
+            generation batch (docs: "The Lopti schedule").
         lopti_quantile (`float` or `None`, *optional*, defaults to `None`):
             The authors' other split rule (`seperate_portion`): eta of each generation batch is the quantile at level q
             in (0, 1) of pi_old over all its completion tokens (every process; linear interpolation), so a share q of
             the tokens is low however the policy's confidence drifts. It replaces the fixed eta (`lopti_threshold`
-            becomes `None`; another value than its default beside it is an error) and costs one no-grad forward per
-            generation batch where TRL computes no pi_old itself.
+            becomes `None`; another value than its default beside it is an error).
         lopti_order (`str`, *optional*, defaults to `"low_first"`):
             Which token group is updated first: `"low_first"` (the method) or `"high_first"` (the paper's ablation,
             which collapses training; offered for reproducing it).
-
-        > Parameters that control the advantage estimator
-
-        advantage_estimator (`str`, *optional*, defaults to `"grpo"`):
-            `"grpo"`: TRL's group-relative advantages. `"reinforce_plus_plus"`: the paper's REINFORCE++ (outcome
-            reward, gamma 1): each reward whitened over all completion tokens of the generation batch on every process,
-            no per-prompt baseline (`scale_rewards` unused). AR and Lopti apply on top of either.
     """
 
     advantage_reweighting_alpha: float = field(
@@ -89,21 +75,13 @@ class LoptiGRPOConfig(GRPOConfig):
             "choices": list(LOPTI_PASS_ORDERS),
         },
     )
-    advantage_estimator: str = field(
-        default="grpo",
-        metadata={
-            "help": "Advantage estimator: 'grpo' (TRL's group-relative advantages) or 'reinforce_plus_plus' (the "
-            "reward whitened over all completion tokens of the generation batch, no group baseline).",
-            "choices": list(ADVANTAGE_ESTIMATORS),
-        },
-    )
 
     def __post_init__(self):
         _check_fraction(self, "advantage_reweighting_alpha", closed=True, disabled_by="0 disables AR")
         _check_fraction(self, "lopti_threshold", closed=False, disabled_by="None disables Lopti")
         _check_fraction(self, "lopti_quantile", closed=False, disabled_by="None splits at lopti_threshold")
         if self.lopti_quantile is not None:
-            if self.lopti_threshold not in (None, LoptiGRPOConfig.lopti_threshold):  # its default gives way
+            if self.lopti_threshold not in (None, LoptiArguments.lopti_threshold):  # its default gives way
                 raise ValueError(
                     f"lopti_threshold={self.lopti_threshold:g} and lopti_quantile={self.lopti_quantile:g} are two "
                     "Lopti split rules (a fixed eta, or eta at a quantile of each generation batch): set only one"
@@ -111,19 +89,7 @@ class LoptiGRPOConfig(GRPOConfig):
             self.lopti_threshold = None  # the quantile replaces the fixed eta
         if self.lopti_order not in LOPTI_PASS_ORDERS:
             raise ValueError(f"lopti_order must be one of {sorted(LOPTI_PASS_ORDERS)}, got {self.lopti_order!r}")
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(
-                f"advantage_estimator must be one of {list(ADVANTAGE_ESTIMATORS)}, got {self.advantage_estimator!r}"
-            )
-        super().__post_init__()
-        _compat.check_features(self)  # e.g. Liger below TRL 1.14
-        aggregation = self.multi_objective_aggregation
-        if self.advantage_estimator == "reinforce_plus_plus" and aggregation != "sum_then_normalize":
-            raise ValueError(
-                "advantage_estimator='reinforce_plus_plus' whitens the weighted sum of the rewards, so "
-                "multi_objective_aggregation must be 'sum_then_normalize' (its normalisation is then not used), got "
-                f"{aggregation!r}"
-            )
+        super().__post_init__()  # TRL's: derives steps_per_generation, which the schedule check needs
         if self.lopti_enabled and self.lopti_pass_micro_steps % self.gradient_accumulation_steps:  # ends on a step
             raise ValueError(lopti_schedule_error(self))
 
@@ -144,7 +110,7 @@ class LoptiGRPOConfig(GRPOConfig):
 
     @property
     def lopti_pass_micro_steps(self) -> int:
-        """Micro-steps in one pass over a generation batch: the schedule plain GRPO runs on it."""
+        """Micro-steps in one pass over a generation batch: the schedule the base trainer runs on it."""
         return self.steps_per_generation * self.num_iterations
 
     @property
@@ -158,13 +124,141 @@ class LoptiGRPOConfig(GRPOConfig):
         return self.advantage_reweighting_alpha != 0.0
 
 
-LOPTI_FIELD_NAMES: tuple[str, ...] = tuple(
-    f.name for f in dataclasses.fields(LoptiGRPOConfig) if f.name not in GRPOConfig.__dataclass_fields__
-)
+@dataclass
+class LoptiGRPOConfig(LoptiArguments, GRPOConfig):
+    r"""
+    Configuration class for [`LoptiGRPOTrainer`].
+
+    Every field of TRL's `GRPOConfig` keeps its meaning and default. [`LoptiArguments`] adds Advantage Reweighting
+    (`advantage_reweighting_alpha`) and Lopti (`lopti_threshold`, `lopti_quantile`, `lopti_order`); this class adds
+    the paper's second base algorithm, REINFORCE++. With `advantage_reweighting_alpha=0.0`, `lopti_threshold=None` and
+    `advantage_estimator="grpo"` the trainer is exactly TRL's `GRPOTrainer`. With `lopti_quantile`, where TRL computes
+    no pi_old itself, eta costs one no-grad forward per generation batch.
+
+    Parameters:
+        advantage_estimator (`str`, *optional*, defaults to `"grpo"`):
+            `"grpo"`: TRL's group-relative advantages. `"reinforce_plus_plus"`: the paper's REINFORCE++ (outcome
+            reward, gamma 1): each reward whitened over all completion tokens of the generation batch on every process,
+            no per-prompt baseline (`scale_rewards` unused). AR and Lopti apply on top of either.
+    """
+
+    advantage_estimator: str = field(
+        default="grpo",
+        metadata={
+            "help": "Advantage estimator: 'grpo' (TRL's group-relative advantages) or 'reinforce_plus_plus' (the "
+            "reward whitened over all completion tokens of the generation batch, no group baseline).",
+            "choices": list(ADVANTAGE_ESTIMATORS),
+        },
+    )
+
+    def __post_init__(self):
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(
+                f"advantage_estimator must be one of {list(ADVANTAGE_ESTIMATORS)}, got {self.advantage_estimator!r}"
+            )
+        super().__post_init__()
+        _compat.check_features(self)  # e.g. Liger below TRL 1.14
+        aggregation = self.multi_objective_aggregation
+        if self.advantage_estimator == "reinforce_plus_plus" and aggregation != "sum_then_normalize":
+            raise ValueError(
+                "advantage_estimator='reinforce_plus_plus' whitens the weighted sum of the rewards, so "
+                "multi_objective_aggregation must be 'sum_then_normalize' (its normalisation is then not used), got "
+                f"{aggregation!r}"
+            )
+
+
+@dataclass
+class LoptiRLOOConfig(LoptiArguments, RLOOConfig):
+    r"""
+    Configuration class for [`LoptiRLOOTrainer`].
+
+    Every field of TRL's `RLOOConfig` keeps its meaning and default (`beta=0.05`: RLOO's KL is a reward penalty).
+    [`LoptiArguments`] adds Advantage Reweighting and Lopti. With `advantage_reweighting_alpha=0.0` and
+    `lopti_threshold=None` the trainer is exactly TRL's `RLOOTrainer`. RLOO computes pi_old at every generation, so
+    neither method, nor `lopti_quantile`, costs a forward pass.
+
+    Parameters:
+        advantage_estimator (`str`, *optional*, defaults to `"rloo"`):
+            RLOO's own leave-one-out advantages, the only value: `"reinforce_plus_plus"` belongs to
+            [`LoptiGRPOConfig`].
+    """
+
+    advantage_estimator: str = field(
+        default="rloo",
+        metadata={
+            "help": "RLOO's leave-one-out advantages (the only value; REINFORCE++ is LoptiGRPOConfig's).",
+            "choices": ["rloo"],
+        },
+    )
+
+    def __post_init__(self):
+        if self.advantage_estimator != "rloo":
+            raise ValueError(
+                f"advantage_estimator={self.advantage_estimator!r}: LoptiRLOOConfig trains with RLOO's own "
+                "leave-one-out advantages ('rloo', the only value); GRPO's and REINFORCE++'s estimators are "
+                "LoptiGRPOConfig's (train with LoptiGRPOTrainer)"
+            )
+        super().__post_init__()
+
+
+LOPTI_CONFIGS: dict[type, type] = {GRPOConfig: LoptiGRPOConfig, RLOOConfig: LoptiRLOOConfig}
+"""TRL's config of each trainer and its Lopti config."""
+
+
+def lopti_field_names(config_class: type = LoptiGRPOConfig) -> tuple[str, ...]:
+    """The fields a Lopti config adds to TRL's (AR, Lopti, the advantage estimator)."""
+    base = next(trl for trl, lopti in LOPTI_CONFIGS.items() if issubclass(config_class, lopti))
+    return tuple(f.name for f in dataclasses.fields(config_class) if f.name not in base.__dataclass_fields__)
+
+
+LOPTI_FIELD_NAMES: tuple[str, ...] = lopti_field_names(LoptiGRPOConfig)
 """The fields `LoptiGRPOConfig` adds to TRL's `GRPOConfig` (AR, Lopti, the advantage estimator)."""
 
 
-def lopti_schedule_error(config: GRPOConfig) -> str:
+def as_lopti_config(args: Any, model: Any, config_class: type = LoptiGRPOConfig) -> LoptiArguments:
+    """
+    Returns the Lopti config (`config_class`, e.g. [`LoptiGRPOConfig`]) to train with: `args` itself; for a plain TRL
+    config (a user who only swapped the trainer class) the same values with the paper's defaults for the new fields,
+    with a warning; for `None` the defaults, with TRL's naming of the output folder.
+
+    Args:
+        args (`GRPOConfig`, `RLOOConfig` or `None`), model (`str` or `PreTrainedModel`):
+            The configuration and the model given to the trainer (the model names the default output folder).
+        config_class (`type`): [`LoptiGRPOConfig`] or [`LoptiRLOOConfig`].
+    """
+    base = next(trl for trl, lopti in LOPTI_CONFIGS.items() if lopti is config_class)
+    trainer = base.__name__.removesuffix("Config")  # "GRPO", "RLOO": TRL's trainer and folder name
+    if isinstance(args, config_class):
+        return args
+    if args is None:
+        model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+        return config_class(output_dir=f"{str(model_name).split('/')[-1]}-Lopti-{trainer}")
+    if not isinstance(args, base):
+        raise TypeError(f"args must be a {config_class.__name__} or a {base.__name__}, got {type(args).__name__}")
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(base) if f.init}
+    values["generation_batch_size"] = None  # TRL derived it from steps_per_generation; both set is an error
+    upgrade = f"Lopti{trainer}Trainer got a plain {base.__name__} and turns on the paper's defaults for it"
+    try:
+        config = config_class(**values)
+    except ValueError as error:
+        raise ValueError(
+            f"{upgrade}: {error} (with a plain {base.__name__}: pass "
+            f"trl_lopti.{config_class.__name__}(..., lopti_threshold=None) to train without Lopti)"
+        ) from None
+    warnings.warn(
+        f"{upgrade}: Advantage Reweighting (advantage_reweighting_alpha={config.advantage_reweighting_alpha}) and "
+        f"Lopti (lopti_threshold={config.lopti_threshold}, lopti_order={config.lopti_order!r}). Lopti trains each "
+        f"generation batch twice, so it makes two optimizer steps where {trainer} makes one: max_steps, the "
+        "learning-rate schedule, save_steps and logging_steps now count twice per generation batch, and max_steps "
+        f"buys half the rollouts. Pass a trl_lopti.{config_class.__name__} to choose these values "
+        f"(lopti_threshold=None and advantage_reweighting_alpha=0 give plain {trainer}).",
+        UserWarning,
+        stacklevel=3,
+    )
+    return config
+
+
+def lopti_schedule_error(config: LoptiArguments) -> str:
     """The message for a schedule in which a Lopti pass would not end on an optimizer step, with a fix that works."""
     steps, iterations = config.steps_per_generation, config.num_iterations
     accumulation = config.gradient_accumulation_steps
@@ -180,7 +274,7 @@ def lopti_schedule_error(config: GRPOConfig) -> str:
     )
 
 
-def _check_fraction(config: LoptiGRPOConfig, name: str, closed: bool, disabled_by: str) -> None:
+def _check_fraction(config: LoptiArguments, name: str, closed: bool, disabled_by: str) -> None:
     """Makes the field `name` a float if it is a real number (numpy scalars included) in [0, 1] (`closed`) or (0, 1);
     else raises. `None` stays where `disabled_by` allows it."""
     value, interval = getattr(config, name), "[0, 1]" if closed else "(0, 1)"

@@ -4,13 +4,14 @@
 "reinforce_plus_plus"`: it replaces each generation batch's advantages by `core_algos.reinforce_plus_plus_advantages`
 of its rewards, before AR and Lopti read them. Deleting it (and the config value) changes nothing else.
 
-The TRL facts it relies on (pinned by `tests/test_trl_contract.py`):
+The GRPO facts it relies on (numbered as in `trl_lopti/_compat.py`'s `TRL_FACTS`, pinned by
+`tests/test_trl_contract.py`):
 
-1. `GRPOTrainer._generate_and_score_completions` calls `self._calculate_rewards` once per generation batch, which
-   returns the rewards of every completion of the batch (all processes, in process order), one column per reward
-   function; this process's completions are the `process_index`-th slice of that order.
-2. `_generate_and_score_completions` appends the batch's advantages (all processes) to `self._logs["advantages"]`,
-   which the completions table shows; the REINFORCE++ advantages take their place there.
+- G3. `GRPOTrainer._generate_and_score_completions` calls `self._calculate_rewards` once per generation batch, which
+  returns the rewards of every completion of the batch (all processes, in process order), one column per reward
+  function; this process's completions are the `process_index`-th slice of that order.
+- G4. `_generate_and_score_completions` appends the batch's advantages (all processes) to `self._logs["advantages"]`,
+  which the completions table shows; the REINFORCE++ advantages take their place there.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class ReinforcePlusPlusMixin:
         mask = loss_token_mask(output)
         lengths = self.accelerator.gather(mask.sum(dim=1))  # process order, as the rewards
         advantages = reinforce_plus_plus_advantages(rewards, lengths)
-        logged = self._logs["advantages"]  # fact 2: the completions table shows the advantages trained on
+        logged = self._logs["advantages"]  # fact G4: the completions table shows the advantages trained on
         for _ in range(min(len(advantages), len(logged))):
             logged.pop()
         logged.extend(advantages.tolist())

@@ -1,151 +1,54 @@
 """`LoptiGRPOTrainer`: TRL's `GRPOTrainer` with Advantage Reweighting and Low-Probability Token Isolation.
 
-The math is in `trl_lopti/core_algos.py`; this file is plumbing. TRL computes every loss, KL, clipping,
-importance-sampling and normalisation term itself; the trainer changes, per token, the advantage TRL's loss reads (AR)
-and through which tokens' log-probabilities and entropies gradient flows in which pass (Lopti).
+The math is in `trl_lopti/core_algos.py`, the mechanism shared with RLOO (schedule, split, isolation, metrics,
+checkpoints) in `trl_lopti/lopti_mixin.py`; this file is GRPO's plumbing. TRL computes every loss, KL, clipping,
+importance-sampling and normalisation term itself; AR changes, per token, the advantage TRL's loss reads.
 
-Each generation batch is trained once per pass (README, "The Lopti schedule"): the first pass is TRL's own schedule,
-a later pass replays the micro-batches TRL buffered, so every optimizer step is an ordinary Trainer step. Each
-micro-batch is split once, at its first loss forward, into its own dict (`lopti_low_mask`; with AR the token-level
-`lopti_advantages` that TRL's loss reads instead of `advantages`; with Lopti `old_per_token_logps`). pi_old is TRL's
-where TRL computed it at generation, else that forward's detached output (on-policy: no extra forward). Each generation
-batch gets its eta at generation (`lopti_eta`, kept as `lopti_batch_eta`): the quantile rule needs the whole batch's
-pi_old first, TRL's or one no-grad forward.
+- pi_old: TRL's `old_per_token_logps` where TRL computes it at generation (off-policy schedules, vLLM importance
+  sampling: fact G2), else the first pass's own forward (on-policy: no extra forward).
+- AR: token-level advantages `A'(i, t)` (B, T) in place of TRL's (B,) ones, which TRL's loss accepts and reads after its
+  policy forward (fact G1); the KL and entropy terms are untouched.
 
-The TRL facts it relies on, each pinned by `tests/test_trl_contract.py`:
+The TRL facts it relies on besides the shared ones (S1-S5, `trl_lopti/lopti_mixin.py`), numbered once in
+`trl_lopti/_compat.py` (`TRL_FACTS`) and pinned by `tests/test_trl_contract.py`:
 
-1. Schedule. `_prepare_inputs` generates when `self._step % (steps_per_generation * num_iterations) == 0`, buffers
-   the batch split into micro-batches in `self._buffered_inputs` (0-dim tensors copied into each) and serves slice
-   `self._step % steps_per_generation`; `training_step` then increments `self._step`. The train dataloader repeats each
-   generation batch `self.num_iterations * steps_per_generation` times, reading `self.num_iterations` as it is built.
-2. Loss. `_compute_loss(model, inputs)` calls `self._get_per_token_logps_and_entropies` once for the policy, and only
-   then reads `inputs["advantages"]` (token-level (B, T) accepted) and `inputs.get("old_per_token_logps")` (absent:
-   the forward's own detached output).
-3. Generation. `_generate_and_score_completions` returns `old_per_token_logps` exactly when TRL needs pi_old
-   (off-policy schedules, vLLM importance sampling).
-4. Checkpoints. `_save_checkpoint` and `_load_optimizer_and_scheduler` are TRL's own extension points for trainer
-   state (its entropy controller); transformers calls the latter on resume after `self.state` is loaded.
-5. Logging. `log` averages the lists in `self._metrics[mode]` and writes the completions table when
-   `self.log_completions` is true at that call. `_get_per_token_logps_and_entropies` takes `batch_size=`.
+- G1. Loss. `_compute_loss(model, inputs)` reads `inputs["advantages"]` (token-level (B, T) accepted) and
+  `inputs.get("old_per_token_logps")` (absent: the forward's own detached output) only after its policy forward, and
+  returns the micro-step's share of its optimizer step's loss.
+- G2. Generation. `_generate_and_score_completions` returns `old_per_token_logps` exactly when TRL needs pi_old
+  (off-policy schedules, vLLM importance sampling).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import glob
-import inspect
-import os
-import textwrap
-import warnings
 from typing import Any, ClassVar
 
 import torch
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import _compat  # noqa: F401  (checks the TRL version before TRL is imported)
 
 
 # isort: split
-from trl import GRPOConfig, GRPOTrainer
-from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import get_config_model_id
+from trl import GRPOTrainer
 
-from .config import LoptiGRPOConfig
-from .core_algos import (
-    advantage_reweighting_weights,
-    isolate_token_gradients,
-    lopti_batch_threshold,
-    loss_token_mask,
-    low_probability_token_mask,
-    reweight_advantages,
-    token_group_mask,
+from .config import LoptiGRPOConfig, as_lopti_config
+from .core_algos import reweight_advantages
+from .lopti_mixin import (
+    AR_ADVANTAGES_KEY,
+    ETA_KEY,
+    GENERATION_BATCH_FILE,
+    LOPTI_BATCH_KEYS,
+    LOPTI_PAPER_CITATION,
+    LoptiTrainerMixin,
+    LossCall,
+    describe_method,
+    temporarily_set,
+    trl_completion_logps,
 )
 from .reinforce_plus_plus import ReinforcePlusPlusMixin
 
 
-LOW_MASK_KEY = "lopti_low_mask"  # (B, T) bool, in each micro-batch: the split, pi_old < eta
-AR_ADVANTAGES_KEY = "lopti_advantages"  # (B, T), in each micro-batch with AR: the advantages TRL's loss reads
-ETA_KEY = "lopti_batch_eta"  # 0-dim, in each micro-batch of a generation batch under Lopti: its eta
-LOPTI_BATCH_KEYS = (LOW_MASK_KEY, AR_ADVANTAGES_KEY, ETA_KEY)  # what the trainer adds to TRL's batches
-GENERATION_BATCH_FILE = "lopti_generation_batch_rank{}.pt"  # in a checkpoint taken inside a generation batch
-UNSPLIT_REPORTING_THRESHOLD = 0.5  # the eta of `lopti/low_token_share` when Lopti is off (the paper's)
-# The multimodal inputs of TRL's log-prob forward (its other arguments are ids, masks and options), as TRL names them.
-EXTRA_FORWARD_KEYS = tuple(
-    name
-    for name, parameter in inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters.items()
-    if parameter.default is None and name != "batch_size"
-)
-
-LOPTI_PAPER_CITATION = textwrap.dedent("""\
-    @article{yang2025lopti,
-        title        = {{Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs}},
-        author       = {Zhihe Yang and Xufang Luo and Zilong Wang and Dongqi Han and Zhiyuan He and Dongsheng Li and Yunjian Xu},
-        year         = 2025,
-        eprint       = {arXiv:2505.12929},
-    }""")
-
-
-@dataclasses.dataclass
-class LossCall:
-    """What one `compute_loss` call shares with the policy forward TRL runs inside it (fact 2).
-
-    Args:
-        batch (`dict`): the micro-batch (TRL's buffered dict, which keeps TRL's advantages) and its split.
-        loss_inputs (`dict`): what TRL's `_compute_loss` reads: the micro-batch with AR's advantages in place of TRL's.
-        token_group (`str` or `None`): the tokens that carry gradient in this pass (`"low"`, `"high"`; `None`: all).
-        trains_aux_loss (`bool`): whether a MoE router's auxiliary loss keeps its gradient (the first pass only).
-        policy_forwards (`int`): the policy forwards TRL ran in this call so far (exactly one is expected).
-    """
-
-    batch: dict[str, Any]
-    loss_inputs: dict[str, Any]
-    token_group: str | None
-    trains_aux_loss: bool
-    policy_forwards: int = 0
-
-
-def as_lopti_config(args: GRPOConfig | None, model: Any) -> LoptiGRPOConfig:
-    """
-    Returns the `LoptiGRPOConfig` to train with: `args` itself; for a plain `GRPOConfig` (a user who only swapped the
-    trainer class) the same values with the paper's defaults for the new fields, with a warning; for `None` the
-    defaults, with TRL's naming of the output folder.
-
-    Args:
-        args (`GRPOConfig` or `None`), model (`str` or `PreTrainedModel`):
-            The configuration and the model given to the trainer (the model names the default output folder).
-    """
-    if isinstance(args, LoptiGRPOConfig):
-        return args
-    if args is None:
-        model_name = model if isinstance(model, str) else get_config_model_id(model.config)
-        return LoptiGRPOConfig(output_dir=f"{str(model_name).split('/')[-1]}-Lopti-GRPO")
-    if not isinstance(args, GRPOConfig):
-        raise TypeError(f"args must be a LoptiGRPOConfig or a GRPOConfig, got {type(args).__name__}")
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig) if f.init}
-    values["generation_batch_size"] = None  # GRPOConfig derived it from steps_per_generation; both set is an error
-    upgrade = "LoptiGRPOTrainer got a plain GRPOConfig and turns on the paper's defaults for it"
-    try:
-        config = LoptiGRPOConfig(**values)
-    except ValueError as error:
-        raise ValueError(
-            f"{upgrade}: {error} (with a plain GRPOConfig: pass "
-            "trl_lopti.LoptiGRPOConfig(..., lopti_threshold=None) to train without Lopti)"
-        ) from None
-    warnings.warn(
-        f"{upgrade}: Advantage Reweighting (advantage_reweighting_alpha={config.advantage_reweighting_alpha}) and "
-        f"Lopti (lopti_threshold={config.lopti_threshold}, lopti_order={config.lopti_order!r}). Lopti trains each "
-        "generation batch twice, so it makes two optimizer steps where GRPO makes one: max_steps, the learning-rate "
-        "schedule, save_steps and logging_steps now count twice per generation batch, and max_steps buys half the "
-        "rollouts. Pass a trl_lopti.LoptiGRPOConfig to choose these values (lopti_threshold=None and "
-        "advantage_reweighting_alpha=0 give plain GRPO).",
-        UserWarning,
-        stacklevel=3,
-    )
-    return config
-
-
-class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
+class LoptiGRPOTrainer(LoptiTrainerMixin, ReinforcePlusPlusMixin, GRPOTrainer):
     """
     TRL's `GRPOTrainer` with Advantage Reweighting (AR) and Low-Probability Token Isolation (Lopti), arXiv 2505.12929.
 
@@ -163,9 +66,12 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
     - A checkpoint taken between the passes keeps its generation batch; resuming continues the schedule there.
 
     Metrics (`lopti/low_token_share`, `ar_weight_mean`, `threshold` per generation batch, `loss_low_pass`,
-    `loss_high_pass` per pass): README, "Metrics". Completions are logged once per generation batch.
+    `loss_high_pass` per pass): docs, "Metrics". Completions are logged once per generation batch.
     """
 
+    config_class = LoptiGRPOConfig
+    trl_trainer_class = GRPOTrainer
+    loss_is_scaled_for_accumulation = True  # fact G1
     _tag_names: ClassVar[list[str]] = ["trl", "grpo", "lopti"]
     _name = "Lopti-GRPO"
     _paper: ClassVar[dict[str, str]] = {
@@ -174,217 +80,28 @@ class LoptiGRPOTrainer(ReinforcePlusPlusMixin, GRPOTrainer):
         "citation": LOPTI_PAPER_CITATION + "\n\n" + GRPOTrainer._paper["citation"],
     }
 
-    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *extra_args, **kwargs):
-        args = as_lopti_config(args, model)
-        super().__init__(model, reward_funcs, args, *extra_args, **kwargs)
-        self._name = describe_method(args)
-        self._loss_call: LossCall | None = None  # the compute_loss call in flight
-        self._split_totals: torch.Tensor | None = None  # low tokens, AR weights, tokens of the batch split so far
-        self._completions_logged_for: int | None = None  # the generation batch whose completions table was written
+    def old_per_token_logps_at_generation(self, batch: dict[str, Any], generation_forwards: list) -> Any:
+        # Fact G2: TRL's own pi_old where it needs one; on-policy, the first pass's forward gives it (no extra forward)
+        return batch.get("old_per_token_logps")
 
-    # ------------------------------------------------------------------------------------------------ schedule
-    def lopti_pass_index(self) -> int:
-        """The pass over its generation batch of the current training micro-step (0 without Lopti)."""
-        return (self._step % self.args.lopti_cycle_micro_steps) // self.args.lopti_pass_micro_steps
+    def store_advantage_reweighting(self, batch: dict[str, Any], old_per_token_logps: torch.Tensor) -> None:
+        # A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i), under its own key: TRL's advantages stay in the batch
+        alpha = self.args.advantage_reweighting_alpha
+        batch[AR_ADVANTAGES_KEY] = reweight_advantages(batch["advantages"], old_per_token_logps, alpha)
 
-    def get_train_dataloader(self):
-        # Fact 1: the dataloader serves each generation batch `self.num_iterations * steps_per_generation` times; Lopti
-        # trains it num_iterations times per pass, so an epoch still covers every prompt once.
-        with temporarily_set(self, num_iterations=self.args.lopti_num_passes * self.args.num_iterations):
-            return super().get_train_dataloader()
-
-    def _prepare_inputs(self, generation_batch):
-        if self.model.training and self.lopti_pass_index() > 0:  # a later pass replays the first pass's micro-batches
-            return self._buffered_inputs[self._step % self.args.steps_per_generation]
-        return super()._prepare_inputs(generation_batch)
-
-    # ------------------------------------------------------------------------------------------------ generation batch
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        if (
-            self.args.lopti_enabled
-        ):  # a 0-dim float64 tensor on the CPU (MPS has no float64), copied to each micro-batch
-            output[ETA_KEY] = torch.tensor(self.lopti_eta(output), dtype=torch.float64)
-        return output
-
-    def lopti_eta(self, batch: dict[str, Any]) -> float:
-        """eta of a generation batch (`batch`: this process's part, as TRL generated it): `lopti_threshold`, or the
-        `lopti_quantile` quantile of pi_old over the whole batch (every process). Override it to split otherwise."""
-        if self.args.lopti_quantile is None:
-            return self.args.lopti_threshold
-        if "old_per_token_logps" not in batch:  # fact 3: TRL did not need it; one no-grad forward, as TRL's own
-            args = self.args
-            batch_size = args.per_device_train_batch_size if self.model.training else args.per_device_eval_batch_size
-            with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
-                batch["old_per_token_logps"] = trl_completion_logps(self, batch, batch_size=batch_size)[0]
-        local = batch["old_per_token_logps"][loss_token_mask(batch).bool()]
-        logps = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0))
-        counted = self.accelerator.gather(self.accelerator.pad_across_processes(torch.ones_like(local), dim=0))
-        return lopti_batch_threshold(logps, counted, self.args.lopti_quantile)
-
-    # ------------------------------------------------------------------------------------------------ loss
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        training = self.model.training
-        pass_index = self.lopti_pass_index() if training else 0
-        token_group = self.args.lopti_pass_order[pass_index] if training else None
-        loss_inputs = {**inputs, "advantages": inputs.get(AR_ADVANTAGES_KEY, inputs["advantages"])}
-        call = LossCall(inputs, loss_inputs, token_group, trains_aux_loss=pass_index == 0)
-        with temporarily_set(self, _loss_call=call):
-            loss = super().compute_loss(model, loss_inputs, return_outputs, num_items_in_batch)
-        if call.policy_forwards != 1:  # fact 2, checked at every step
-            raise RuntimeError(
-                f"GRPOTrainer._compute_loss ran {call.policy_forwards} policy forwards through "
-                "_get_per_token_logps_and_entropies, not one: trl_lopti does not support this TRL"
-            )
-        if token_group is not None:
-            self._log_pass_loss(token_group, loss.detach())
-        return loss
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        per_token_logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-        )
-        call = self._loss_call
-        if call is None:  # a forward outside the loss: pi_old or the reference model's log-probs
-            return per_token_logps, entropies, aux_loss
-        call.policy_forwards += 1
-        if LOW_MASK_KEY not in call.batch:  # the micro-batch's first loss forward: split it
-            self._split(call.batch, per_token_logps.detach())
-            if AR_ADVANTAGES_KEY in call.batch:  # fact 2: TRL reads the advantages after this forward
-                call.loss_inputs["advantages"] = call.batch[AR_ADVANTAGES_KEY]
-        if call.token_group is not None:  # Lopti: gradient only through the pass's active tokens
-            active_mask = token_group_mask(call.batch[LOW_MASK_KEY], loss_token_mask(call.batch), call.token_group)
-            per_token_logps = isolate_token_gradients(per_token_logps, active_mask)
-            if entropies is not None:
-                entropies = isolate_token_gradients(entropies, active_mask)
-            if aux_loss is not None and not call.trains_aux_loss:
-                aux_loss = aux_loss.detach()
-        return per_token_logps, entropies, aux_loss
-
-    def _split(self, batch: dict[str, Any], forward_logps: torch.Tensor) -> None:
-        """Splits a micro-batch once: its low mask, with AR its token-level advantages, with Lopti its pi_old."""
-        old_per_token_logps = batch.get("old_per_token_logps")
-        if old_per_token_logps is None:  # on-policy: pi_old is this forward's output
-            old_per_token_logps = forward_logps
-            if self.args.lopti_enabled:  # a later pass's ratio is against it
-                batch["old_per_token_logps"] = old_per_token_logps
-        eta = batch.get(
-            ETA_KEY, self.args.lopti_threshold
-        )  # its generation's; the fixed eta for a batch made elsewhere
-        if eta is None and self.args.lopti_quantile is not None:
-            raise RuntimeError(f"lopti_quantile: this batch has no eta from its generation ({ETA_KEY})")
-        eta = float(eta) if self.args.lopti_enabled else UNSPLIT_REPORTING_THRESHOLD
-        mask = loss_token_mask(batch)
-        low_mask = batch[LOW_MASK_KEY] = low_probability_token_mask(old_per_token_logps, mask, eta)
-        alpha, mask = self.args.advantage_reweighting_alpha, mask.float()
-        if alpha != 0.0:  # A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i)
-            batch[AR_ADVANTAGES_KEY] = reweight_advantages(batch["advantages"], old_per_token_logps, alpha)
-        weight_sum = (advantage_reweighting_weights(old_per_token_logps, alpha).float() * mask).sum()
-        self._log_split(torch.stack([(low_mask.float() * mask).sum(), weight_sum, mask.sum()]), eta)
-
-    # ------------------------------------------------------------------------------------------------ metrics
-    def _log_split(self, micro_batch_totals: torch.Tensor, eta: float) -> None:
-        """Logs the split of a generation batch once its last micro-batch is split (first pass, first iteration)."""
-        if self.model.training:
-            position = self._step % self.args.steps_per_generation
-            first = position == 0 or self._split_totals is None
-            self._split_totals = micro_batch_totals if first else self._split_totals + micro_batch_totals
-            if position != self.args.steps_per_generation - 1:
-                return
-            micro_batch_totals, self._split_totals = self._split_totals, None
-        mode = "train" if self.model.training else "eval"  # an evaluation batch is its own generation batch
-        totals = self.accelerator.reduce(micro_batch_totals, reduction="sum")
-        if totals[2] == 0:  # no completion token anywhere: nothing to report
-            return
-        self._metrics[mode]["lopti/low_token_share"].append((totals[0] / totals[2]).item())
-        if self.args.advantage_reweighting_enabled:
-            self._metrics[mode]["lopti/ar_weight_mean"].append((totals[1] / totals[2]).item())
-        if self.args.lopti_enabled:
-            self._metrics[mode]["lopti/threshold"].append(eta)
-
-    def _log_pass_loss(self, token_group: str, loss: torch.Tensor) -> None:
-        # The loss TRL returns is one micro-step's share of its optimizer step; scaled back to a per-step value.
-        per_step_loss = loss * self.current_gradient_accumulation_steps
-        value = self.accelerator.gather(per_step_loss.reshape(1)).mean().item()
-        self._metrics["train"][f"lopti/loss_{token_group}_pass"].append(value)
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # TRL writes the completions table at every log; a generation batch trained over several optimizer steps
-        # (Lopti's passes, steps_per_generation > gradient_accumulation_steps) is written once.
-        batch_index = (self._step - 1) // self.args.lopti_cycle_micro_steps if self.model.training else None
-        fresh = batch_index is None or batch_index != self._completions_logged_for
-        with temporarily_set(self, log_completions=self.log_completions and fresh):
-            if self.log_completions and batch_index is not None:
-                self._completions_logged_for = batch_index
-            super().log(logs, start_time)
-
-    # ------------------------------------------------------------------------------------------------ checkpoints
-    def _save_checkpoint(self, model, trial):
-        if self._step % self.args.lopti_cycle_micro_steps != 0 and self._buffered_inputs is not None:
-            # inside a generation batch's schedule: keep it and its split for the rest (fact 4), before it is pushed
-            checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder transformers saves to
-            folder = os.path.join(self._get_output_dir(trial=trial), checkpoint)
-            os.makedirs(folder, exist_ok=True)
-            path = os.path.join(folder, GENERATION_BATCH_FILE.format(self.accelerator.process_index))
-            torch.save(self._buffered_inputs, path)
-        super()._save_checkpoint(model, trial)
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        saved = glob.glob(os.path.join(checkpoint, GENERATION_BATCH_FILE.format("*"))) if checkpoint else []
-        if saved and len(saved) != self.accelerator.num_processes:  # each process resumes its own part of the batch
-            raise ValueError(
-                f"{checkpoint} was saved inside a generation batch by {len(saved)} processes: resume it "
-                f"with {len(saved)} processes, or from a checkpoint between generation batches"
-            )
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if saved:  # resume inside the batch's schedule, at the micro-step it stopped at
-            device = self.accelerator.device  # torch.load maps to "cpu", not to an indexed "cpu:0"
-            path = os.path.join(checkpoint, GENERATION_BATCH_FILE.format(self.accelerator.process_index))
-            self._buffered_inputs = torch.load(path, map_location="cpu" if device.type == "cpu" else device)
-            self._step = self.state.global_step * self.args.gradient_accumulation_steps
+    def apply_advantage_reweighting(self, call: LossCall, per_token_logps: torch.Tensor) -> torch.Tensor:
+        # Fact G1: TRL's loss reads its (token-level) advantages after this forward
+        call.loss_inputs["advantages"] = call.batch[AR_ADVANTAGES_KEY]
+        return per_token_logps
 
 
-def describe_method(config: LoptiGRPOConfig) -> str:
-    """The method of a configuration in words, the model card's "trained with", e.g. `"GRPO with Advantage
-    Reweighting (alpha=0.3) and Low-Probability Token Isolation (Lopti, eta=0.5, low tokens first)"`."""
-    base = {"grpo": "GRPO", "reinforce_plus_plus": "REINFORCE++"}[config.advantage_estimator]
-    parts = []
-    if config.advantage_reweighting_enabled:
-        parts.append(f"Advantage Reweighting (alpha={config.advantage_reweighting_alpha:g})")
-    if config.lopti_enabled:
-        order = "low tokens first" if config.lopti_order == "low_first" else "high tokens first, the paper's ablation"
-        if config.lopti_quantile is None:
-            split = f"eta={config.lopti_threshold:g}"
-        else:
-            split = f"eta at the {config.lopti_quantile:g} quantile of each batch"
-        parts.append(f"Low-Probability Token Isolation (Lopti, {split}, {order})")
-    return f"{base} with {' and '.join(parts)}" if parts else base
-
-
-def trl_completion_logps(trainer: GRPOTrainer, batch: dict[str, Any], model=None, **kwargs: Any) -> tuple:
-    """Per-token log-probabilities and entropies (`None` unless `compute_entropy=True`; B x T) of the completions of a
-    TRL batch by TRL's own forward (`GRPOTrainer._get_per_token_logps_and_entropies`: its LM head, temperature and
-    autocast; `kwargs` go to it), with gradient where grad mode is on; `model` defaults to `trainer.model`."""
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    extra = {key: batch[key] for key in EXTRA_FORWARD_KEYS if batch.get(key) is not None}
-    model, num_tokens = trainer.model if model is None else model, batch["completion_ids"].size(1)
-    forward = GRPOTrainer._get_per_token_logps_and_entropies  # TRL's own, whatever a subclass overrides
-    return forward(trainer, model, input_ids, attention_mask, num_tokens, **extra, **kwargs)[:2]
-
-
-@contextlib.contextmanager
-def temporarily_set(obj: Any, **values: Any):
-    """Sets instance attributes of `obj` for the block (shadowing those of its class, methods included), then restores
-    what the instance held itself."""
-    own = {name: vars(obj)[name] for name in values if name in vars(obj)}
-    vars(obj).update(values)
-    try:
-        yield
-    finally:
-        for name in values:
-            del vars(obj)[name]
-        vars(obj).update(own)
-
-
-__all__ = ["LoptiGRPOTrainer", "as_lopti_config", "describe_method", "temporarily_set", "trl_completion_logps"]
+__all__ = [
+    "ETA_KEY",
+    "GENERATION_BATCH_FILE",
+    "LOPTI_BATCH_KEYS",
+    "LoptiGRPOTrainer",
+    "as_lopti_config",
+    "describe_method",
+    "temporarily_set",
+    "trl_completion_logps",
+]

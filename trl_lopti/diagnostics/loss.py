@@ -11,8 +11,8 @@ import torch
 from trl import GRPOTrainer
 
 from ..core_algos import loss_token_mask
+from ..lopti_mixin import LOPTI_BATCH_KEYS, temporarily_set, trl_completion_logps
 from ..tasks._text import completion_to_text
-from ..trainer import LOPTI_BATCH_KEYS, temporarily_set, trl_completion_logps
 
 
 def trl_batch(micro_batches: Sequence[dict[str, Any]], device: torch.device | None = None) -> dict[str, Any]:

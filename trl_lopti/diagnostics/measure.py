@@ -22,7 +22,7 @@ from ..core_algos import (
     token_group_mask,
     token_level_advantages,
 )
-from ..trainer import trl_completion_logps
+from ..lopti_mixin import trl_completion_logps
 from .loss import model_mode, summed_parameter_gradients, trainable_parameters, trl_batch, trl_loss_gradients
 
 

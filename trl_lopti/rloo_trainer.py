@@ -1,0 +1,96 @@
+"""`LoptiRLOOTrainer`: TRL's `RLOOTrainer` with Advantage Reweighting and Low-Probability Token Isolation.
+
+The math is in `trl_lopti/core_algos.py`, the mechanism shared with GRPO (schedule, split, isolation, metrics,
+checkpoints) in `trl_lopti/lopti_mixin.py`; this file is RLOO's plumbing. RLOO's loss is sequence-level: the sum of a
+completion's token log-probabilities against pi_old's sum, one clipped ratio and one advantage per sequence (its KL is
+a reward penalty, computed before the leave-one-out baseline).
+
+- pi_old: RLOO computes it per token at every generation, on-policy too, and keeps only each sequence's sum (fact R1);
+  the trainer keeps the per-token values, so neither AR, Lopti nor the quantile rule costs a forward pass.
+- AR in its general form ([`~trl_lopti.core_algos.reweight_token_gradients`]): the gradient through each token's
+  log-probability is scaled by `w = alpha * pi_old + 1 - alpha`, and every value of the loss stays RLOO's. Where a
+  sequence is not clipped, token t then gets gradient `ratio * A * w(t)`; nothing is reweighted twice (the KL is in
+  the reward).
+- Lopti: isolation in its general form is exact for the sequence ratio: at equal parameters, low pass + high pass =
+  plain RLOO's gradient.
+
+The TRL facts it relies on besides the shared ones (S1-S5, `trl_lopti/lopti_mixin.py`), numbered once in
+`trl_lopti/_compat.py` (`TRL_FACTS`) and pinned by `tests/test_trl_contract.py`:
+
+- R1. Generation. `_generate_and_score_completions` computes pi_old with its first `_get_per_token_logps_and_entropies`
+  call (the policy, no gradient, before the reference model's) and returns its masked sum as `old_logps` (B,); checked
+  at every generation batch.
+- R2. Loss. `_compute_loss(model, inputs)` sums the log-probabilities of its one policy forward over `completion_mask`
+  and reads `old_logps` and `advantages` (B,); it returns the micro-batch's mean loss (the Trainer divides it by the
+  gradient accumulation).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from . import _compat  # noqa: F401  (checks the TRL version before TRL is imported)
+
+
+# isort: split
+from trl import RLOOTrainer
+
+from .config import LoptiRLOOConfig
+from .core_algos import advantage_reweighting_weights, reweight_token_gradients
+from .lopti_mixin import AR_WEIGHTS_KEY, LOPTI_PAPER_CITATION, LoptiTrainerMixin, LossCall
+
+
+class LoptiRLOOTrainer(LoptiTrainerMixin, RLOOTrainer):
+    """
+    TRL's `RLOOTrainer` with Advantage Reweighting (AR) and Low-Probability Token Isolation (Lopti), arXiv 2505.12929.
+
+    Same constructor and arguments as `RLOOTrainer`. `args` should be a [`LoptiRLOOConfig`]; a plain `RLOOConfig` is
+    upgraded with the paper's defaults (`advantage_reweighting_alpha=0.3`, `lopti_threshold=0.5`), with a warning.
+
+    - AR: the gradient through each completion token's log-probability is scaled by `alpha * pi_old(i, t) + 1 - alpha`;
+      every value of RLOO's loss (ratio, clipping, advantage) is unchanged.
+    - Lopti: the completion tokens of each generation batch are split once by `pi_old < eta` (`lopti_threshold`, or
+      the `lopti_quantile` quantile of the batch's pi_old), and the batch is trained once per group, low tokens first,
+      the second pass from the first's parameters and against the same pi_old; in a pass gradient flows only through
+      the active tokens. An empty pass is an ordinary optimizer step with zero gradient; a MoE router's auxiliary loss
+      is trained in the first pass only.
+    - A checkpoint taken between the passes keeps its generation batch; resuming continues the schedule there.
+
+    Metrics and completions table as [`LoptiGRPOTrainer`]'s. No forward pass is added: RLOO computes pi_old anyway.
+    """
+
+    config_class = LoptiRLOOConfig
+    trl_trainer_class = RLOOTrainer
+    loss_is_scaled_for_accumulation = False  # fact R2
+    _tag_names: ClassVar[list[str]] = ["trl", "rloo", "lopti"]
+    _name = "Lopti-RLOO"
+    _paper: ClassVar[dict[str, str]] = {
+        "title": "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs",
+        "id": "2505.12929",
+        "citation": LOPTI_PAPER_CITATION + "\n\n" + RLOOTrainer._paper["citation"],
+    }
+
+    def old_per_token_logps_at_generation(self, batch: dict[str, Any], generation_forwards: list) -> torch.Tensor:
+        # Fact R1: the first forward of the generation is pi_old; its masked sum is exactly the `old_logps` RLOO kept
+        old_per_token_logps = generation_forwards[0] if generation_forwards else None
+        if old_per_token_logps is None or not torch.equal(
+            (old_per_token_logps * batch["completion_mask"]).sum(1), batch["old_logps"]
+        ):
+            raise RuntimeError(
+                "RLOOTrainer._generate_and_score_completions no longer computes pi_old with its first log-prob "
+                "forward: trl_lopti does not support this TRL"
+            )
+        return old_per_token_logps
+
+    def store_advantage_reweighting(self, batch: dict[str, Any], old_per_token_logps: torch.Tensor) -> None:
+        alpha = self.args.advantage_reweighting_alpha
+        batch[AR_WEIGHTS_KEY] = advantage_reweighting_weights(old_per_token_logps, alpha)
+
+    def apply_advantage_reweighting(self, call: LossCall, per_token_logps: torch.Tensor) -> torch.Tensor:
+        # Fact R2: RLOO's loss sums these log-probabilities into its sequence ratio
+        return reweight_token_gradients(per_token_logps, call.batch[AR_WEIGHTS_KEY])
+
+
+__all__ = ["LoptiRLOOTrainer"]
