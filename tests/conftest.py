@@ -275,11 +275,13 @@ class MidGapEta:
         return eta
 
 
-def mid_gap_eta_trainer():
-    """A new `LoptiGRPOTrainer` subclass with `MidGapEta` (its own empty `etas`)."""
+def mid_gap_eta_trainer(base: type | None = None):
+    """A new subclass of `base` (default `LoptiGRPOTrainer`; `LoptiRLOOTrainer` too) with `MidGapEta` (its own empty
+    `etas`)."""
     from trl_lopti import LoptiGRPOTrainer
 
-    return type("MidGapEtaTrainer", (MidGapEta, LoptiGRPOTrainer), {"etas": []})
+    base = LoptiGRPOTrainer if base is None else base
+    return type(f"MidGapEta{base.__name__}", (MidGapEta, base), {"etas": []})
 
 
 @pytest.fixture

@@ -13,10 +13,10 @@ import pytest
 import torch
 from conftest import (
     FLOAT64,
-    MidGapEta,
     assert_parameters_close,
     in_pass,
     micro_batches_as_generated,
+    mid_gap_eta_trainer,
     threshold_between_values,
     use_exact_log_prob_head,
 )
@@ -286,7 +286,7 @@ class RecordedReward:
 def run_cycle(model_path, output_dir, *, gradient_accumulation_steps, steps_per_generation, **fields):
     """One Lopti cycle (or one AR step) of a float64 LoptiRLOOTrainer on its own generations, SGD; the trainer, the
     policy it started from, its reference model, the generation batch (rows tagged) and the recorded rewards."""
-    trainer_class = type("MidGapEtaRLOO", (MidGapEta, LoptiRLOOTrainer), {"etas": []})
+    trainer_class = mid_gap_eta_trainer(LoptiRLOOTrainer)
     config = rloo_config(
         LoptiRLOOConfig,
         output_dir,

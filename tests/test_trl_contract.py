@@ -1,7 +1,9 @@
-"""The TRL 1.16 behaviour LoptiGRPOTrainer relies on (the docstring of trl_lopti/trainer.py), checked by running it.
+"""The TRL behaviour the trainers rely on, checked by running it, under the numbers of `trl_lopti._compat.TRL_FACTS`:
+S1-S5 for both `GRPOTrainer` and `RLOOTrainer` (stated in trl_lopti/lopti_mixin.py), G1-G4 for `GRPOTrainer`
+(trl_lopti/trainer.py, trl_lopti/reinforce_plus_plus.py), R1-R2 for `RLOOTrainer` (trl_lopti/rloo_trainer.py).
 
-Each test exercises TRL's own `GRPOTrainer` (spies, counters, a 2-process run), so it fails when TRL's behaviour changes
-and not when its source is reformatted. Run this file first when upgrading TRL: a failure names the fact that changed.
+Each test exercises TRL's own trainers (spies, counters, a 2-process run), so it fails when TRL's behaviour changes and
+not when its source is reformatted. Run this file first when upgrading TRL: a failure names the fact that changed.
 """
 
 import importlib.metadata
@@ -12,17 +14,23 @@ import torch
 from datasets import Dataset, IterableDataset
 from test_distributed import torchrun
 from test_schedule import COMPLETION_LENGTH, TEMPERATURE, fixed_generation_batch
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 import trl_lopti._compat as compat
-from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer
 
 
 def reward(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-def grpo_trainer(model_path, output_dir, **overrides) -> GRPOTrainer:
+TRL_TRAINERS = {"grpo": (GRPOTrainer, GRPOConfig), "rloo": (RLOOTrainer, RLOOConfig)}
+LOPTI = {"grpo": (LoptiGRPOTrainer, LoptiGRPOConfig), "rloo": (LoptiRLOOTrainer, LoptiRLOOConfig)}
+
+
+def grpo_trainer(model_path, output_dir, trainer: str = "grpo", **overrides) -> GRPOTrainer | RLOOTrainer:
+    """TRL's own trainer (`trainer`: "grpo" or "rloo") on the tiny model, with these config overrides."""
+    trainer_class, config_class = TRL_TRAINERS[trainer]
     values = dict(
         output_dir=str(output_dir),
         per_device_train_batch_size=2,
@@ -38,7 +46,7 @@ def grpo_trainer(model_path, output_dir, **overrides) -> GRPOTrainer:
     )
     values.update(overrides)
     dataset = Dataset.from_dict({"prompt": [f"p{i}" for i in range(16)]})
-    trainer = GRPOTrainer(model=model_path, reward_funcs=reward, args=GRPOConfig(**values), train_dataset=dataset)
+    trainer = trainer_class(model=model_path, reward_funcs=reward, args=config_class(**values), train_dataset=dataset)
     trainer.current_gradient_accumulation_steps = 1  # set by the Trainer's loop; a loss outside it needs it
     return trainer
 
@@ -59,7 +67,7 @@ class ReadRecorder(dict):
         return super().get(key, default)
 
 
-# ------------------------------------------------------------------------------------------------------ fact 1
+# ------------------------------------------------------------------------------------------------------ S3, G1
 def test_compute_loss_runs_one_policy_forward_and_reads_advantages_and_pi_old_after_it(
     tiny_model_path, tmp_path, monkeypatch
 ):
@@ -100,14 +108,16 @@ def test_compute_loss_accepts_token_level_advantages(tiny_model_path, tmp_path):
     torch.testing.assert_close(loss.detach(), expected, atol=1e-6, rtol=1e-5)
 
 
-# ------------------------------------------------------------------------------------------------------ fact 2
+# ------------------------------------------------------------------------------------------------------ S1
+@pytest.mark.parametrize("trl_trainer", list(TRL_TRAINERS))
 def test_prepare_inputs_generates_every_steps_per_generation_times_num_iterations_micro_steps(
-    tiny_model_path, tmp_path
+    tiny_model_path, tmp_path, trl_trainer
 ):
     steps_per_generation, num_iterations, gradient_accumulation_steps, optimizer_steps = 2, 2, 2, 4
     trainer = grpo_trainer(
         tiny_model_path,
         tmp_path,
+        trl_trainer,
         steps_per_generation=steps_per_generation,
         num_iterations=num_iterations,
         gradient_accumulation_steps=gradient_accumulation_steps,
@@ -118,6 +128,7 @@ def test_prepare_inputs_generates_every_steps_per_generation_times_num_iteration
 
     def fixed_batch(generation_batch):
         batch, _ = fixed_generation_batch(tiny_model_path, rows, seed=len(generations), beta=0.0)
+        batch["old_logps"] = torch.zeros(rows)  # RLOO's loss reads it
         batch["row_id"] = torch.arange(rows) + 100 * len(generations)
         generations.append(trainer._step)
         return batch
@@ -143,9 +154,12 @@ def test_prepare_inputs_generates_every_steps_per_generation_times_num_iteration
         assert slices[2:] == slices[:2]
 
 
-# ------------------------------------------------------------------------------------------------------ fact 3
-def test_train_sampler_repeats_each_generation_batch_as_num_iterations_says_when_built(tiny_model_path, tmp_path):
-    trainer = grpo_trainer(tiny_model_path, tmp_path, steps_per_generation=2)
+# ------------------------------------------------------------------------------------------------------ S2
+@pytest.mark.parametrize("trl_trainer", list(TRL_TRAINERS))
+def test_train_sampler_repeats_each_generation_batch_as_num_iterations_says_when_built(
+    tiny_model_path, tmp_path, trl_trainer
+):
+    trainer = grpo_trainer(tiny_model_path, tmp_path, trl_trainer, steps_per_generation=2)
     batches = [
         sorted(batch["prompt"] if isinstance(batch, dict) else [e["prompt"] for e in batch])
         for batch in trainer.get_train_dataloader()
@@ -160,8 +174,10 @@ def test_train_sampler_repeats_each_generation_batch_as_num_iterations_says_when
     assert [repeated[i] for i in range(0, len(repeated), 3 * len(batches) // len(distinct))] == distinct
 
 
+@pytest.mark.parametrize("trl_trainer", list(TRL_TRAINERS))
 @pytest.mark.parametrize("iterable", [False, True], ids=["map-style", "iterable"])
-def test_lopti_serves_each_generation_batch_twice(tiny_model_path, tmp_path, iterable):
+def test_lopti_serves_each_generation_batch_twice(tiny_model_path, tmp_path, iterable, trl_trainer):
+    (trainer_class, config_class), (lopti_class, lopti_config_class) = TRL_TRAINERS[trl_trainer], LOPTI[trl_trainer]
     prompts = {"prompt": [f"p{i}" for i in range(8)]}
     dataset = Dataset.from_dict(prompts)
     if iterable:
@@ -175,9 +191,11 @@ def test_lopti_serves_each_generation_batch_twice(tiny_model_path, tmp_path, ite
         use_cpu=True,
         max_steps=1,
     )
-    grpo = GRPOTrainer(model=tiny_model_path, reward_funcs=reward, args=GRPOConfig(**common), train_dataset=dataset)
-    lopti = LoptiGRPOTrainer(
-        model=tiny_model_path, reward_funcs=reward, args=LoptiGRPOConfig(**common), train_dataset=dataset
+    grpo = trainer_class(
+        model=tiny_model_path, reward_funcs=reward, args=config_class(**common), train_dataset=dataset
+    )
+    lopti = lopti_class(
+        model=tiny_model_path, reward_funcs=reward, args=lopti_config_class(**common), train_dataset=dataset
     )
     grpo_batches = list(grpo.get_train_dataloader())
     lopti_batches = list(lopti.get_train_dataloader())
@@ -195,7 +213,7 @@ def test_lopti_serves_each_generation_batch_twice(tiny_model_path, tmp_path, ite
     assert as_prompts[0::2] == grpo_prompts and as_prompts[1::2] == grpo_prompts
 
 
-# ------------------------------------------------------------------------------------------------------ fact 4
+# ------------------------------------------------------------------------------------------------------ G3
 @pytest.mark.slow
 def test_rewards_are_gathered_in_process_order_once_per_generation(tiny_model_path, tmp_path):
     """2 gloo processes: `_calculate_rewards` returns every process's rewards, rank 0's first, once per batch."""
@@ -212,7 +230,7 @@ def test_rewards_are_gathered_in_process_order_once_per_generation(tiny_model_pa
             assert gathered[batch] == in_process_order
 
 
-# ------------------------------------------------------------------------------------------------------ logging
+# ------------------------------------------------------------------------------------------------------ S5
 def test_log_writes_the_completions_table_at_each_log_while_log_completions_is_set(tiny_model_path, tmp_path):
     trainer = grpo_trainer(tiny_model_path, tmp_path, log_completions=True, max_steps=2)
     trainer.train()
@@ -224,8 +242,9 @@ def test_log_writes_the_completions_table_at_each_log_while_log_completions_is_s
     assert len(list((tmp_path / "completions").glob("completions_*.parquet"))) == 2
 
 
-def test_model_card_reads_the_trainer_name_and_paper(tiny_model_path, tmp_path):
-    trainer = grpo_trainer(tiny_model_path, tmp_path)
+@pytest.mark.parametrize("trl_trainer", list(TRL_TRAINERS))
+def test_model_card_reads_the_trainer_name_and_paper(tiny_model_path, tmp_path, trl_trainer):
+    trainer = grpo_trainer(tiny_model_path, tmp_path, trl_trainer)
     trainer._name = "Contract-Check"
     trainer._paper = {"title": "A Title To Find", "id": "1234.56789", "citation": "@article{contract_check}"}
     trainer.create_model_card(model_name="contract")
@@ -280,7 +299,7 @@ def test_liger_is_refused_at_config_construction_below_the_release_that_routes_i
 
 
 def test_a_loss_that_no_longer_runs_the_log_prob_forward_stops_the_trainer(tiny_model_path, tmp_path, monkeypatch):
-    """The runtime check of fact 2: a TRL whose loss bypasses the hook (as Liger below 1.14 does) fails loudly."""
+    """The runtime check of fact S3: a TRL whose loss bypasses the hook (as Liger below 1.14 does) fails loudly."""
     config = LoptiGRPOConfig(
         output_dir=str(tmp_path),
         per_device_train_batch_size=2,
@@ -299,3 +318,98 @@ def test_a_loss_that_no_longer_runs_the_log_prob_forward_stops_the_trainer(tiny_
     trainer.model.train()
     with pytest.raises(RuntimeError, match="ran 0 policy forwards"):
         trainer.compute_loss(trainer.model, dict(batch))
+
+
+# ------------------------------------------------------------------------------------------------------ R1
+def test_rloo_computes_pi_old_with_its_first_log_prob_forward_and_keeps_only_its_masked_sum(
+    tiny_model_path, tmp_path, monkeypatch
+):
+    trainer = grpo_trainer(tiny_model_path, tmp_path, "rloo", beta=0.1, max_completion_length=COMPLETION_LENGTH)
+    assert trainer.ref_model is not None
+    forwards = []
+    forward = RLOOTrainer._get_per_token_logps_and_entropies
+
+    def spy(self, model, *args, **kwargs):
+        logps, entropies, aux_loss = forward(self, model, *args, **kwargs)
+        forwards.append((model, torch.is_grad_enabled(), logps))
+        return logps, entropies, aux_loss
+
+    monkeypatch.setattr(RLOOTrainer, "_get_per_token_logps_and_entropies", spy)
+    trainer.model.train()
+    output = trainer._generate_and_score_completions([{"prompt": "p0"}, {"prompt": "p0"}])
+    assert [(model is trainer.model, grad) for model, grad, _ in forwards] == [(True, False), (False, False)]
+    pi_old = forwards[0][2]
+    assert torch.equal((pi_old * output["completion_mask"]).sum(1), output["old_logps"])
+    assert "old_per_token_logps" not in output, "RLOO drops the per-token values (trl_lopti keeps them)"
+
+
+def test_lopti_rloo_stops_when_pi_old_is_no_longer_the_first_forward(tiny_model_path, tmp_path, monkeypatch):
+    """The runtime check of fact R1, at every generation batch."""
+    trainer = LoptiRLOOTrainer(
+        model=tiny_model_path,
+        reward_funcs=reward,
+        args=LoptiRLOOConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, report_to="none", use_cpu=True
+        ),
+        train_dataset=Dataset.from_dict({"prompt": ["p"] * 4}),
+    )
+    generate = RLOOTrainer._generate_and_score_completions
+
+    def generate_with_another_pi_old(self, inputs):  # a TRL whose old_logps is not its first forward's masked sum
+        output = generate(self, inputs)
+        output["old_logps"] = output["old_logps"] + 1.0
+        return output
+
+    monkeypatch.setattr(RLOOTrainer, "_generate_and_score_completions", generate_with_another_pi_old)
+    trainer.model.train()
+    with pytest.raises(RuntimeError, match="no longer computes pi_old with its first log-prob forward"):
+        trainer._generate_and_score_completions([{"prompt": "p"}, {"prompt": "p"}])
+
+
+# ------------------------------------------------------------------------------------------------------ S3, R2
+def test_rloo_loss_runs_one_policy_forward_sums_it_and_reads_old_logps_and_advantages_after_it(
+    tiny_model_path, tmp_path, monkeypatch
+):
+    trainer = grpo_trainer(tiny_model_path, tmp_path, "rloo", beta=0.0)
+    batch, _ = fixed_generation_batch(tiny_model_path, 2, seed=0, beta=0.0)
+    batch["old_logps"] = torch.tensor([-20.0, -25.0])
+    events, policy_logps = [], []
+    forward = RLOOTrainer._get_per_token_logps_and_entropies
+
+    def spy(self, model, *args, **kwargs):
+        events.append(("forward", "policy" if model is trainer.model else "other"))
+        logps, entropies, aux_loss = forward(self, model, *args, **kwargs)
+        policy_logps.append(logps.detach())
+        return logps, entropies, aux_loss
+
+    monkeypatch.setattr(RLOOTrainer, "_get_per_token_logps_and_entropies", spy)
+    trainer.model.train()
+    for accumulation in (1, 4):  # RLOO's loss is not divided by the gradient accumulation (the Trainer divides it)
+        trainer.current_gradient_accumulation_steps = accumulation
+        events.clear()
+        loss = trainer.compute_loss(trainer.model, ReadRecorder(batch, events))
+        assert events.count(("forward", "policy")) == 1 and ("forward", "other") not in events
+        forward_at = events.index(("forward", "policy"))
+        for key in ("advantages", "old_logps"):
+            reads = [i for i, event in enumerate(events) if event == ("read", key)]
+            assert reads and min(reads) > forward_at, f"{key} is read before the policy forward: {events}"
+        ratio = torch.exp((policy_logps[-1] * batch["completion_mask"]).sum(1) - batch["old_logps"])
+        advantages = batch["advantages"]
+        epsilon_low, epsilon_high = trainer.args.epsilon, trainer.args.epsilon_high or trainer.args.epsilon
+        expected = -torch.min(ratio * advantages, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * advantages).mean()
+        torch.testing.assert_close(loss.detach(), expected, atol=1e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------ S5 (RLOO)
+def test_rloo_log_prints_the_completions_table_while_log_completions_is_set(tiny_model_path, tmp_path, monkeypatch):
+    import trl.trainer.rloo_trainer as rloo_module
+
+    printed = []
+    monkeypatch.setattr(rloo_module, "print_prompt_completions_sample", lambda *args, **kwargs: printed.append(args))
+    trainer = grpo_trainer(tiny_model_path, tmp_path, "rloo", log_completions=True, max_steps=2)
+    trainer.train()
+    logs = len(trainer.state.log_history)  # two steps and the summary at the end of training
+    assert len(printed) == logs == 3, "one table at each log"
+    trainer.log_completions = False
+    trainer.log({"loss": 0.0})
+    assert len(printed) == 3
