@@ -84,6 +84,15 @@ LOPTI_PAPER_CITATION = textwrap.dedent("""\
     }""")
 
 
+def lopti_paper(trl_trainer_class: type) -> dict[str, str]:
+    """The model card's paper entry of a Lopti trainer: the Lopti paper, cited beside the TRL trainer's own."""
+    return {
+        "title": "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs",
+        "id": "2505.12929",
+        "citation": LOPTI_PAPER_CITATION + "\n\n" + trl_trainer_class._paper["citation"],
+    }
+
+
 @dataclasses.dataclass
 class LossCall:
     """What one `compute_loss` call shares with the policy forward TRL runs inside it (fact S3).

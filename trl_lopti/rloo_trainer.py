@@ -39,7 +39,7 @@ from trl import RLOOTrainer
 
 from .config import LoptiRLOOConfig
 from .core_algos import advantage_reweighting_weights, reweight_token_gradients
-from .lopti_mixin import AR_WEIGHTS_KEY, LOPTI_PAPER_CITATION, LoptiTrainerMixin, LossCall
+from .lopti_mixin import AR_WEIGHTS_KEY, LoptiTrainerMixin, LossCall, lopti_paper
 
 
 class LoptiRLOOTrainer(LoptiTrainerMixin, RLOOTrainer):
@@ -66,11 +66,7 @@ class LoptiRLOOTrainer(LoptiTrainerMixin, RLOOTrainer):
     loss_is_scaled_for_accumulation = False  # fact R2
     _tag_names: ClassVar[list[str]] = ["trl", "rloo", "lopti"]
     _name = "Lopti-RLOO"
-    _paper: ClassVar[dict[str, str]] = {
-        "title": "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs",
-        "id": "2505.12929",
-        "citation": LOPTI_PAPER_CITATION + "\n\n" + RLOOTrainer._paper["citation"],
-    }
+    _paper: ClassVar[dict[str, str]] = lopti_paper(RLOOTrainer)
 
     def old_per_token_logps_at_generation(self, batch: dict[str, Any], generation_forwards: list) -> torch.Tensor:
         # Fact R1: the first forward of the generation is pi_old; its masked sum is exactly the `old_logps` RLOO kept

@@ -38,10 +38,10 @@ from .lopti_mixin import (
     ETA_KEY,
     GENERATION_BATCH_FILE,
     LOPTI_BATCH_KEYS,
-    LOPTI_PAPER_CITATION,
     LoptiTrainerMixin,
     LossCall,
     describe_method,
+    lopti_paper,
     temporarily_set,
     trl_completion_logps,
 )
@@ -74,11 +74,7 @@ class LoptiGRPOTrainer(LoptiTrainerMixin, ReinforcePlusPlusMixin, GRPOTrainer):
     loss_is_scaled_for_accumulation = True  # fact G1
     _tag_names: ClassVar[list[str]] = ["trl", "grpo", "lopti"]
     _name = "Lopti-GRPO"
-    _paper: ClassVar[dict[str, str]] = {
-        "title": "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs",
-        "id": "2505.12929",
-        "citation": LOPTI_PAPER_CITATION + "\n\n" + GRPOTrainer._paper["citation"],
-    }
+    _paper: ClassVar[dict[str, str]] = lopti_paper(GRPOTrainer)
 
     def old_per_token_logps_at_generation(self, batch: dict[str, Any], generation_forwards: list) -> Any:
         # Fact G2: TRL's own pi_old where it needs one; on-policy, the first pass's forward gives it (no extra forward)
