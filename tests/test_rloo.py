@@ -75,13 +75,14 @@ def rloo_config(config_class, output_dir, **fields):
 def build(tiny_float64_model_path, tmp_path, float64_norms):
     """`build(**fields)`: a float64 LoptiRLOOTrainer (exact log-prob head), moved away from its reference model."""
 
-    def build(**fields) -> LoptiRLOOTrainer:
+    def build(peft_config=None, **fields) -> LoptiRLOOTrainer:
         config = rloo_config(LoptiRLOOConfig, tmp_path, **fields)
         trainer = LoptiRLOOTrainer(
             model=tiny_float64_model_path,
             reward_funcs=constant_reward,
             args=config,
             train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}),
+            peft_config=peft_config,
         )
         use_exact_log_prob_head(trainer)
         move_away_from_the_reference(trainer.model)
@@ -255,6 +256,29 @@ def test_inactive_tokens_get_exactly_zero_gradient_and_low_plus_high_is_plain_rl
     torch.testing.assert_close(summed_logp_grad, plain_logp_grad, atol=GRADIENT_ATOL, rtol=GRADIENT_RTOL)
     difference = assert_gradients_close(summed_parameters, plain)
     print(f"RLOO alpha={alpha}: largest |low + high - plain| gradient {difference:.3g}")  # noqa: T201
+
+
+def test_lora_gradients_match_independent_rloo_and_low_plus_high_is_plain(build):
+    """LoRA through `peft_config`: the adapter's gradients of each pass against the hand-written loss, and their sum."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    trainer = build(advantage_reweighting_alpha=0.3, lopti_threshold=0.5, peft_config=lora)
+    inputs = make_batch(trainer, seed=7)
+    plain_loss, plain = loss_and_gradients(trainer, inputs, None)
+    assert plain and all("lora_" in name for name in plain), "only the adapter trains"
+    summed, differences = {name: torch.zeros_like(g) for name, g in plain.items()}, []
+    for token_group in ("low", "high"):
+        loss, gradients = loss_and_gradients(trainer, inputs, token_group)
+        _, expected = reference_loss_and_gradients(trainer, inputs, 0.3, token_group)
+        differences.append(assert_gradients_close(gradients, expected))
+        summed = {name: summed[name] + gradients[name] for name in plain}
+        assert torch.equal(loss, plain_loss)
+    difference = assert_gradients_close(summed, plain)
+    print(  # noqa: T201
+        f"RLOO LoRA: largest |trainer - hand-written| gradient {max(differences):.3g}, "
+        f"largest |low + high - plain| {difference:.3g}"
+    )
 
 
 def test_degenerate_micro_batches_give_finite_gradients(build):

@@ -166,3 +166,19 @@ def test_completions_table_and_split_metrics_once_per_generation_batch(
     assert rows[0]["lopti/threshold"] == pytest.approx(mid_gap_rloo.etas[0])
     assert trainer.create_model_card  # the model card names the method
     assert trainer._name.startswith("RLOO with Advantage Reweighting")
+
+
+def test_evaluation_reports_the_split_and_trains_nothing(tiny_model_path, tmp_path):
+    config = rloo_config(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+    trainer = LoptiRLOOTrainer(
+        model=tiny_model_path,
+        reward_funcs=length_reward,
+        args=config,
+        train_dataset=conversational_dataset(),
+        eval_dataset=conversational_dataset(4),
+    )
+    trainer.train()
+    evaluation = next(entry for entry in trainer.state.log_history if "eval_loss" in entry)
+    assert 0 <= evaluation["eval_lopti/low_token_share"] <= 1 and "eval_lopti/threshold" in evaluation
+    assert not any(key.startswith("eval_lopti/loss_") for key in evaluation), "no pass in evaluation"
+    assert_no_nan_in_logs(trainer)
