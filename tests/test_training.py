@@ -5,50 +5,23 @@ import os
 
 import pytest
 import torch
-from conftest import FLOAT64, assert_parameters_close
-from datasets import Dataset
-from test_schedule import PolicyPassCounter
+from testing_utils import (
+    ETA_FROM_EACH_BATCH,
+    FLOAT64,
+    PolicyPassCounter,
+    assert_parameters_close,
+    conversational_dataset,
+    length_reward,
+    logged,
+    small_config,
+)
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
 
-# A random tiny model's probabilities cluster near 1/vocab, where no fixed eta splits a batch the same way on every
-# CPU: tests that split train with the `mid_gap_trainer` fixture's class (conftest.MidGapEta), whose eta for each
-# generation batch lies half-way in a wide gap of that batch's pi_old in place of this placeholder.
-ETA_FROM_EACH_BATCH = 0.5
-
-
-def length_reward(completions, **kwargs):
-    """Varies across completions, so advantages are non-zero."""
-    return [float(len(completion[0]["content"]) % 5) for completion in completions]
-
-
 def constant_reward(completions, **kwargs):
     return [1.0] * len(completions)
-
-
-def conversational_dataset(num_prompts: int = 16) -> Dataset:
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Count to {i}."}] for i in range(num_prompts)]})
-
-
-def small_config(output_dir, config_class=LoptiGRPOConfig, **overrides):
-    values = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        num_generations=4,
-        max_completion_length=8,
-        learning_rate=1e-2,
-        max_steps=4,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        seed=7,
-    )
-    values.update(overrides)
-    return config_class(**values)
 
 
 def train(model, config, reward=length_reward, dataset=None, trainer_class=LoptiGRPOTrainer, **trainer_kwargs):
@@ -66,10 +39,6 @@ def train(model, config, reward=length_reward, dataset=None, trainer_class=Lopti
 
 def changed_parameters(trainer, initial) -> set[str]:
     return {name for name, p in trainer.model.named_parameters() if not torch.equal(p.detach(), initial[name])}
-
-
-def logged(trainer, key: str) -> list[float]:
-    return [entry[key] for entry in trainer.state.log_history if entry.get(key) is not None]
 
 
 def assert_no_nan_in_logs(trainer):

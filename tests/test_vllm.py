@@ -17,11 +17,19 @@ import pytest
 import requests
 import torch
 import yaml
-from conftest import assert_parameters_close
 from datasets import Dataset
-from test_launchers import LAUNCH_FLAGS, TEST_SETTINGS, accelerate_launch, load_parameters, report_row, run
+from testing_utils import (
+    LAUNCH_FLAGS,
+    PROMPTS,
+    TEST_SETTINGS,
+    accelerate_launch,
+    assert_parameters_close,
+    load_parameters,
+    no_transformers_generate,
+    report_row,
+    run,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin
-from vllm_colocate_script import PROMPTS, no_transformers_generate
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 from trl_lopti.cpu_backends import vllm as cpu_vllm
