@@ -444,9 +444,8 @@ def test_the_cpu_stand_in_checks_the_facts_it_rests_on(server_url, monkeypatch):
         raise AssertionError("not called")
 
     monkeypatch.setattr(nccl_common, "stateless_init_process_group", rendezvous)  # as before the stand-in
-    monkeypatch.setattr(
-        nccl_common, "trainer_init", lambda init_info: None
-    )  # a trainer side that rendezvous elsewhere
+    # a trainer side that rendezvous elsewhere
+    monkeypatch.setattr(nccl_common, "trainer_init", lambda init_info: None)
     with pytest.raises(RuntimeError, match="trainer_init"):
         cpu_vllm.install_server_side()
     monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", lambda layer, remove_weight: None)
