@@ -8,9 +8,15 @@ import os
 import sys
 
 import torch
-from conftest import FLOAT64, patch_float64_norms, use_exact_log_prob_head
 from datasets import Dataset
-from test_schedule import COMPLETION_LENGTH, TEMPERATURE, fixed_generation_batch
+from testing_utils import (
+    COMPLETION_LENGTH,
+    FLOAT64,
+    TEMPERATURE,
+    fixed_generation_batch,
+    patch_float64_norms,
+    use_exact_log_prob_head,
+)
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 from trl_lopti.__main__ import exit_launched_process
@@ -20,7 +26,7 @@ GLOBAL_ROWS_PER_MICRO_STEP, STEPS_PER_GENERATION = 4, 2
 
 
 def main(model_path: str, output_dir: str, result_path: str) -> None:
-    patch_float64_norms()  # float64 model (conftest.FLOAT64): the two runs agree to ~1e-15
+    patch_float64_norms()  # float64 model (testing_utils.FLOAT64): the two runs agree to ~1e-15
     rows = GLOBAL_ROWS_PER_MICRO_STEP * STEPS_PER_GENERATION
     batch, eta_log = fixed_generation_batch(model_path, rows, seed=0, beta=0.1)  # pi_ref = the initial policy
     eta = float(torch.tensor(eta_log).exp())

@@ -9,8 +9,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-from conftest import mid_gap_eta_trainer
 from datasets import Dataset
+from testing_utils import mid_gap_eta_trainer
 from transformers import TrainerCallback
 
 from trl_lopti import LoptiGRPOConfig

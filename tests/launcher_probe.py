@@ -9,8 +9,8 @@ What it patches, and why:
 - `trl.trainer.grpo_trainer.shuffle_sequence_dict` keeps the rows in order, and the rows of each optimizer step are
   split over the processes in order (`local_rows`), so that every optimizer step of the 2-process run trains the same
   rows, in the same micro-batch pairs, as the 1-process run.
-- Qwen2's RMSNorm in the model's dtype and TRL's log-prob head in the model's dtype (`conftest`): a float64 model then
-  gives the same result on 1 and 2 processes to ~1e-15 instead of ~1e-7 (float32 round trips).
+- Qwen2's RMSNorm in the model's dtype and TRL's log-prob head in the model's dtype (`testing_utils`): a float64 model
+  then gives the same result on 1 and 2 processes to ~1e-15 instead of ~1e-7 (float32 round trips).
 - `LoptiGRPOTrainer.train` writes, per process, what the launcher really built (`$LAUNCHER_PROBE_OUT`): the
   distributed type, the types, dtypes and local sizes of parameters and optimizer tensors, the number of generation
   batches served, and the micro-step counter at the start.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import trl.trainer.grpo_trainer as grpo_module
-from conftest import patch_float64_norms, use_exact_log_prob_head
+from testing_utils import patch_float64_norms, use_exact_log_prob_head
 from trl import GRPOTrainer
 
 from trl_lopti import LoptiGRPOTrainer

@@ -8,8 +8,8 @@ import json
 import math
 
 import pytest
-from conftest import load_benchmark_script
 from scipy import stats
+from testing_utils import load_benchmark_script
 
 
 pytestmark = pytest.mark.slow  # trains six tiny trainers and a tiny comparison (about a minute on 2 shared CPUs)

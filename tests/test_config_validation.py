@@ -8,7 +8,7 @@ import pytest
 from trl import GRPOConfig
 
 from trl_lopti import LoptiGRPOConfig
-from trl_lopti.trainer import as_lopti_config
+from trl_lopti.config import as_lopti_config
 
 
 def make(**values):

@@ -7,8 +7,8 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from conftest import FLOAT64, use_exact_log_prob_head
 from datasets import Dataset
+from testing_utils import FLOAT64, use_exact_log_prob_head
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer

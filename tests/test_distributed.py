@@ -2,39 +2,9 @@
 the same model as one process on the same completions."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def torchrun(script_name: str, num_processes: int, *arguments: str) -> None:
-    script = Path(__file__).with_name(script_name)
-    environment = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(num_processes),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(script),
-        *arguments,
-    ]
-    completed = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600, check=False)
-    assert completed.returncode == 0, completed.stderr[-4000:]
+from testing_utils import torchrun
 
 
 @pytest.mark.slow
@@ -78,7 +48,7 @@ def assert_reinforce_plus_plus_whitens_over_both_processes(per_rank_batches):
 def test_two_process_ddp_equals_one_process_with_twice_the_batch(tiny_float64_model_path, tmp_path):
     """A Lopti cycle (sequence-level ratio, KL, AR) on a fixed generation batch split over 2 gloo processes, float64."""
     import torch
-    from conftest import assert_parameters_close
+    from testing_utils import assert_parameters_close
     from transformers import AutoModelForCausalLM
 
     results = {}

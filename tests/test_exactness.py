@@ -10,14 +10,14 @@ import math
 
 import pytest
 import torch
-from conftest import FLOAT64, in_pass, threshold_between_values, use_exact_log_prob_head
 from datasets import Dataset
 from reference_grpo import completion_logps_and_entropies, reference_grpo_loss
+from testing_utils import FLOAT64, in_pass, threshold_between_values, use_exact_log_prob_head
 from transformers import AutoModelForCausalLM
 from trl import GRPOTrainer
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
-from trl_lopti.trainer import ETA_KEY
+from trl_lopti.lopti_mixin import ETA_KEY
 
 
 TEMPERATURE = 0.7
@@ -25,7 +25,7 @@ EPSILON_LOW, EPSILON_HIGH = 0.2, 0.28
 MAX_COMPLETION_LENGTH = 7
 ALL_LOSS_TYPES = ["dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
 REFERENCE_LOSS_TYPES = ["dapo", "grpo", "bnpo", "dr_grpo"]
-# float64 model and log-prob head: the trainer and the independent loss agree to ~1e-15 (AR weights: conftest)
+# float64 model and log-prob head: the trainer and the independent loss agree to ~1e-15 (AR weights: testing_utils)
 GRADIENT_ATOL, GRADIENT_RTOL = 1e-10, 1e-8
 
 
@@ -54,7 +54,7 @@ def models(tiny_float64_model_path):
 def build(tiny_float64_model_path, tmp_path, float64_norms):
     """
     `build(**fields)`: a new float64 trainer configured by `LoptiGRPOConfig` fields (the loss type, beta, AR and Lopti
-    settings, TRL options), its policy the `models` fixture's, TRL's log-prob head exact (conftest).
+    settings, TRL options), its policy the `models` fixture's, TRL's log-prob head exact (testing_utils).
     """
 
     def build(**fields) -> LoptiGRPOTrainer:

@@ -24,13 +24,21 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import assert_parameters_close, threshold_between_values
+from testing_utils import (
+    LAUNCH_FLAGS,
+    TEST_SETTINGS,
+    accelerate_launch,
+    assert_parameters_close,
+    load_parameters,
+    report_row,
+    run,
+    threshold_between_values,
+)
 
 from trl_lopti.cli.rehearse import REHEARSAL_SCALE
 from trl_lopti.cpu_backends.accelerate import CPU_OVERRIDES
@@ -48,74 +56,11 @@ LAUNCHERS = {
 }
 RUN_ELSEWHERE = {"vllm_server.yaml": "tests/test_vllm.py: against a CPU vLLM server (pytest --vllm)"}
 
-TEST_SETTINGS = {
-    # a float64 model (conftest's) without mixed precision: two correct runs agree to ~1e-15 (see LAUNCH_FLAGS too)
-    "dtype": "auto",
-    "bf16": False,
-    # SGD with momentum and a large step instead of AdamW at 1e-6: the parameters move far and a wrong gradient shows
-    # (AdamW's first step is lr * sign(gradient)); the momentum is optimizer state that the backends must shard
-    "optim": "sgd",
-    "optim_args": "momentum=0.9",
-    "learning_rate": 0.05,
-    # the fixed generation batch of launcher_probe; eta (`lopti_threshold`) lies half-way in a wide gap of its pi_old
-    "reward_funcs": ["launcher_probe.fixed_batch_reward"],
-}
-LAUNCH_FLAGS = ["--num_processes", "2", "--mixed_precision", "no"]  # the shipped files say bf16
 PROMPT_LENGTH, COMPLETION_LENGTH = 4, 8
 EXACT, RESUMED_EXACT = 1e-8, 1e-12
 # DeepSpeed keeps fp32 masters (ZeRO-3 casts the float64 model to fp32): 2 vs 1 processes to 1e-3 of how far each
 # tensor moved, plus one fp32 rounding per optimizer step of a value at 1 (norm weights start at 1: 4 * 2**-23)
 DEEPSPEED_RELATIVE, DEEPSPEED_ATOL = 1e-3, 4 * 2**-23
-
-
-def run(command: list[str], cwd: Path, **environment) -> float:
-    """Runs a command offline with the repository and tests/ importable; returns its seconds."""
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        WANDB_MODE="disabled",
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-        **environment,
-    )
-    start = time.perf_counter()
-    completed = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
-    return time.perf_counter() - start
-
-
-def accelerate_launch(launcher_file: Path, *arguments: str, flags: tuple[str, ...] = ("--num_processes", "2")):
-    return [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(launcher_file),
-        *flags,
-        "--main_process_port",
-        str(free_port()),
-        "-m",
-        "trl_lopti",
-        "train",
-        *arguments,
-        "--rehearse",
-    ]
-
-
-def load_parameters(folder: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return {name: tensor.double() for name, tensor in load_file(folder / "model.safetensors").items()}
-
-
-def report_row(row: dict) -> None:
-    print(json.dumps(row))  # noqa: T201 - the launcher table's row, for the record (pytest -s)
-    if os.environ.get("TRL_LOPTI_LAUNCHER_REPORT"):
-        with open(os.environ["TRL_LOPTI_LAUNCHER_REPORT"], "a") as report:
-            report.write(json.dumps(row) + "\n")
 
 
 def fixed_generation_batch(model_path: str, rows: int, temperature: float) -> tuple[dict, float]:

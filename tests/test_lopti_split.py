@@ -6,26 +6,32 @@ import math
 
 import pytest
 import torch
-from conftest import in_pass, micro_batches_as_generated, threshold_between_values
-from ddp_quantile_script import (
-    ALPHA,
-    LEARNING_RATE,
-    completion_logps,
-    fixed_generation,
-    fixed_generation_batch,
-    quantile_config,
-    run_one_cycle,
-)
 from reference_grpo import reference_grpo_loss
-from test_distributed import torchrun
-from test_schedule import PolicyPassCounter
-from test_training import ETA_FROM_EACH_BATCH, conversational_dataset, length_reward, logged, small_config
+from testing_utils import (
+    ALPHA,
+    ETA_FROM_EACH_BATCH,
+    LEARNING_RATE,
+    PolicyPassCounter,
+    completion_logps,
+    conversational_dataset,
+    fixed_generation,
+    in_pass,
+    length_reward,
+    logged,
+    micro_batches_as_generated,
+    quantile_config,
+    quantile_generation_batch,
+    run_one_cycle,
+    small_config,
+    threshold_between_values,
+    torchrun,
+)
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOTrainer
 
 from trl_lopti import LoptiGRPOTrainer
 from trl_lopti.core_algos import lopti_batch_threshold, low_probability_token_mask
-from trl_lopti.trainer import ETA_KEY
+from trl_lopti.lopti_mixin import ETA_KEY
 
 
 ROWS = 8  # completions per generation batch
@@ -58,7 +64,7 @@ def test_tokens_tied_at_the_quantile_stay_high():
 def quantile_between_tokens(probabilities: torch.Tensor) -> float:
     """A quantile level whose linearly interpolated value lies half-way in a wide gap between two token values."""
     ordered = torch.sort(probabilities.flatten()).values
-    midpoint = threshold_between_values(ordered)  # the conftest rule: half-way in a wide gap
+    midpoint = threshold_between_values(ordered)  # the testing_utils rule: half-way in a wide gap
     below = int((ordered < midpoint).sum()) - 1
     return (below + 0.5) / (ordered.numel() - 1)  # interpolates ordered[below], ordered[below + 1] at one half
 
@@ -110,7 +116,7 @@ def largest_difference(model_a, model_b) -> float:
 def whole_batch_quantile(tiny_model_path):
     """The fixed batch, a float64 copy of the initial model, and a quantile level robust for the whole batch."""
     initial_model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float64)
-    batch = fixed_generation_batch(initial_model.config.vocab_size, ROWS)
+    batch = quantile_generation_batch(initial_model.config.vocab_size, ROWS)
     with torch.no_grad():
         probabilities = completion_logps(initial_model, batch).exp()[batch["completion_mask"].bool()]
     return initial_model, batch, quantile_between_tokens(probabilities)
@@ -159,7 +165,7 @@ def test_one_quantile_cycle_equals_hand_run_with_eta_of_the_whole_batch(
         f"quantile {quantile:.4f}: |trainer - hand run, whole-batch eta| = {difference:.2e}, "
         f"|trainer - hand run, per-micro-batch eta| = {power:.2e}, moved {moved:.2e}"
     )
-    assert difference < 1e-8  # float64 throughout (conftest.use_exact_log_prob_head)
+    assert difference < 1e-8  # float64 throughout (testing_utils.use_exact_log_prob_head)
     assert power > 1e-4
     assert moved > 1e-3
 
@@ -321,7 +327,7 @@ def test_adaptive_entropy_controller_updates_once_per_optimizer_step_empty_passe
 
 
 def test_the_method_description_names_the_split_rule(tmp_path):
-    from trl_lopti.trainer import describe_method
+    from trl_lopti.lopti_mixin import describe_method
 
     config = quantile_config(str(tmp_path), ROWS, 2, 2, 0.3)
     assert describe_method(config) == (

@@ -11,7 +11,10 @@ import math
 
 import pytest
 import torch
-from conftest import (
+from datasets import Dataset
+from reference_grpo import completion_logps_and_entropies
+from reference_rloo import clipped_sequences, reference_rloo_loss, rloo_advantages
+from testing_utils import (
     FLOAT64,
     assert_parameters_close,
     in_pass,
@@ -20,9 +23,6 @@ from conftest import (
     threshold_between_values,
     use_exact_log_prob_head,
 )
-from datasets import Dataset
-from reference_grpo import completion_logps_and_entropies
-from reference_rloo import clipped_sequences, reference_rloo_loss, rloo_advantages
 from transformers import AutoModelForCausalLM
 from trl import RLOOConfig, RLOOTrainer
 

@@ -5,32 +5,28 @@ import os
 
 import pytest
 import torch
-from conftest import FLOAT64, assert_parameters_close, mid_gap_eta_trainer
-from test_schedule import PolicyPassCounter
-from test_training import ETA_FROM_EACH_BATCH, assert_no_nan_in_logs, conversational_dataset, length_reward, logged
+from testing_utils import (
+    ETA_FROM_EACH_BATCH,
+    FLOAT64,
+    PolicyPassCounter,
+    assert_no_nan_in_logs,
+    assert_parameters_close,
+    conversational_dataset,
+    length_reward,
+    logged,
+    mid_gap_eta_trainer,
+    small_config,
+)
 from trl import RLOOConfig, RLOOTrainer
 
 from trl_lopti import LoptiRLOOConfig, LoptiRLOOTrainer
 from trl_lopti.lopti_mixin import GENERATION_BATCH_FILE
 
 
-def rloo_config(output_dir, config_class=LoptiRLOOConfig, **overrides):
-    values = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        num_generations=4,
-        max_completion_length=8,
-        learning_rate=1e-2,
-        max_steps=4,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        seed=7,
-    )
-    values.update(overrides)
-    return config_class(**values)
+def rloo_config(output_dir, config_class=None, **overrides):
+    """`small_config` of a LoptiRLOOConfig (or `config_class`, e.g. TRL's RLOOConfig)."""
+
+    return small_config(output_dir, config_class=config_class or LoptiRLOOConfig, **overrides)
 
 
 @pytest.fixture

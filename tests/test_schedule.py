@@ -4,58 +4,31 @@ import copy
 
 import pytest
 import torch
-from conftest import (
-    FLOAT64,
-    assert_parameters_close,
-    micro_batches_as_generated,
-    threshold_between_values,
-    use_exact_log_prob_head,
-)
 from datasets import Dataset
 from reference_grpo import completion_logps_and_entropies, reference_grpo_loss
+from testing_utils import (
+    COMPLETION_LENGTH,
+    FLOAT64,
+    TEMPERATURE,
+    PolicyPassCounter,
+    assert_parameters_close,
+    fixed_generation_batch,
+    micro_batches_as_generated,
+    use_exact_log_prob_head,
+)
 from transformers import AutoModelForCausalLM
 from trl import GRPOTrainer
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
 
-TEMPERATURE = 0.7
-COMPLETION_LENGTH = 6
-PROMPT_LENGTH = 4
 LEARNING_RATE = 0.5
-# float64 (conftest.FLOAT64, use_exact_log_prob_head): the trainer and the hand-run agree to ~1e-12
+# float64 (testing_utils.FLOAT64, use_exact_log_prob_head): the trainer and the hand-run agree to ~1e-12
 PARAMETER_ATOL = 1e-8
 
 
 def constant_reward(completions, **kwargs):
     return [0.0] * len(completions)
-
-
-def fixed_generation_batch(model_path: str, num_rows: int, seed: int, beta: float) -> dict:
-    """A generation batch as `_generate_and_score_completions` returns it (without pi_old: added at generation)."""
-    generator = torch.Generator().manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_path)
-    vocab_size = model.config.vocab_size
-    completion_mask = torch.ones(num_rows, COMPLETION_LENGTH, dtype=torch.long)
-    completion_mask[0, 3:] = 0
-    batch = {
-        "prompt_ids": torch.randint(3, vocab_size, (num_rows, PROMPT_LENGTH), generator=generator),
-        "prompt_mask": torch.ones(num_rows, PROMPT_LENGTH, dtype=torch.long),
-        "completion_ids": torch.randint(3, vocab_size, (num_rows, COMPLETION_LENGTH), generator=generator),
-        "completion_mask": completion_mask,
-        "advantages": torch.randn(num_rows, generator=generator),
-        "num_items_in_batch": completion_mask.sum(),
-        "row_id": torch.arange(
-            num_rows
-        ),  # follows the rows through TRL's shuffle (conftest.micro_batches_as_generated)
-    }
-    with torch.no_grad():
-        logps, _ = completion_logps_and_entropies(model, batch, TEMPERATURE)
-        if beta != 0.0:
-            batch["ref_per_token_logps"] = logps  # the reference model is the initial model
-    # random tiny model: an eta (in log space) that splits the batch, far from every token's log-probability
-    eta = threshold_between_values(logps[completion_mask.bool()])
-    return batch, eta
 
 
 def run_one_cycle(
@@ -253,42 +226,6 @@ def test_one_lopti_cycle_in_float32_with_trls_own_log_prob_head(tiny_model_path,
         relative_to_move=1e-4,
     )
     assert moved > 1e-3
-
-
-class PolicyPassCounter:
-    """
-    Counts the policy's forwards outside generation, split by grad mode, and its backward passes.
-
-    A forward pre-hook counts every forward of the model; those inside `model.generate` (decoding) are left out, so
-    the count does not depend on the arguments TRL passes to its log-prob forward in a given release.
-    """
-
-    def __init__(self, model):
-        self.forwards_with_grad = self.forwards_without_grad = self.backwards = 0
-        self._generating = 0
-        generate = model.generate
-
-        def counted_generate(*args, **kwargs):
-            self._generating += 1
-            try:
-                return generate(*args, **kwargs)
-            finally:
-                self._generating -= 1
-
-        model.generate = counted_generate
-        model.register_forward_pre_hook(self._on_forward)
-        model.get_input_embeddings().register_full_backward_hook(self._on_backward)
-
-    def _on_forward(self, module, args):
-        if self._generating:
-            return
-        if torch.is_grad_enabled():
-            self.forwards_with_grad += 1
-        else:
-            self.forwards_without_grad += 1
-
-    def _on_backward(self, module, grad_input, grad_output):
-        self.backwards += 1
 
 
 def count_passes(trainer_class, model_path, output_dir, num_generation_batches, **lopti_fields):

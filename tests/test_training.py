@@ -5,50 +5,24 @@ import os
 
 import pytest
 import torch
-from conftest import FLOAT64, assert_parameters_close
-from datasets import Dataset
-from test_schedule import PolicyPassCounter
+from testing_utils import (
+    ETA_FROM_EACH_BATCH,
+    FLOAT64,
+    PolicyPassCounter,
+    assert_no_nan_in_logs,
+    assert_parameters_close,
+    conversational_dataset,
+    length_reward,
+    logged,
+    small_config,
+)
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 
 
-# A random tiny model's probabilities cluster near 1/vocab, where no fixed eta splits a batch the same way on every
-# CPU: tests that split train with the `mid_gap_trainer` fixture's class (conftest.MidGapEta), whose eta for each
-# generation batch lies half-way in a wide gap of that batch's pi_old in place of this placeholder.
-ETA_FROM_EACH_BATCH = 0.5
-
-
-def length_reward(completions, **kwargs):
-    """Varies across completions, so advantages are non-zero."""
-    return [float(len(completion[0]["content"]) % 5) for completion in completions]
-
-
 def constant_reward(completions, **kwargs):
     return [1.0] * len(completions)
-
-
-def conversational_dataset(num_prompts: int = 16) -> Dataset:
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Count to {i}."}] for i in range(num_prompts)]})
-
-
-def small_config(output_dir, config_class=LoptiGRPOConfig, **overrides):
-    values = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        num_generations=4,
-        max_completion_length=8,
-        learning_rate=1e-2,
-        max_steps=4,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        seed=7,
-    )
-    values.update(overrides)
-    return config_class(**values)
 
 
 def train(model, config, reward=length_reward, dataset=None, trainer_class=LoptiGRPOTrainer, **trainer_kwargs):
@@ -66,16 +40,6 @@ def train(model, config, reward=length_reward, dataset=None, trainer_class=Lopti
 
 def changed_parameters(trainer, initial) -> set[str]:
     return {name for name, p in trainer.model.named_parameters() if not torch.equal(p.detach(), initial[name])}
-
-
-def logged(trainer, key: str) -> list[float]:
-    return [entry[key] for entry in trainer.state.log_history if entry.get(key) is not None]
-
-
-def assert_no_nan_in_logs(trainer):
-    for entry in trainer.state.log_history:
-        for key, value in entry.items():
-            assert not (isinstance(value, float) and math.isnan(value)), (key, entry)
 
 
 @pytest.mark.parametrize(
@@ -180,7 +144,7 @@ def test_resume_between_the_two_passes_continues_the_batch_to_the_uninterrupted_
     tiny_float64_model_path, tmp_path, mid_gap_trainer, float64_norms
 ):
     """A checkpoint after a low pass keeps its generation batch: the resumed run trains that batch's high pass."""
-    from trl_lopti.trainer import GENERATION_BATCH_FILE
+    from trl_lopti.lopti_mixin import GENERATION_BATCH_FILE
 
     def run(output_dir, **overrides):
         config = small_config(output_dir, lopti_threshold=ETA_FROM_EACH_BATCH, max_steps=4, **FLOAT64, **overrides)

@@ -12,8 +12,7 @@ import json
 import pytest
 import torch
 from datasets import Dataset, IterableDataset
-from test_distributed import torchrun
-from test_schedule import COMPLETION_LENGTH, TEMPERATURE, fixed_generation_batch
+from testing_utils import COMPLETION_LENGTH, TEMPERATURE, fixed_generation_batch, torchrun
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 import trl_lopti._compat as compat

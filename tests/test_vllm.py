@@ -17,11 +17,19 @@ import pytest
 import requests
 import torch
 import yaml
-from conftest import assert_parameters_close
 from datasets import Dataset
-from test_launchers import LAUNCH_FLAGS, TEST_SETTINGS, accelerate_launch, load_parameters, report_row, run
+from testing_utils import (
+    LAUNCH_FLAGS,
+    PROMPTS,
+    TEST_SETTINGS,
+    accelerate_launch,
+    assert_parameters_close,
+    load_parameters,
+    no_transformers_generate,
+    report_row,
+    run,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin
-from vllm_colocate_script import PROMPTS, no_transformers_generate
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 from trl_lopti.cpu_backends import vllm as cpu_vllm
@@ -436,9 +444,8 @@ def test_the_cpu_stand_in_checks_the_facts_it_rests_on(server_url, monkeypatch):
         raise AssertionError("not called")
 
     monkeypatch.setattr(nccl_common, "stateless_init_process_group", rendezvous)  # as before the stand-in
-    monkeypatch.setattr(
-        nccl_common, "trainer_init", lambda init_info: None
-    )  # a trainer side that rendezvous elsewhere
+    # a trainer side that rendezvous elsewhere
+    monkeypatch.setattr(nccl_common, "trainer_init", lambda init_info: None)
     with pytest.raises(RuntimeError, match="trainer_init"):
         cpu_vllm.install_server_side()
     monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", lambda layer, remove_weight: None)

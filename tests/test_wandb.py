@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import wandb  # the test extra installs it: a missing wandb fails here, not skips
 from datasets import Dataset
+from testing_utils import ETA_FROM_EACH_BATCH
 from wandb.proto import wandb_internal_pb2
 
 from trl_lopti import LoptiGRPOConfig
@@ -18,9 +19,6 @@ LOPTI_METRICS = (
     "lopti/loss_low_pass",
     "lopti/loss_high_pass",
 )
-# In place of it, each generation batch's eta lies half-way in a wide gap of its pi_old (conftest.MidGapEta):
-# a fixed eta near 1/vocab, where a random tiny model's probabilities cluster, splits differently on different CPUs.
-ETA_FROM_EACH_BATCH = 0.5
 
 # The `.wandb` transaction log uses LevelDB's log format behind a 7-byte W&B header.
 _WANDB_HEADER = struct.Struct("<4sHB")  # ident ":W&B", magic 0xBEE1, version 0

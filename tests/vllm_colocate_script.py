@@ -12,18 +12,10 @@ import sys
 
 import torch
 from datasets import Dataset
+from testing_utils import PROMPTS, no_transformers_generate
 from transformers import GenerationMixin, TrainerCallback
 
 from trl_lopti.cpu_backends import vllm as cpu_vllm
-
-
-PROMPTS = [f"Count to {number}:" for number in range(16)]
-"""The prompts of the vLLM tests' runs (tests/test_vllm.py too)."""
-
-
-def no_transformers_generate(*args, **kwargs):
-    """Put in place of transformers' `generate` in a run whose every rollout must come from vLLM."""
-    raise AssertionError("transformers' generate was called: a rollout did not come from vLLM")
 
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

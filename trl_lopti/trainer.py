@@ -31,20 +31,9 @@ from . import _compat  # noqa: F401  (checks the TRL version before TRL is impor
 # isort: split
 from trl import GRPOTrainer
 
-from .config import LoptiGRPOConfig, as_lopti_config
+from .config import LoptiGRPOConfig
 from .core_algos import reweight_advantages
-from .lopti_mixin import (
-    AR_ADVANTAGES_KEY,
-    ETA_KEY,
-    GENERATION_BATCH_FILE,
-    LOPTI_BATCH_KEYS,
-    LoptiTrainerMixin,
-    LossCall,
-    describe_method,
-    lopti_paper,
-    temporarily_set,
-    trl_completion_logps,
-)
+from .lopti_mixin import AR_ADVANTAGES_KEY, LoptiTrainerMixin, LossCall, lopti_paper
 from .reinforce_plus_plus import ReinforcePlusPlusMixin
 
 
@@ -91,13 +80,4 @@ class LoptiGRPOTrainer(LoptiTrainerMixin, ReinforcePlusPlusMixin, GRPOTrainer):
         return per_token_logps
 
 
-__all__ = [
-    "ETA_KEY",
-    "GENERATION_BATCH_FILE",
-    "LOPTI_BATCH_KEYS",
-    "LoptiGRPOTrainer",
-    "as_lopti_config",
-    "describe_method",
-    "temporarily_set",
-    "trl_completion_logps",
-]
+__all__ = ["LoptiGRPOTrainer"]
