@@ -50,7 +50,10 @@ ALLOW_UNTESTED_TRL = "TRL_LOPTI_ALLOW_UNTESTED_TRL"
 LIGER_MINIMUM_TRL = Version("1.14.0")
 """Below it, `use_liger_kernel=True` computes GRPO's loss in `compute_liger_loss`, which AR and Lopti cannot reach."""
 
-_CONTRACT_TESTS = "tests/test_trl_contract.py tests/test_exactness.py tests/test_schedule.py tests/test_lopti_split.py"
+_CONTRACT_TESTS = (
+    "tests/test_trl_contract.py tests/test_exactness.py tests/test_schedule.py tests/test_lopti_split.py "
+    "tests/test_rloo.py"
+)
 
 
 def unsupported_trl_message(installed: str) -> str:

@@ -36,7 +36,7 @@ class LoptiArguments:
             parameters the first pass produced). Must lie in (0, 1); `None` (with `lopti_quantile` unset) disables
             Lopti. The paper uses 0.5 and recommends [0.3, 0.5]; the authors' script for Lopti alone uses 0.4. Each
             pass is the whole schedule the base trainer runs on a batch, so `max_steps` counts two optimizer steps per
-            generation batch (docs: "The Lopti schedule").
+            generation batch (docs/trainers/grpo.md, "The Lopti schedule").
         lopti_quantile (`float` or `None`, *optional*, defaults to `None`):
             The authors' other split rule (`seperate_portion`): eta of each generation batch is the quantile at level q
             in (0, 1) of pi_old over all its completion tokens (every process; linear interpolation), so a share q of

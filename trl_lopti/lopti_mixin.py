@@ -5,7 +5,7 @@ metrics, the completions table and checkpoints inside a generation batch.
 Lopti trainer adds only what differs: where pi_old comes from, how AR enters its loss, and the TRL facts it relies on
 (`trl_lopti/trainer.py` for GRPO, `trl_lopti/rloo_trainer.py` for RLOO). The math is in `trl_lopti/core_algos.py`.
 
-- Schedule. Each generation batch is trained once per pass (docs, "The Lopti schedule"): the first pass is TRL's own
+- Schedule. Each generation batch is trained once per pass (docs/trainers/grpo.md, "The Lopti schedule"): the first pass is TRL's own
   schedule, a later pass replays the micro-batches TRL buffered, so every optimizer step is an ordinary Trainer step.
 - Split. Each micro-batch is split once, at its first loss forward, into its own dict (`lopti_low_mask`, AR's values,
   with Lopti `old_per_token_logps`): pi_old is the batch's (the trainer's source), else that forward's detached output

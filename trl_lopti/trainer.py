@@ -55,7 +55,7 @@ class LoptiGRPOTrainer(LoptiTrainerMixin, ReinforcePlusPlusMixin, GRPOTrainer):
     - A checkpoint taken between the passes keeps its generation batch; resuming continues the schedule there.
 
     Metrics (`lopti/low_token_share`, `ar_weight_mean`, `threshold` per generation batch, `loss_low_pass`,
-    `loss_high_pass` per pass): docs, "Metrics". Completions are logged once per generation batch.
+    `loss_high_pass` per pass): docs/trainers/grpo.md, "Metrics". Completions are logged once per generation batch.
     """
 
     config_class = LoptiGRPOConfig
