@@ -31,7 +31,7 @@ from testing_utils import (
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin
 
-from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer
 from trl_lopti.cpu_backends import vllm as cpu_vllm
 from trl_lopti.cpu_backends import vllm_server
 from trl_lopti.models import PEAKED_TINY_MODEL, build_tiny_model
@@ -490,3 +490,117 @@ def test_the_cpu_server_serves_seeded_requests_whose_prompts_fill_more_than_a_de
     client = VLLMClient(base_url=server_url, connection_timeout=60)
     sampled = [client.generate(prompts, n=2, max_tokens=4, generation_kwargs={"seed": 1}) for _ in range(2)]
     assert len(sampled[0]["completion_ids"]) == 16 and sampled[0]["completion_ids"] == sampled[1]["completion_ids"]
+
+
+# ------------------------------------------------------------------------------------------------ LoptiRLOOTrainer
+# RLOO against the same server. TRL 1.16's RLOOTrainer computes pi_old itself at every generation (a no-grad forward)
+# and has no vLLM importance-sampling correction (`RLOOConfig` has no `vllm_importance_sampling_correction`) and no
+# `rollout_func`: its generation backend hands its completion ids to `_generate_and_score_completions` through
+# `_generate_single_turn(prompt_ids, images, multimodal_fields)`, which the run without vLLM replays.
+
+
+def rloo_server_config(tmp_path: Path, url: str, **overrides) -> LoptiRLOOConfig:
+    """`server_config`'s run for RLOO: three generation batches of 16 completions, one optimizer step per pass;
+    float64, RLOO's KL penalty on (a reward penalty, `beta`). A twentieth of its learning rate: RLOO clips one ratio
+    per sequence (its 12 tokens' log-ratios summed), and after a low pass at 1e-4 every sequence of the first batch
+    lay outside the clip range in the high pass (a zero gradient; at 1e-5, 15 of 16; here, half)."""
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        gradient_accumulation_steps=2,
+        steps_per_generation=2,
+        max_steps=3 * CYCLE_STEPS,
+        max_completion_length=12,
+        learning_rate=5e-6,
+        beta=0.05,
+        advantage_reweighting_alpha=0.3,
+        lopti_threshold=0.5,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=url,
+        vllm_group_port=vllm_server.free_port(),
+        generation_kwargs={"seed": 0},
+        model_init_kwargs={"dtype": "auto"},
+        bf16=False,
+        use_cpu=True,
+        logging_steps=1,
+        report_to="none",
+        seed=0,
+    )
+    return LoptiRLOOConfig(**{**settings, **overrides})
+
+
+def test_rloo_server_mode_trains_lopti_on_server_rollouts_and_equals_a_run_fed_the_same_completions(
+    server_url, served_model, tmp_path, monkeypatch
+):
+    """LoptiRLOOTrainer (AR + Lopti, KL penalty on): (a) every rollout from the server, (b) one sync per generation
+    batch after both passes, (c) the server serves the trainer's weights after each sync, (d) the run equals a run
+    without vLLM fed the same completions."""
+    monkeypatch.setattr(GenerationMixin, "generate", no_transformers_generate)
+    recorder, tokens_before, start = CompletionRecorder(), generated_tokens(server_url), time.perf_counter()
+    config = rloo_server_config(tmp_path, server_url)
+    assert not hasattr(config, "vllm_importance_sampling_correction")  # nothing to configure: RLOO has no correction
+    trainer = LoptiRLOOTrainer(
+        model=served_model["float64"],
+        reward_funcs=recorder,
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+    )
+    check = vllm_server.WeightSyncCheck(trainer)
+    trainer.add_callback(check)
+    trainer.train()
+    received = vllm_server.weight_transfer_report(server_url)
+    seconds = time.perf_counter() - start
+    # (a) as in the GRPO test: the server generated every completion token trained on, besides the check's own
+    trained_tokens = sum(len(ids) for _, batch in recorder.batches for ids in batch)
+    check_tokens = sum(len(sequence) - 6 + len(check.sync_steps) for sequence in check.sequences)
+    assert len(recorder.batches) == 3 and generated_tokens(server_url) - tokens_before == trained_tokens + check_tokens
+    assert_syncs(check, received, batches=3)  # (b), (c)
+    shares = logged(trainer, "lopti/low_token_share")
+    assert len(shares) == 3 and all(0.1 < share < 0.9 for share in shares)  # both passes train tokens
+    grad_norms = logged(trainer, "grad_norm")
+    assert len(grad_norms) == 3 * CYCLE_STEPS and min(grad_norms) > 0  # each pass's optimizer step
+    kl = logged(trainer, "kl")  # the penalty: 0 at the reference parameters, then not
+    assert len(kl) == 3 and abs(kl[0]) < 1e-12 and min(abs(value) for value in kl[1:]) > 1e-9
+
+    # (d): the same completions, handed to RLOO where its backend hands them, without vLLM
+    served = iter(recorder.batches)
+
+    def replay(prompt_ids, images, multimodal_fields):
+        recorded_prompts, completion_ids = next(served)
+        assert prompt_ids == replayed._tokenize_prompts(recorded_prompts)[0]  # the same sampler, the same prompts
+        return completion_ids
+
+    replayed = LoptiRLOOTrainer(
+        model=served_model["float64"],
+        reward_funcs=token_parity_reward,
+        args=rloo_server_config(tmp_path / "replay", server_url, use_vllm=False),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+    )
+    monkeypatch.setattr(replayed, "_generate_single_turn", replay)
+    replayed.train()
+    assert next(served, None) is None and logged(replayed, "lopti/low_token_share") == shares
+    initial_model = AutoModelForCausalLM.from_pretrained(served_model["float64"], dtype=torch.float64)
+    initial, trained = dict(initial_model.named_parameters()), dict(trainer.model.named_parameters())
+    difference, moved = assert_parameters_close(dict(replayed.model.named_parameters()), trained, initial, atol=EXACT)
+    assert moved > 0.5  # summed |move| of the parameters (measured 0.92), the two runs within EXACT
+    # at this learning rate a missed sync would still show: the server lies far from the initial weights
+    stale = check.server_difference(initial_model.state_dict())
+    assert stale > 100 * vllm_server.SYNC_TOLERANCE
+    report_row(
+        {
+            "test": "server mode, LoptiRLOOTrainer (AR + Lopti, KL penalty)",
+            "mode": "server",
+            "processes": 1,
+            "generation_batches": 3,
+            "syncs_at_steps": check.sync_steps,
+            "server_minus_trainer": [float(f"{value:.3g}") for value in check.differences],
+            "server_minus_initial_weights": float(f"{stale:.3g}"),
+            "is_correction": False,  # RLOO has none: it computes pi_old itself
+            "low_token_share": shares,
+            "kl": kl,
+            "replay_difference": difference,
+            "seconds": round(seconds, 1),
+        }
+    )

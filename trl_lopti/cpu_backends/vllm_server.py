@@ -116,7 +116,8 @@ class WeightSyncCheck(TrainerCallback):
     from every process, float64, temperature 1).
 
     Args:
-        trainer (`LoptiGRPOTrainer`): a trainer in vLLM server mode, after `install_trainer_side()`.
+        trainer (`LoptiGRPOTrainer` or `LoptiRLOOTrainer`): a trainer in vLLM server mode, after
+            `install_trainer_side()`.
     """
 
     def __init__(self, trainer: Any):
