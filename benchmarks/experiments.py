@@ -39,7 +39,7 @@ from trl_lopti.diagnostics.report import markdown_table  # noqa: E402
 from trl_lopti.tasks import arithmetic, token_parity_reward  # noqa: E402
 
 
-METHODS: dict[str, dict[str, Any] | None] = {  # LoptiGRPOConfig fields; None: TRL's GRPOTrainer
+METHODS: dict[str, dict[str, Any] | None] = {  # Lopti config fields; None: TRL's trainer (`algorithm_of`)
     # the paper's K&K settings (DESIGN.md, section 5); `cost` sets every fixed eta to its size's
     "grpo": None,
     "ar": dict(advantage_reweighting_alpha=0.2, lopti_threshold=None),
@@ -50,11 +50,20 @@ METHODS: dict[str, dict[str, Any] | None] = {  # LoptiGRPOConfig fields; None: T
     "lopti-refstyle": dict(advantage_reweighting_alpha=0.0, lopti_threshold=0.4),
     "lopti-quantile": dict(advantage_reweighting_alpha=0.0, lopti_threshold=None, lopti_quantile=0.5),
 }
+# the same settings on TRL's RLOOTrainer (`rloo`) and LoptiRLOOTrainer, which never adds a forward: RLOO computes pi_old
+METHODS |= {
+    "rloo": None,
+    "rloo-ar": METHODS["ar"],
+    "rloo-lopti": METHODS["lopti"],
+    "rloo-ar+lopti": METHODS["ar+lopti"],
+}
+AFTER_SCORING = {"lopti-refstyle": harness.add_old_logps_forward}  # the `after_scoring` hook of a method
 
 
-def after_scoring(method: str):
-    """The `after_scoring` hook of a method of `METHODS`."""
-    return harness.add_old_logps_forward if method == "lopti-refstyle" else None
+def algorithm_of(method: str) -> str:
+    """The base algorithm (`harness.TRAINERS`) of a method of `METHODS`: `"rloo"` for `rloo` and `rloo-*`, else
+    `"grpo"`."""
+    return "rloo" if method.startswith("rloo") else "grpo"
 
 
 @dataclass
@@ -63,9 +72,7 @@ class Options:
     threads: int | None = field(default=None, metadata={"help": "torch threads (default: 1 where CUDA is absent)"})
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# cost
-# ---------------------------------------------------------------------------------------------------------------------
+# cost ----------------------------------------------------------------------------------------------------------------
 _SMOLLM2_CPU = dict(
     model="smollm2",
     model_config={},
@@ -166,7 +173,8 @@ def cost(args: Cost) -> dict[str, Any]:
                 [harness.answer_reward, token_parity_reward],
                 num_batches,
                 lopti,
-                after_scoring=after_scoring(name),
+                algorithm=algorithm_of(name),
+                after_scoring=AFTER_SCORING.get(name),
                 per_device_train_batch_size=size["per_device_train_batch_size"],
                 gradient_accumulation_steps=size["gradient_accumulation_steps"],
                 num_generations=size["num_generations"],
@@ -181,7 +189,9 @@ def cost(args: Cost) -> dict[str, Any]:
             )
             for index, batch in enumerate(run["batches"]):
                 batch["warmup"] = index < size["warmup_batches"]
-            run.update(name=name, lopti=lopti, medians=report.batch_medians(run["batches"]))
+            run.update(
+                name=name, lopti=lopti, baseline=algorithm_of(name), medians=report.batch_medians(run["batches"])
+            )
             data["runs"].append(run)
             data.update(load_average_at_end=os.getloadavg(), total_wall_s=time.perf_counter() - start)
             harness.write_json(json_path, data)
@@ -190,9 +200,7 @@ def cost(args: Cost) -> dict[str, Any]:
     return data
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# compare
-# ---------------------------------------------------------------------------------------------------------------------
+# compare -------------------------------------------------------------------------------------------------------------
 _COMPARE_SMOLLM2 = dict(
     model="smollm2",
     task="mixed",
@@ -285,7 +293,8 @@ def compare(args: Compare) -> dict[str, Any]:
                     reward,
                     settings["rollout_batches"],
                     METHODS[name],
-                    after_scoring=after_scoring(name),
+                    algorithm=algorithm_of(name),
+                    after_scoring=AFTER_SCORING.get(name),
                     fig3=True,
                     after_training=after_training,
                     processing_class=tokenizer,
@@ -341,9 +350,7 @@ def parameter_distance(model, model_path: str) -> float:
     return math.sqrt(sum(squares))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# isolation
-# ---------------------------------------------------------------------------------------------------------------------
+# isolation -----------------------------------------------------------------------------------------------------------
 ISOLATION_SETUPS = {
     "token-level dapo": dict(loss_type="dapo", importance_sampling_level="token"),
     "GSPO (sequence-level dapo)": dict(loss_type="dapo", importance_sampling_level="sequence"),
@@ -409,9 +416,7 @@ def isolation(args: Isolation) -> dict[str, Any]:
     return data
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# lm-head
-# ---------------------------------------------------------------------------------------------------------------------
+# lm-head -------------------------------------------------------------------------------------------------------------
 @dataclass
 class LmHead(Options):
     """What an LM head computed only where a Lopti pass needs it could save (not in the trainer): process CPU time of
@@ -494,9 +499,7 @@ def lm_head_split(args: LmHead) -> dict[str, Any]:
     return data
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# command line
-# ---------------------------------------------------------------------------------------------------------------------
+# command line --------------------------------------------------------------------------------------------------------
 EXPERIMENTS = {
     "cost": (Cost, cost),
     "compare": (Compare, compare),

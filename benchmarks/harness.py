@@ -1,6 +1,7 @@
 """The benchmarks' one harness: [`measure_training`] trains one trainer configuration and measures it through a
 [`Probe`], generation batch by generation batch; benchmarks/README.md ("What is measured") defines every phase and
-count. The probe sees the trainer only through what TRL and transformers define, never a method of `LoptiGRPOTrainer`.
+count. The probe sees the trainer only through what TRL and transformers define (the methods TRL's `GRPOTrainer` and
+`RLOOTrainer` share), never a method of `LoptiGRPOTrainer` or `LoptiRLOOTrainer`.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from typing import Any
 import torch
 from datasets import Dataset
 from transformers import AutoConfig, PrinterCallback, TrainerCallback, set_seed
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer
 from trl_lopti.cli.demo_model import get_smollm2
 from trl_lopti.diagnostics import completion_log_probs, probability_quartiles, probability_shift
 from trl_lopti.lopti_mixin import describe_method, trl_completion_logps
@@ -54,7 +55,13 @@ COUNTS = (  # policy forwards outside generation, generate calls and their decod
 LOGGED_PREFIXES = ("lopti/", "reward")
 """Logged metrics kept per generation batch: TRL's `reward`, `reward_std`, `rewards/*`, and the trainer's `lopti/*`."""
 
-# Every run: no checkpoints, no reporting, every optimizer step logged, no KL term (no reference model).
+TRAINERS = {
+    "grpo": (GRPOConfig, GRPOTrainer, LoptiGRPOConfig, LoptiGRPOTrainer),
+    "rloo": (RLOOConfig, RLOOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer),
+}
+"""The trainers a run can measure: TRL's config and trainer, and the Lopti config and trainer that extend them."""
+
+# Every run: no checkpoints, no reporting, every optimizer step logged, no KL (no reference model; RLOO: no penalty).
 BASE_ARGS = dict(
     report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1, beta=0.0, dataloader_num_workers=0
 )
@@ -69,7 +76,7 @@ class Probe(TrainerCallback):
     batch's last optimizer step to the end of this one's.
 
     Args:
-        trainer (`GRPOTrainer`):
+        trainer (`GRPOTrainer` or `RLOOTrainer`):
             The trainer to observe, before `train()`.
         after_scoring (`Callable[[GRPOTrainer, dict], None]`, *optional*):
             Called with every training generation batch as `_generate_and_score_completions` returns it, within
@@ -143,14 +150,8 @@ class Probe(TrainerCallback):
     def _around_generate_and_score(self, original, inputs):
         if not self.trainer.model.training:
             return original(inputs)
-        self.batches.append(
-            {
-                "wall": dict.fromkeys(PHASES, 0.0),
-                "cpu": dict.fromkeys(PHASES, 0.0),
-                **dict.fromkeys(COUNTS, 0),
-                "logged": {},
-            }
-        )
+        clocks = {clock: dict.fromkeys(PHASES, 0.0) for clock in ("wall", "cpu")}
+        self.batches.append({**clocks, **dict.fromkeys(COUNTS, 0), "logged": {}})
         with self._phase("probe_s"):
             self._rescore()
         with self._phase("scoring_s"):
@@ -260,9 +261,7 @@ def add_old_logps_forward(trainer, batch: dict[str, Any]) -> None:
             batch["old_per_token_logps"] = trl_completion_logps(trainer, batch, batch_size=batch_size)[0]
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# One run
-# ---------------------------------------------------------------------------------------------------------------------
+# One run -------------------------------------------------------------------------------------------------------------
 def measure_training(
     model_path: str,
     dataset,
@@ -270,6 +269,7 @@ def measure_training(
     generation_batches: int,
     lopti: dict[str, Any] | None = None,
     *,
+    algorithm: str = "grpo",
     after_scoring: Callable[[Any, dict], None] | None = None,
     fig3: bool = False,
     capture_token_gradients: bool = False,
@@ -279,19 +279,21 @@ def measure_training(
 ) -> dict[str, Any]:
     """
     Trains one configuration for `generation_batches` generation batches (`max_steps` is this times `lopti_num_passes`:
-    equal rollouts): TRL's `GRPOTrainer` where `lopti` is `None`, else `LoptiGRPOTrainer` with those `LoptiGRPOConfig`
-    fields; `config_fields` are `GRPOConfig` fields on top of `BASE_ARGS`. `after_training(trainer)` runs after training
-    (hooks removed) and its entries join the result, beside `trainer`, `method`, `global_step`, `train_wall_s`,
-    `train_cpu_s`, `peak_memory_mb`, `batches` and, when asked (see [`Probe`]), `fig3_batches`, `token_gradients`.
+    equal rollouts): TRL's trainer of `algorithm` (`"grpo"` or `"rloo"`, `TRAINERS`) where `lopti` is `None`, else its
+    Lopti trainer with those Lopti config fields; `config_fields` are fields of TRL's config on top of `BASE_ARGS`.
+    `after_training(trainer)` runs after training (hooks removed) and its entries join the result, beside `trainer`,
+    `method`, `global_step`, `train_wall_s`, `train_cpu_s`, `peak_memory_mb`, `batches` and, when asked (see
+    [`Probe`]), `fig3_batches`, `token_gradients`.
     """
     cuda = not config_fields.get("use_cpu", True)
     _reset_peak_memory(cuda)
     with tempfile.TemporaryDirectory(prefix="bench-") as output_dir:
         fields = {**BASE_ARGS, "output_dir": output_dir, **config_fields}
-        args = GRPOConfig(**fields) if lopti is None else LoptiGRPOConfig(**fields, **lopti)
+        trl_config, trl_trainer, lopti_config, lopti_trainer = TRAINERS[algorithm]
+        args = trl_config(**fields) if lopti is None else lopti_config(**fields, **lopti)
         args.max_steps = generation_batches * getattr(args, "lopti_num_passes", 1)
         set_seed(args.seed)
-        trainer_class = GRPOTrainer if lopti is None else LoptiGRPOTrainer
+        trainer_class = trl_trainer if lopti is None else lopti_trainer
         trainer = trainer_class(model_path, reward_funcs, args, dataset, processing_class=processing_class)
         probe = Probe(trainer, after_scoring, fig3, capture_token_gradients)
         torch.manual_seed(args.seed)
@@ -300,7 +302,7 @@ def measure_training(
         end = probe._now()
         result = {
             "trainer": trainer_class.__name__,
-            "method": "GRPO" if lopti is None else describe_method(args),
+            "method": algorithm.upper() if lopti is None else describe_method(args),
             "global_step": trainer.state.global_step,
             "train_wall_s": end[0] - start[0],
             "train_cpu_s": end[1] - start[1],
@@ -338,9 +340,7 @@ def _peak_memory_mb(cuda: bool) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Models, prompts, rewards, records
-# ---------------------------------------------------------------------------------------------------------------------
+# Models, prompts, rewards, records -----------------------------------------------------------------------------------
 def prepare_model(kind: str, work_dir: Path, seed: int = 0, device: str = "cpu", **model_config: Any) -> str:
     """A local model folder: `"smollm2"` (offline, `trl_lopti.cli.demo_model.get_smollm2`), else a random Qwen2."""
     if kind == "smollm2":

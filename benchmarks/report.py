@@ -22,9 +22,7 @@ SIGNS = ("positive", "negative")
 WHEN = ("before", "after", "change")
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Statistics
-# ---------------------------------------------------------------------------------------------------------------------
+# Statistics ----------------------------------------------------------------------------------------------------------
 def t_interval(values: Sequence[float | None], confidence: float = 0.95) -> dict[str, Any]:
     """
     Mean and two-sided Student-t confidence interval of the mean (`scipy.stats.t`) of `values` (one per seed;
@@ -117,9 +115,7 @@ def compare_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Markdown
-# ---------------------------------------------------------------------------------------------------------------------
+# Markdown ------------------------------------------------------------------------------------------------------------
 def interval(stat: dict[str, Any] | None, digits: int = 3) -> str:
     """`mean [low, high]`, or the mean alone, or `n/a`."""
     if not stat or stat.get("mean") is None:
@@ -132,11 +128,11 @@ def interval(stat: dict[str, Any] | None, digits: int = 3) -> str:
 def cost_markdown(report: dict[str, Any]) -> str:
     """
     The tables of a cost experiment: medians per generation batch on each clock (wall; on CPU also process CPU time),
-    ratios to `grpo` in parentheses, the counted passes and peak memory; then the conditions of the run.
+    ratios in parentheses to the run's `baseline` (TRL's trainer it extends: `grpo`, `rloo`), the counted passes and
+    peak memory; then the conditions of the run.
     """
     runs, size, env = report["runs"], report["size"], report["environment"]
-    on_gpu = size["device"] == "cuda"
-    base = next((run for run in runs if run["name"] == BASELINE), None)
+    on_gpu, by_name = size["device"] == "cuda", {run["name"]: run for run in runs}
 
     def with_ratio(value: float, reference: float | None, digits: int) -> str:
         return f"{value:.{digits}f}" + (f" ({value / reference:.2f}x)" if reference else "")
@@ -152,6 +148,7 @@ def cost_markdown(report: dict[str, Any]) -> str:
         rows = []
         for run in runs:
             medians, counts = run["medians"][clock], run["medians"]["counts"]
+            base = by_name.get(run.get("baseline", BASELINE))  # (older files: no baseline, every ratio to grpo)
             reference = base["medians"][clock] if base and run is not base else {}
             rows.append(
                 [

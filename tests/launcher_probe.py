@@ -2,18 +2,20 @@
 reward-function path `launcher_probe.fixed_batch_reward` of the test's config (nothing of it is in the package).
 
 What it patches, and why:
-- `GRPOTrainer._generate_and_score_completions` serves this process's rows of one fixed generation batch (the file
-  `$LAUNCHER_PROBE_BATCH`: prompts, completions, masks, advantages), with pi_old and pi_ref computed as TRL computes
-  them (`_get_per_token_logps_and_entropies` of the policy and of TRL's reference model, both as the launcher wrapped
-  them). So 1 and 2 processes train on the same completions; sampling would differ with the process count.
-- `trl.trainer.grpo_trainer.shuffle_sequence_dict` keeps the rows in order, and the rows of each optimizer step are
-  split over the processes in order (`local_rows`), so that every optimizer step of the 2-process run trains the same
-  rows, in the same micro-batch pairs, as the 1-process run.
-- Qwen2's RMSNorm in the model's dtype and TRL's log-prob head in the model's dtype (`testing_utils`): a float64 model
-  then gives the same result on 1 and 2 processes to ~1e-15 instead of ~1e-7 (float32 round trips).
-- `LoptiGRPOTrainer.train` writes, per process, what the launcher really built (`$LAUNCHER_PROBE_OUT`): the
-  distributed type, the types, dtypes and local sizes of parameters and optimizer tensors, the number of generation
-  batches served, and the micro-step counter at the start.
+- `GRPOTrainer._generate_and_score_completions` (and `RLOOTrainer`'s) serves this process's rows of one fixed generation
+  batch (the file `$LAUNCHER_PROBE_BATCH`: prompts, completions, masks, advantages), with pi_old and pi_ref computed as
+  TRL computes them (`_get_per_token_logps_and_entropies` of the policy and of TRL's reference model, both as the
+  launcher wrapped them; RLOO: pi_old's sum per completion, as RLOO keeps it, and no pi_ref, whose KL penalty is part
+  of a reward, which the fixed advantages replace). So 1 and 2 processes train on the same completions; sampling would
+  differ with the process count.
+- `shuffle_sequence_dict` of TRL's GRPO and RLOO modules keeps the rows in order, and the rows of each optimizer step
+  are split over the processes in order (`local_rows`), so that every optimizer step of the 2-process run trains the
+  same rows, in the same micro-batch pairs, as the 1-process run.
+- Qwen2's RMSNorm in the model's dtype and TRL's log-prob head in the model's dtype (`testing_utils`): a float64 model then
+  gives the same result on 1 and 2 processes to ~1e-15 instead of ~1e-7 (float32 round trips).
+- `LoptiGRPOTrainer.train` (and `LoptiRLOOTrainer`'s) writes, per process, what the launcher really built
+  (`$LAUNCHER_PROBE_OUT`): the trainer class, the distributed type, the types, dtypes and local sizes of parameters and
+  optimizer tensors, the number of generation batches served, and the micro-step counter at the start.
 """
 
 import json
@@ -22,10 +24,11 @@ from pathlib import Path
 
 import torch
 import trl.trainer.grpo_trainer as grpo_module
+import trl.trainer.rloo_trainer as rloo_module
 from testing_utils import patch_float64_norms, use_exact_log_prob_head
-from trl import GRPOTrainer
+from trl import GRPOTrainer, RLOOTrainer
 
-from trl_lopti import LoptiGRPOTrainer
+from trl_lopti import LoptiGRPOTrainer, LoptiRLOOTrainer
 
 
 def fixed_batch_reward(completions, **kwargs):
@@ -57,9 +60,12 @@ def serve_fixed_batch(self, inputs):
     attention_mask = torch.cat([local["prompt_mask"], local["completion_mask"]], dim=1)
     length = local["completion_ids"].size(1)
     with torch.no_grad():
-        local["old_per_token_logps"] = self._get_per_token_logps_and_entropies(
-            self.model, input_ids, attention_mask, length
-        )[0]
+        old_per_token_logps = self._get_per_token_logps_and_entropies(self.model, input_ids, attention_mask, length)[0]
+        if isinstance(
+            self, RLOOTrainer
+        ):  # RLOO keeps each completion's sum (the trainer checks it against its forward)
+            return {**local, "old_logps": (old_per_token_logps * local["completion_mask"]).sum(1)}
+        local["old_per_token_logps"] = old_per_token_logps
         if self.beta != 0.0:
             local["ref_per_token_logps"] = self._get_per_token_logps_and_entropies(
                 self.ref_model, input_ids, attention_mask, length
@@ -97,6 +103,7 @@ def record(trainer, step_at_start: int) -> None:
     states = [value for tensor in optimized for value in optimizer.state.get(tensor, {}).values() if value.dim()]
     parameters = list(trainer.model.parameters())
     facts = {
+        "trainer_class": type(trainer).__name__,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "num_processes": trainer.accelerator.num_processes,
         "parameter_classes": sorted({type(p).__name__ for p in parameters}),
@@ -130,13 +137,17 @@ def train_and_record(self, *args, **kwargs):
 
     self._load_optimizer_and_scheduler = load_and_note
     use_exact_log_prob_head(self)  # on the model objects the launcher then wraps in place (or around)
-    output = LoptiGRPOTrainer._probe_train(self, *args, **kwargs)
+    output = self._probe_train(*args, **kwargs)
     record(self, step.get("at_start", 0))
     return output
 
 
 patch_float64_norms()
-GRPOTrainer._generate_and_score_completions = serve_fixed_batch
-grpo_module.shuffle_sequence_dict = lambda batch: batch
-LoptiGRPOTrainer._probe_train = LoptiGRPOTrainer.train
-LoptiGRPOTrainer.train = train_and_record
+for trl_trainer, module, lopti_trainer in (
+    (GRPOTrainer, grpo_module, LoptiGRPOTrainer),
+    (RLOOTrainer, rloo_module, LoptiRLOOTrainer),
+):
+    trl_trainer._generate_and_score_completions = serve_fixed_batch
+    module.shuffle_sequence_dict = lambda batch: batch
+    lopti_trainer._probe_train = lopti_trainer.train
+    lopti_trainer.train = train_and_record

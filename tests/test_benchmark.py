@@ -136,3 +136,44 @@ def test_statistics_against_scipy(benchmarks):
     expected = stats.ttest_rel([0.70, 0.52, 0.75], [0.61, 0.55, 0.72]).confidence_interval(0.95)
     assert paired["n"] == 3
     assert (paired["low"], paired["high"]) == pytest.approx((expected.low, expected.high), rel=1e-12)
+
+
+RLOO_VARIANTS = ["rloo", "rloo-ar", "rloo-lopti", "rloo-ar+lopti"]
+
+
+@pytest.fixture(scope="module")
+def rloo_cost(benchmarks, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("cost-rloo")
+    options = dict(size="tiny", variants=RLOO_VARIANTS, warmup_batches=1, measured_batches=1)
+    benchmarks.cost(benchmarks.Cost(output_dir=str(output_dir), **options))
+    return json.loads((output_dir / "bench_tiny.json").read_text()), output_dir
+
+
+def test_rloo_rows_count_rloos_own_old_forward_and_lopti_adds_only_its_second_pass(rloo_cost):
+    data, output_dir = rloo_cost
+    size, runs = data["size"], {run["name"]: run for run in data["runs"]}
+    micro_steps = size["gradient_accumulation_steps"]
+    completions = size["prompts_per_batch"] * size["num_generations"]
+    assert list(runs) == RLOO_VARIANTS
+    assert runs["rloo"]["trainer"] == "RLOOTrainer" and runs["rloo"]["method"] == "RLOO"
+    for name, run in runs.items():
+        assert run["baseline"] == "rloo"
+        assert run["trainer"] == ("RLOOTrainer" if name == "rloo" else "LoptiRLOOTrainer"), name
+        passes = 2 if "lopti" in name else 1
+        assert run["global_step"] == passes * len(run["batches"]), name
+        for batch in run["batches"]:
+            assert batch["policy_forwards_grad"] == batch["backward_passes"] == passes * micro_steps, name
+            # RLOO's pi_old forward at every generation, in micro-batches; AR and Lopti add none
+            assert batch["policy_forwards_no_grad"] == completions // size["per_device_train_batch_size"], name
+            assert batch["optimizer_steps"] == passes and batch["generate_calls"] == 1, name
+            logged = batch["logged"]
+            if "lopti" in name:
+                assert 0.0 < logged["lopti/low_token_share"][0] < 1.0
+                assert len(logged["lopti/loss_low_pass"]) == len(logged["lopti/loss_high_pass"]) == 1
+            if name in ("rloo-ar", "rloo-ar+lopti"):  # alpha * pi_old + 1 - alpha, below 1: AR reweighted
+                assert 0.7 <= logged["lopti/ar_weight_mean"][0] < 1.0
+    # the ratios of the RLOO rows are to RLOO's (plain RLOO's row has none)
+    rows = [line for line in (output_dir / "bench_tiny.md").read_text().splitlines() if line.startswith("| rloo")]
+    assert len(rows) == 2 * len(RLOO_VARIANTS) and all(
+        ("x)" in row) == (not row.startswith("| rloo: ")) for row in rows
+    )

@@ -319,3 +319,84 @@ def test_training_does_not_fall_back_to_the_cpu_and_names_the_flag(tmp_path, tin
     assert result.returncode == 2
     assert "use_cpu" in result.stderr and "--use_cpu true" in result.stderr and cpu_notices(result.stderr) == []
     assert not (tmp_path / "kk").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The trainer: GRPO (default) or RLOO, chosen before parsing (`trainer_of`)
+# ---------------------------------------------------------------------------------------------------------------------
+def test_the_trainer_chooses_the_config_from_yaml_or_a_flag_which_overrides_it(tmp_path, base, run_cli):
+    from trl_lopti import LoptiGRPOConfig, LoptiRLOOConfig
+
+    rloo = write_yaml(tmp_path / "rloo.yaml", {**base, "trainer": "rloo", "normalize_advantages": True, "beta": 0.1})
+    script_args, training_args, _ = parse_train_args(["--config", rloo])
+    assert script_args.trainer == "rloo" and type(training_args) is LoptiRLOOConfig
+    assert training_args.normalize_advantages is True and training_args.beta == 0.1
+    plain = write_yaml(tmp_path / "plain.yaml", base)
+    assert type(parse_train_args(["--config", plain])[1]) is LoptiGRPOConfig  # the default
+    script_args, training_args, _ = parse_train_args(["--config", plain, "--trainer", "rloo", "--epsilon_high=0.3"])
+    assert (
+        script_args.trainer == "rloo" and type(training_args) is LoptiRLOOConfig and training_args.epsilon_high == 0.3
+    )
+    grpo = write_yaml(tmp_path / "grpo.yaml", {**base, "trainer": "rloo", "beta": 0.1})
+    assert type(parse_train_args(["--config", grpo, "--trainer=grpo"])[1]) is LoptiGRPOConfig  # the flag wins
+    code, out, err = run_cli(["train", "--config", rloo, "--dry_run"])
+    assert code == 0, err
+    resolved = json.loads(out)
+    assert resolved["trainer"] == "rloo" and resolved["lopti"]["advantage_estimator"] == "rloo"
+    assert resolved["training"]["normalize_advantages"] is True and resolved["training"]["beta"] == 0.1
+    code, out, _ = run_cli(["train", "--help"])
+    assert code == 0 and "--trainer {grpo,rloo}" in out
+
+
+@pytest.mark.parametrize(
+    "values, flags, named",
+    [
+        ({"trainer": "rloo", "advantage_estimator": "reinforce_plus_plus"}, [], "advantage_estimator: 'reinforce"),
+        ({"trainer": "rloo"}, ["--advantage_estimator", "reinforce_plus_plus"], "advantage_estimator: 'reinforce"),
+        ({"normalize_advantages": True}, [], "normalize_advantages: a key of LoptiRLOOConfig (trainer: rloo)"),
+        ({}, ["--reward_clip_range", "0", "1"], "reward_clip_range: a key of LoptiRLOOConfig (trainer: rloo)"),
+        ({"trainer": "rloo", "loss_type": "bnpo"}, [], "loss_type: a key of LoptiGRPOConfig (trainer: grpo)"),
+        ({}, ["--trainer", "rloo", "--delta=10"], "delta: a key of LoptiGRPOConfig (trainer: grpo)"),
+        ({"trainer": "ppo"}, [], "trainer: must be one of ['grpo', 'rloo'], got 'ppo'"),
+        ({}, ["--traine", "rloo"], "write the flag out in full: --trainer rloo"),
+    ],
+)
+def test_a_key_of_the_other_trainer_names_the_key_and_both_configs(tmp_path, base, run_cli, values, flags, named):
+    config = write_yaml(tmp_path / "c.yaml", {**base, **values})
+    code, _, err = run_cli(["train", "--config", config, "--dry_run", *flags])
+    assert code == 2 and named in err, err
+    if "advantage_estimator" in named:
+        assert "is a value of LoptiGRPOConfig (trainer: grpo); LoptiRLOOConfig (trainer: rloo) takes ['rloo']" in err
+    if "a key of" in named:
+        assert "has no such key" in err
+
+
+@pytest.mark.parametrize("command, why", [("diagnose", "diagnose measures GRPO's loss"), ("demo", "the demo is")])
+@pytest.mark.parametrize("how", ["yaml", "flag"])
+def test_diagnose_and_demo_refuse_rloo_and_say_why(tmp_path, tiny_model_path, run_cli, command, why, how):
+    values = {"model_name_or_path": tiny_model_path, "output_dir": str(tmp_path / "out")}
+    values |= {"trainer": "rloo", "normalize_advantages": True} if how == "yaml" else {}
+    argv = ["--config", write_yaml(tmp_path / "c.yaml", values)] + (["--trainer", "rloo"] if how == "flag" else [])
+    code, _, err = run_cli([command, *argv])
+    assert code == 2 and f"trainer: rloo: {why}" in err and "takes trainer: grpo only" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="what a machine without an accelerator does")
+def test_rehearsal_of_the_rloo_preset_trains_rloo_through_both_passes_and_resumes(tmp_path):
+    """The RLOO preset (not the paper's) as a user checks it: a dry run, then a rehearsal with LoptiRLOOTrainer."""
+    preset = str(REPO / "configs/kk/qwen2.5-3b-instruct_rloo_ar_lopti.yaml")
+    dry_run = run_command("train", "--config", preset, "--dry_run", cwd=tmp_path)
+    assert dry_run.returncode == 0, dry_run.stderr[-3000:]
+    resolved = json.loads(dry_run.stdout[dry_run.stdout.index("{\n") :])
+    assert resolved["trainer"] == "rloo" and resolved["lopti"]["advantage_estimator"] == "rloo"
+    result = run_command("train", "--config", preset, "--rehearse", "--output_dir", str(tmp_path / "kk"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "kk-rehearsal" / "rehearsal.json").read_text())
+    assert report["trainer"] == "LoptiRLOOTrainer" and report["failures"] == [] and report["eta"] == [0.5]
+    assert report["low_pass_steps"] == [1, 2] and report["high_pass_steps"] == [3, 4]  # one Lopti cycle
+    assert 0.0 < report["low_token_share"][0] < 1.0
+    assert min(report["low_pass_grad_norms"] + report["high_pass_grad_norms"]) > 0
+    assert report["checkpoint"].endswith("(with lopti_generation_batch_rank0.pt)")
+    assert report["resume_max_abs_difference"] <= 1e-6

@@ -1,12 +1,14 @@
 """Every preset under configs/ parses through the `trl-lopti train` parser (dry run) and reproduces the authors'
 scripts (`scripts/train_kklogic_*_4x80GB.sh` of zhyang2226/AR-Lopti, a verl fork) in TRL's terms."""
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from trl import GRPOConfig
 
 from trl_lopti.cli.train import parse_train_args, resolved_config
 
@@ -46,6 +48,7 @@ KK_METHODS = {
     "reinforce_pp_ar": ("reinforce_plus_plus", 0.1, None),
     "reinforce_pp_lopti": ("reinforce_plus_plus", 0.0, 0.5),
     "reinforce_pp_ar_lopti": ("reinforce_plus_plus", 0.1, 0.5),
+    "rloo_ar_lopti": ("rloo", 0.3, 0.5),  # NOT the paper's: the AR + Lopti preset on RLOO (see the test at the end)
 }
 MATH_METHODS = {"grpo": ("grpo", 0.0, None), "ar": ("grpo", 0.1, None), "lopti": ("grpo", 0.0, 0.5)}
 SCRIPT_OF = {"grpo": "baseline", "ar": "AR", "lopti": "Lopti", "ar_lopti": "AR-Lopti"}
@@ -95,9 +98,10 @@ def test_preset_reproduces_the_authors_script(path, capsys):
     assert training_args.weight_decay == SCRIPT["weight_decay"] and training_args.max_grad_norm == SCRIPT["grad_clip"]
     assert training_args.num_generations == SCRIPT["ROLLOUT_N"] and training_args.temperature == SCRIPT["ROLLOUT_TEMP"]
     assert (training_args.epsilon, training_args.epsilon_high) == (SCRIPT["CLIP_LOW"], SCRIPT["CLIP_HIGH"])
-    assert training_args.delta == SCRIPT["clip_ratio_c"]
-    assert training_args.beta == SCRIPT["KL_COEF"] and training_args.use_bias_correction_kl is False
-    assert training_args.loss_type == "bnpo"  # verl's token-mean over each micro-batch (see the preset header)
+    if script_args.trainer == "grpo":  # GRPO's loss and KL: RLOO has neither (its preset: the test at the end)
+        assert training_args.delta == SCRIPT["clip_ratio_c"]
+        assert training_args.beta == SCRIPT["KL_COEF"] and training_args.use_bias_correction_kl is False
+        assert training_args.loss_type == "bnpo"  # verl's token-mean over each micro-batch (see the preset header)
     assert training_args.max_completion_length == SCRIPT["max_response_length"]
     assert training_args.num_train_epochs == SCRIPT["EPOCH"] and training_args.num_iterations == 1
     assert training_args.report_to == ["wandb"]
@@ -335,3 +339,35 @@ def test_preset_trains_a_tiny_model_through_the_cli(name, tmp_path, tiny_model_p
     logged = {key for entry in trainer.state.log_history for key in entry}
     assert {"lopti/loss_low_pass", "lopti/loss_high_pass", "kl"} <= logged  # both Lopti passes ran, with the KL term
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_the_rloo_preset_is_the_ar_lopti_preset_on_rloo_with_rloos_defaults():
+    """The one preset not from the paper (which has no RLOO run): every key RLOOConfig shares with GRPOConfig has the
+    value of the GRPO AR + Lopti preset, RLOO's own keys and `beta` have RLOOConfig's defaults, and the header says
+    so, naming every key of the GRPO preset that it drops."""
+    from trl import RLOOConfig
+
+    from trl_lopti import LoptiRLOOConfig
+
+    paths = [CONFIGS / "kk" / f"qwen2.5-3b-instruct_{method}.yaml" for method in ("rloo_ar_lopti", "ar_lopti")]
+    rloo, grpo = (parse_train_args(["--config", str(path), "--dry_run"]) for path in paths)
+    assert isinstance(rloo[1], LoptiRLOOConfig) and rloo[0].trainer == "rloo" and grpo[0].trainer == "grpo"
+    differences = set()
+    for rloo_args, grpo_args in zip(rloo, grpo, strict=True):  # script, training and model arguments
+        shared = {f.name for f in dataclasses.fields(rloo_args)} & {f.name for f in dataclasses.fields(grpo_args)}
+        differences |= {key for key in shared if getattr(rloo_args, key) != getattr(grpo_args, key)}
+    assert differences == {"trainer", "beta", "advantage_estimator", "output_dir", "run_name"}
+    defaults = {f.name: f.default for f in dataclasses.fields(RLOOConfig)}
+    assert rloo[1].beta == defaults["beta"] == 0.05 and rloo[1].advantage_estimator == "rloo"
+    rloo_only = {f.name for f in dataclasses.fields(RLOOConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert rloo_only == {"normalize_advantages", "reward_clip_range"}
+    assert all(getattr(rloo[1], key) == defaults[key] for key in rloo_only)
+    # the header: not from the paper; RLOO's default KL, not the paper's; every dropped key of the GRPO preset named
+    text, (rloo_keys, grpo_keys) = paths[0].read_text(), (set(yaml.safe_load(path.read_text())) for path in paths)
+    header = text.split("\n\n", 1)[0]
+    assert "NOT from the paper" in header.splitlines()[0] and "no RLOO run" in header
+    assert "beta 0.05 is RLOOConfig's DEFAULT" in header and "NOT the paper's KL" in header and "0.001" in header
+    assert rloo_keys - grpo_keys == {"trainer", "normalize_advantages"}
+    dropped = grpo_keys - rloo_keys
+    assert dropped == {"delta", "use_bias_correction_kl", "loss_type", "advantage_estimator", "scale_rewards"}
+    assert all(re.search(rf"\b{key}\b", header) for key in dropped), [k for k in dropped if k not in header]

@@ -17,6 +17,10 @@ rehearsal of the real preset under the shipped `fsdp2.yaml` asserts that its tin
 eta, so that both passes carry gradient, and (c): its bf16 mixed precision keeps float32 sharded parameters and AdamW
 state; a rehearsal whose high pass trains no token fails. With `-s` each prints one JSON row (also appended to
 `$TRL_LOPTI_LAUNCHER_REPORT`).
+
+RLOO (`LoptiRLOOTrainer`) runs the same launches, (a), (b) and (d), under one launcher of each backend family
+(`RLOO_LAUNCHERS`: DDP and FSDP2), from `configs/kk/qwen2.5-3b-instruct_rloo_ar_lopti.yaml` with the same changes and
+its own 1-process reference.
 """
 
 import json
@@ -54,8 +58,15 @@ LAUNCHERS = {
     "zero3.yaml": "DEEPSPEED",
     "multi_gpu.yaml": "MULTI_CPU",
 }
+RLOO_PRESET = ROOT / "configs/kk/qwen2.5-3b-instruct_rloo_ar_lopti.yaml"
+RLOO_LAUNCHERS = ["multi_gpu.yaml", "fsdp2.yaml"]  # one per backend family: DDP, FSDP2 (DeepSpeed: GRPO's rows only)
+TRAINER_CLASSES = {PRESET: "LoptiGRPOTrainer", RLOO_PRESET: "LoptiRLOOTrainer"}
 RUN_ELSEWHERE = {"vllm_server.yaml": "tests/test_vllm.py: against a CPU vLLM server (pytest --vllm)"}
 
+# RLOO clips each completion's one sequence ratio: at 0.05 the low pass moves every ratio of the first high-pass step out
+# of [0.8, 1.24], so that step has no gradient (which the rehearsal refuses); at 0.01 both passes carry gradient and the
+# parameters still move by 3.7 in all (measured), far above every tolerance
+RLOO_TEST_SETTINGS = {"learning_rate": 0.01}
 PROMPT_LENGTH, COMPLETION_LENGTH = 4, 8
 EXACT, RESUMED_EXACT = 1e-8, 1e-12
 # DeepSpeed keeps fp32 masters (ZeRO-3 casts the float64 model to fp32): 2 vs 1 processes to 1e-3 of how far each
@@ -89,16 +100,30 @@ def fixed_generation_batch(model_path: str, rows: int, temperature: float) -> tu
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_float64_model_path, tmp_path_factory):
+def setups(tiny_float64_model_path, tmp_path_factory):
+    """`setups(preset)`: [`make_setup`] of a preset, made once per preset in the module."""
+    made = {}
+
+    def setup(preset_path: Path) -> dict:
+        if preset_path not in made:
+            made[preset_path] = make_setup(preset_path, tiny_float64_model_path, tmp_path_factory)
+        return made[preset_path]
+
+    return setup
+
+
+def make_setup(preset_path: Path, tiny_float64_model_path: str, tmp_path_factory) -> dict:
     """The preset-shaped config, its fixed batch, and the uninterrupted 1-process rehearsal (the reference)."""
     folder = tmp_path_factory.mktemp("launchers")
-    preset = yaml.safe_load(PRESET.read_text())
+    preset = yaml.safe_load(preset_path.read_text())
     steps_per_pass = preset["steps_per_generation"] * preset["num_iterations"] // preset["gradient_accumulation_steps"]
     rows = REHEARSAL_SCALE["rows_per_optimizer_step"] * steps_per_pass
     batch, eta = fixed_generation_batch(tiny_float64_model_path, rows, preset["temperature"])
     torch.save(batch, folder / "batch.pt")
     config = {**preset, **TEST_SETTINGS, "lopti_threshold": eta, "model_name_or_path": tiny_float64_model_path}
+    config |= RLOO_TEST_SETTINGS if preset_path == RLOO_PRESET else {}
     setup = {"folder": folder, "config": config, "initial": load_parameters(Path(tiny_float64_model_path))}
+    setup["preset"] = preset_path
     rehearsal, _ = rehearse(setup, "one_process", None)
     setup["reference"] = load_parameters(rehearsal / "run")
     resumed = load_parameters(rehearsal / "resumed")  # (d) on one process
@@ -153,8 +178,13 @@ def assert_backend(launcher: str, ranks: list[dict]) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
-def test_launcher_trains_one_lopti_cycle_as_one_process_and_resumes_mid_cycle(setup, launcher, tmp_path):
+@pytest.mark.parametrize(
+    "preset, launcher",
+    [pytest.param(PRESET, launcher, id=launcher) for launcher in sorted(LAUNCHERS)]
+    + [pytest.param(RLOO_PRESET, launcher, id=f"rloo-{launcher}") for launcher in RLOO_LAUNCHERS],
+)
+def test_launcher_trains_one_lopti_cycle_as_one_process_and_resumes_mid_cycle(setups, preset, launcher, tmp_path):
+    setup = setups(preset)
     launcher_file = ROOT / "configs/accelerate" / launcher
     if launcher == "zero3.yaml":  # the test's copy: a tiny model's parameters would all stay "persistent", unsharded
         launcher_file = zero3_copy_with_every_parameter_sharded(tmp_path)
@@ -165,6 +195,7 @@ def test_launcher_trains_one_lopti_cycle_as_one_process_and_resumes_mid_cycle(se
         for run in ("run", "resumed")
     }
     backend = assert_backend(launcher, records["run"])
+    assert {facts["trainer_class"] for run in records.values() for facts in run} == {TRAINER_CLASSES[setup["preset"]]}
     report = json.loads((rehearsal / "rehearsal.json").read_text())
     assert report["low_pass_steps"] == [1, 2] and report["high_pass_steps"] == [3, 4] and report["failures"] == []
     assert report["eta"] == [setup["config"]["lopti_threshold"]] and 0.0 < report["low_token_share"][0] < 1.0
@@ -188,6 +219,7 @@ def test_launcher_trains_one_lopti_cycle_as_one_process_and_resumes_mid_cycle(se
     report_row(
         {
             "launcher": launcher,
+            "preset": setup["preset"].name,
             "ran": True,
             "backend": backend,
             "max_2_vs_1_difference": difference,

@@ -27,7 +27,7 @@ from ..tasks.arithmetic import build_train_dataset, evaluate_held_out, exact_ans
 from ..trainer import LoptiGRPOTrainer
 from .demo_model import get_smollm2
 from .parsing import check_model_name_or_path, on_cpu, parse_with_config
-from .train import policy_model_init_kwargs
+from .train import policy_model_init_kwargs, trainer_of
 
 
 DEMO_TRAINING_DEFAULTS: dict[str, Any] = {
@@ -91,6 +91,7 @@ def plot_curve(path: Path, batches: list[int], rewards: list[float], before: dic
 
 def main(argv: Sequence[str]) -> int:
     """`trl-lopti demo [--field value ...]`: model, evaluation before, training, evaluation after, table, JSON, PNG."""
+    trainer_of(argv, grpo_only="the demo is LoptiGRPOTrainer's run (RLOO: trl-lopti train --trainer rloo)")
     if not torch.accelerator.is_available():
         argv = on_cpu(argv, "demo", {"use_cpu": True, "bf16": False})
     demo_args, training_args, model_args = parse_with_config(make_parser(), argv)

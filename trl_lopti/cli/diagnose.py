@@ -31,7 +31,7 @@ from ..diagnostics import (
 )
 from .demo_model import get_smollm2
 from .parsing import CliError, check_model_name_or_path, on_cpu, parse_with_config
-from .train import LoptiScriptArguments, build_trainer
+from .train import LoptiScriptArguments, build_trainer, trainer_of
 
 
 @dataclass
@@ -54,6 +54,7 @@ class DiagnoseArguments:
 def parse_args(argv: Sequence[str]) -> tuple:
     """[`DiagnoseArguments`] and `trl-lopti train`'s arguments `(LoptiScriptArguments, LoptiGRPOConfig, ModelConfig)`
     from the flags and `--config FILE.yaml`; bad ones are refused before a model loads."""
+    trainer_of(argv, grpo_only="diagnose measures GRPO's loss (its per-token weights, gradients and probe updates)")
     if not torch.accelerator.is_available():
         argv = on_cpu(argv, "diagnose")
     arguments = (DiagnoseArguments, LoptiScriptArguments, LoptiGRPOConfig, ModelConfig)

@@ -1,7 +1,7 @@
-"""`trl-lopti` (also `python -m trl_lopti`): Advantage Reweighting and Lopti (arXiv 2505.12929) for TRL's GRPOTrainer.
+"""`trl-lopti` (also `python -m trl_lopti`): Advantage Reweighting and Lopti (arXiv 2505.12929) for TRL's GRPO, RLOO.
 
 commands (`trl-lopti COMMAND --help`: its options, parsed by TRL's `TrlParser`; a usage or config error exits with 2):
-  train     train with GRPO + AR + Lopti from a YAML config and/or flags, like `trl grpo`
+  train     train with GRPO (or RLOO: trainer: rloo) + AR + Lopti from a YAML config and/or flags, like `trl grpo`
   demo      the offline demo: SmolLM2-135M-Instruct trained on CPU, a before/after table and a curve
   diagnose  measure per-token gradients by probability quartile (the paper's analysis)
 """

@@ -72,6 +72,7 @@ def main(argv: list[str]) -> int:
         trainer = run_training(*parse(scale, vllm.flags()), end=False, prepare=vllm.attach)
         batches = ", ".join(sorted(path.name for path in checkpoint.glob("lopti_generation_batch*")))  # mid-cycle
         report = {
+            "trainer": type(trainer).__name__,
             "backend": cpu_backends.check_backend(trainer.accelerator),
             "cpu_overrides": overrides,
             **cpu_backends.holdings(trainer),

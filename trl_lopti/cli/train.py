@@ -1,6 +1,8 @@
-"""`trl-lopti train --config FILE.yaml [--flag value ...]`: TRL's `trl/scripts/grpo.py` with [`LoptiGRPOTrainer`] and
-the paper's tasks. The keys: [`LoptiGRPOConfig`], TRL's `ModelConfig` and [`LoptiScriptArguments`]."""
+"""`trl-lopti train --config FILE.yaml [--flag value ...]`: TRL's `trl/scripts/grpo.py` with [`LoptiGRPOTrainer`], or
+its `rloo.py` with [`LoptiRLOOTrainer`] (`trainer: rloo`), and the paper's tasks. The keys: the trainer's config
+([`LoptiGRPOConfig`] or [`LoptiRLOOConfig`]), TRL's `ModelConfig` and [`LoptiScriptArguments`]."""
 
+import contextlib
 import importlib
 import json
 import os
@@ -12,11 +14,12 @@ from typing import Any
 
 import datasets
 import torch
+import yaml
 from transformers import AutoTokenizer
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
 
 from .. import tasks
-from ..config import LOPTI_FIELD_NAMES, LoptiGRPOConfig
+from ..config import LoptiGRPOConfig, LoptiRLOOConfig, lopti_field_names
 from .parsing import CliError, check_model_name_or_path, on_cpu, parse_with_config
 
 
@@ -33,6 +36,9 @@ REWARD_FUNCS = {
 }
 """Reward functions known by name to `reward_funcs`; any dotted import path (`my_module.my_reward`) works too."""
 
+TRAINERS = {"grpo": LoptiGRPOConfig, "rloo": LoptiRLOOConfig}
+"""The trainers of `trl-lopti train` (values of `trainer`) and the config whose keys each reads."""
+
 DEFAULT_REWARD_FUNCS = {"knights_knaves": ["knights_knaves_reward"], "math": ["math_reward"], "dataset": []}
 """The tasks (values of `task`) and the reward functions of each when `reward_funcs` is unset."""
 
@@ -42,6 +48,13 @@ class LoptiScriptArguments(ScriptArguments):
     """Script arguments of `trl-lopti train`: TRL's `ScriptArguments` (`dataset_name`, `dataset_config`,
     `dataset_train_split`, `dataset_test_split`: the evaluation set when `eval_strategy` is not `"no"`) plus these."""
 
+    trainer: str = field(
+        default="grpo",
+        metadata={
+            "help": "'grpo' (LoptiGRPOTrainer) or 'rloo' (LoptiRLOOTrainer): the training keys are its config's.",
+            "choices": list(TRAINERS),
+        },
+    )
     task: str = field(
         default="knights_knaves",
         metadata={
@@ -92,13 +105,44 @@ class LoptiScriptArguments(ScriptArguments):
             raise ValueError("dataset_streaming: trl-lopti train does not stream datasets")
 
 
+def trainer_of(argv: Sequence[str], grpo_only: str | None = None) -> str:
+    """The `trainer` that `argv` chooses (`--trainer`, else the `--config` file's `trainer`, else `"grpo"`), read
+    before parsing: it decides the config the parser reads. Raises a [`CliError`] on a key (or a value of a key with
+    choices) that only another trainer's config takes, naming both configs, and on a trainer other than GRPO where
+    `grpo_only` (why a command takes GRPO only) is given. A file that cannot be read is left to the parser to report."""
+    args, given = list(argv), {}
+    with contextlib.suppress(OSError, yaml.YAMLError, ValueError, IndexError):  # no --config, or a bad file
+        config = yaml.safe_load(Path(args[args.index("--config") + 1]).read_text())
+        given.update(config if isinstance(config, dict) else {})
+    for arg, following in zip(args, [*args[1:], "--"], strict=True):  # flags override the file: `--key value`, `=`
+        if arg.startswith("--") and arg != "--config":
+            name, equals, value = arg[2:].partition("=")
+            given[name.replace("-", "_")] = value if equals else None if following.startswith("--") else following
+    trainer = given.get("trainer", "grpo")
+    if trainer not in list(TRAINERS):  # (a list: a YAML value may be unhashable)
+        raise CliError(f"trainer: must be one of {list(TRAINERS)}, got {trainer!r}")
+    if grpo_only and trainer != "grpo":
+        raise CliError(f"trainer: {trainer}: {grpo_only}, so it takes trainer: grpo only")
+    own, name = {f.name: f.metadata.get("choices") for f in fields(TRAINERS[trainer])}, TRAINERS[trainer].__name__
+    for other, config_class in TRAINERS.items():
+        for key, choices in ((f.name, f.metadata.get("choices")) for f in fields(config_class) if f.name in given):
+            where = f"{config_class.__name__} (trainer: {other}); {name} (trainer: {trainer})"
+            if key not in own:
+                raise CliError(f"{key}: a key of {where} has no such key")
+            if own[key] and choices and given[key] not in own[key] and given[key] in choices:
+                raise CliError(f"{key}: {given[key]!r} is a value of {where} takes {own[key]}")
+    return trainer
+
+
 def parse_train_args(argv: Sequence[str]) -> tuple:
-    """`(LoptiScriptArguments, LoptiGRPOConfig, ModelConfig)` from `--config FILE.yaml` and flags, which override it."""
-    args = list(argv)
+    """`(LoptiScriptArguments, the config of [`trainer_of`], ModelConfig)` from `--config FILE.yaml` and flags."""
+    args, trainer = list(argv), trainer_of(argv)
     if {"--dry_run", "--dry-run"} & set(args) and not torch.accelerator.is_available():
         args = on_cpu(args, "train --dry_run")  # a dry run validates the GPU presets (bf16) on any machine
-    parser = TrlParser((LoptiScriptArguments, LoptiGRPOConfig, ModelConfig), prog="trl-lopti train")
-    return parse_with_config(parser, args)
+    parser = TrlParser((LoptiScriptArguments, TRAINERS[trainer], ModelConfig), prog="trl-lopti train")
+    if (parsed := parse_with_config(parser, args))[0].trainer != trainer:  # an abbreviated flag, which argparse takes
+        raise CliError(f"trainer: write the flag out in full: --trainer {parsed[0].trainer}")
+    return parsed
 
 
 def resolve_reward_funcs(script_args: LoptiScriptArguments) -> dict[str, Callable]:
@@ -117,8 +161,8 @@ def resolve_reward_funcs(script_args: LoptiScriptArguments) -> dict[str, Callabl
 
 
 def resolved_config(script_args, training_args, model_args) -> dict[str, Any]:
-    """What `--dry_run` prints: the reward functions, the AR and Lopti settings, and the script, training and model
-    arguments that differ from their defaults."""
+    """What `--dry_run` prints: the trainer, the reward functions, the AR and Lopti settings, and the script, training
+    and model arguments that differ from their defaults."""
 
     def changed(arguments) -> dict[str, Any]:
         defaults = {
@@ -129,8 +173,9 @@ def resolved_config(script_args, training_args, model_args) -> dict[str, Any]:
         return {name: getattr(arguments, name) for name in defaults if getattr(arguments, name) != defaults[name]}
 
     return {
+        "trainer": script_args.trainer,
         "reward_funcs": list(resolve_reward_funcs(script_args)),
-        "lopti": {name: getattr(training_args, name) for name in LOPTI_FIELD_NAMES},
+        "lopti": {name: getattr(training_args, name) for name in lopti_field_names(type(training_args))},
         "script": changed(script_args),
         "model": changed(model_args),
         "training": changed(training_args),
@@ -191,15 +236,16 @@ def policy_model_init_kwargs(training_args, model_args) -> dict[str, Any]:
 
 
 def build_trainer(script_args, training_args, model_args, num_train_prompts: int | None = None):
-    """The [`LoptiGRPOTrainer`] of `trl-lopti train` (`trl-lopti diagnose`: on its first `num_train_prompts` prompts)."""
-    from .. import LoptiGRPOTrainer
+    """The trainer of `trl-lopti train`, [`LoptiGRPOTrainer`] or [`LoptiRLOOTrainer`] (`trainer`); `trl-lopti
+    diagnose`: on its first `num_train_prompts` prompts."""
+    from .. import LoptiGRPOTrainer, LoptiRLOOTrainer
 
     training_args.model_init_kwargs = policy_model_init_kwargs(training_args, model_args)
     train_dataset, eval_dataset = build_datasets(script_args, training_args)
     if num_train_prompts is not None:
         train_dataset = train_dataset.select(range(min(num_train_prompts, len(train_dataset))))
     if script_args.task == "knights_knaves" and script_args.kk_prefill_think:
-        # GRPOTrainer never continues a final assistant message: give it the "<think>"-prefilled prompts as text.
+        # GRPO and RLOO never continue a final assistant message: give them the "<think>"-prefilled prompts as text.
         tokenizer = AutoTokenizer.from_pretrained(
             model_args.model_name_or_path,
             revision=model_args.model_revision,
@@ -207,7 +253,8 @@ def build_trainer(script_args, training_args, model_args, num_train_prompts: int
         )
         train_dataset = tasks.render_prompts_as_text(train_dataset, tokenizer)
         eval_dataset = tasks.render_prompts_as_text(eval_dataset, tokenizer) if eval_dataset is not None else None
-    return LoptiGRPOTrainer(
+    trainer_class = {"grpo": LoptiGRPOTrainer, "rloo": LoptiRLOOTrainer}[script_args.trainer]
+    return trainer_class(
         model=model_args.model_name_or_path,
         reward_funcs=list(resolve_reward_funcs(script_args).values()),
         args=training_args,
@@ -219,8 +266,8 @@ def build_trainer(script_args, training_args, model_args, num_train_prompts: int
 
 
 def run_training(script_args, training_args, model_args, end: bool = True, prepare: Callable | None = None):
-    """Trains and saves a [`LoptiGRPOTrainer`] as `trl grpo` does; `end`: then end its trackers and process group;
-    `prepare`: called with the trainer before it trains."""
+    """Trains and saves the trainer of [`build_trainer`] as `trl grpo` (`trl rloo`) does; `end`: then end its trackers
+    and process group; `prepare`: called with the trainer before it trains."""
     trainer = build_trainer(script_args, training_args, model_args)
     if prepare is not None:
         prepare(trainer)
