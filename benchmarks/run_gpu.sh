@@ -5,18 +5,18 @@
 # Runs on a single CUDA GPU with nothing downloadable: the model is a randomly initialised Qwen2.5-1.5B-shaped Qwen2
 # built from a config, bf16 autocast, plain `transformers` generation (no vLLM). Writes bench_gpu.json and
 # bench_gpu.md under $OUT (default: benchmarks/results), the JSON after every variant, so a run cut short still
-# returns what it measured. Budget: variants not started within 6 minutes are skipped (and listed as skipped), and
-# the benchmark is stopped at 7m50s; the whole run is sized for about 5 minutes on an H200 (an estimate: it has not
-# run on a GPU yet).
+# returns what it measured. Variants (default): GRPO, AR, Lopti, AR + Lopti on TRL's GRPOTrainer, then RLOO, Lopti and
+# AR + Lopti on TRL's RLOOTrainer. Budget: variants not started within 3m30s are skipped (and listed as skipped), and
+# the benchmark is stopped at 5 minutes; with the two rehearsals below the whole run fits one 10-minute device call.
 #
 # Python packages: the benchmark needs trl==1.16.0, transformers>=5.24 and datasets. Where the machine lacks
 # them, carry wheels in a folder (default .whl, see benchmarks/fetch_gpu_wheels.sh) and this script installs them
 # with pip --no-index into /tmp/site first.
 #
-# Then, inside the same budget, the 3B AR + Lopti preset's launch under the shipped fsdp2.yaml is rehearsed on one
-# CUDA process (`trl-lopti train --rehearse`: tiny model, one Lopti cycle, a checkpoint and a resume, on CUDA with
-# NCCL and bf16 mixed precision instead of the CPU tests' gloo); its output goes to $OUT/gpu_rehearsal.txt and its
-# report to $OUT/rehearsal.json. It has not run on a GPU yet; a failure of it leaves the benchmark's files in place.
+# Then, inside the same budget, the launch of the 3B AR + Lopti preset and of its RLOO twin under the shipped fsdp2.yaml
+# is rehearsed on one CUDA process each (`trl-lopti train --rehearse`: tiny model, one Lopti cycle, a checkpoint and a
+# resume, on CUDA with NCCL and bf16 mixed precision instead of the CPU tests' gloo); their output goes to
+# $OUT/gpu_rehearsal.txt. A failure of either leaves the benchmark's files in place.
 #
 # Last, where vLLM is installed (its GPU build is too large to carry as wheels), one short vLLM cycle on the GPU in
 # colocate mode (server mode needs a second GPU: NCCL takes one rank per device): the vLLM preset on the rehearsal's tiny
@@ -24,7 +24,7 @@
 # sampling log-probabilities lie from the trainer's after each weight load ($OUT/gpu_vllm_cycle.txt). It has not run
 # on a GPU yet.
 #
-# Usage (repository root):  bash benchmarks/run_gpu.sh [extra arguments of `experiments.py cost`, e.g. --variants grpo lopti]
+# Usage (repository root):  bash benchmarks/run_gpu.sh [arguments of `experiments.py cost`, e.g. --variants grpo lopti]
 set -euo pipefail
 
 OUT_DIR="${OUT:-benchmarks/results}"
@@ -47,14 +47,16 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OF
 transformers.__version__, 'trl', trl.__version__, 'datasets', datasets.__version__, 'cuda', torch.cuda.is_available())"
 } 2>&1 | tee "$OUT_DIR/gpu_env.txt"
 
-timeout 470 "$PYTHON" benchmarks/experiments.py cost --size gpu --output-dir "$OUT_DIR" "$@" \
-    2>&1 | grep -v -i -E "warn|Loading weights|Writing model" | tee "$OUT_DIR/gpu_log.txt"
+[ $# -gt 0 ] || set -- --variants grpo ar lopti ar+lopti rloo rloo-lopti rloo-ar+lopti
+timeout 300 "$PYTHON" benchmarks/experiments.py cost --size gpu --time_budget_s 210 --output-dir "$OUT_DIR" "$@" \
+    2>&1 | grep -v -i -E "warn|Loading weights|Writing model" | tee "$OUT_DIR/gpu_log.txt" || true
 
-timeout 150 "$PYTHON" -m accelerate.commands.launch --config_file configs/accelerate/fsdp2.yaml --num_processes 1 \
-    -m trl_lopti train --config configs/kk/qwen2.5-3b-instruct_ar_lopti.yaml --rehearse \
-    --output_dir /tmp/rehearsal/kk 2>&1 | grep -v -i -E "warn" | tee "$OUT_DIR/gpu_rehearsal.txt" \
-    || echo "rehearsal failed (exit ${PIPESTATUS[0]})" | tee -a "$OUT_DIR/gpu_rehearsal.txt"
-cp /tmp/rehearsal/kk-rehearsal/rehearsal.json "$OUT_DIR/rehearsal.json" 2>/dev/null || true
+for preset in qwen2.5-3b-instruct_ar_lopti qwen2.5-3b-instruct_rloo_ar_lopti; do
+    timeout 100 "$PYTHON" -m accelerate.commands.launch --config_file configs/accelerate/fsdp2.yaml --num_processes 1 \
+        -m trl_lopti train --config "configs/kk/$preset.yaml" --rehearse --output_dir "/tmp/rehearsal/$preset" 2>&1 \
+        | grep -E "^rehearse|Error|error" | tee -a "$OUT_DIR/gpu_rehearsal.txt" \
+        || echo "rehearsal of $preset failed (exit ${PIPESTATUS[0]})" | tee -a "$OUT_DIR/gpu_rehearsal.txt"
+done
 
 if "$PYTHON" -c "import vllm" 2>/dev/null; then
     "$PYTHON" -c "from trl_lopti.models import PEAKED_TINY_MODEL, build_tiny_model as build
