@@ -260,9 +260,9 @@ def test_inactive_tokens_get_exactly_zero_gradient_and_low_plus_high_is_plain_rl
 
 def test_lora_gradients_match_independent_rloo_and_low_plus_high_is_plain(build):
     """LoRA through `peft_config`: the adapter's gradients of each pass against the hand-written loss, and their sum."""
-    from peft import LoraConfig
+    peft = pytest.importorskip("peft", reason="the peft extra (the TRL matrix installs no extra)")
 
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     trainer = build(advantage_reweighting_alpha=0.3, lopti_threshold=0.5, peft_config=lora)
     inputs = make_batch(trainer, seed=7)
     plain_loss, plain = loss_and_gradients(trainer, inputs, None)
