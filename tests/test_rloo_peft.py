@@ -63,6 +63,6 @@ def test_lopti_rloo_trains_a_lora_adapter_in_both_passes_and_leaves_the_base_mod
     assert all(entry["grad_norm"] > 0 for entry in low + high)  # both passes carried gradient to the adapter
     shares = [entry["lopti/low_token_share"] for entry in logs if "lopti/low_token_share" in entry]
     assert len(shares) == 2 and all(0.0 < share < 1.0 for share in shares)
-    assert all(1 - 0.3 <= entry["lopti/ar_weight_mean"] < 1.0 for entry in low)  # AR reweighted the batch
+    assert all(1 - 0.3 <= entry["lopti/ar_weight_mean"] < 1.0 for entry in low)  # AR on: its weights over the batch
     kl = [entry["kl"] for entry in logs if "kl" in entry]  # RLOO logs it at each generation batch
     assert kl[0] == 0.0 and kl[1] != 0.0  # a new adapter is the base model; after two updates it is not

@@ -160,8 +160,7 @@ def test_completions_table_and_split_metrics_once_per_generation_batch(
     assert ["lopti/loss_high_pass" in row for row in rows] == [False, True, False, True]
     assert 0 < rows[0]["lopti/low_token_share"] < 1
     assert rows[0]["lopti/threshold"] == pytest.approx(mid_gap_rloo.etas[0])
-    assert trainer.create_model_card  # the model card names the method
-    assert trainer._name.startswith("RLOO with Advantage Reweighting")
+    assert trainer._name.startswith("RLOO with Advantage Reweighting")  # the model card's "trained with"
 
 
 def test_evaluation_reports_the_split_and_trains_nothing(tiny_model_path, tmp_path):
@@ -178,3 +177,27 @@ def test_evaluation_reports_the_split_and_trains_nothing(tiny_model_path, tmp_pa
     assert 0 <= evaluation["eval_lopti/low_token_share"] <= 1 and "eval_lopti/threshold" in evaluation
     assert not any(key.startswith("eval_lopti/loss_") for key in evaluation), "no pass in evaluation"
     assert_no_nan_in_logs(trainer)
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.evaluate()
+    assert all(torch.equal(p.detach(), before[name]) for name, p in trainer.model.named_parameters())
+
+
+@pytest.mark.parametrize("trainer_name", ["grpo", "rloo"])
+def test_each_pass_logs_the_loss_the_trainer_logs(tiny_model_path, tmp_path, trainer_name):
+    """`lopti/loss_<group>_pass` is TRL's loss on its optimizer step's scale (GRPO divides its micro-step loss by the
+    gradient accumulation, RLOO leaves that to the Trainer): equal to the Trainer's `loss` at every step."""
+    from trl_lopti import LoptiGRPOTrainer
+
+    trainer_class = {"grpo": LoptiGRPOTrainer, "rloo": LoptiRLOOTrainer}[trainer_name]
+    config_class = None if trainer_name == "rloo" else __import__("trl_lopti").LoptiGRPOConfig
+    config = rloo_config(tmp_path, config_class=config_class, lopti_threshold=0.999)  # gradient accumulation 2
+    assert config.gradient_accumulation_steps == 2
+    trainer = trainer_class(
+        model=tiny_model_path, reward_funcs=length_reward, args=config, train_dataset=conversational_dataset()
+    )
+    trainer.train()
+    rows = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(rows) == 4
+    for row, group in zip(rows, ["low", "high", "low", "high"], strict=True):
+        assert row[f"lopti/loss_{group}_pass"] == pytest.approx(row["loss"], rel=1e-4, abs=1e-6), row
+    assert any(abs(row["loss"]) > 1e-4 for row in rows), "a loss that tells the scales apart"

@@ -412,3 +412,54 @@ def test_rloo_log_prints_the_completions_table_while_log_completions_is_set(tiny
     trainer.log_completions = False
     trainer.log({"loss": 0.0})
     assert len(printed) == 3
+
+
+# ------------------------------------------------------------------------------------------------------ S3 (arguments)
+def test_both_trainers_log_prob_forwards_take_the_same_arguments():
+    """trl_lopti calls either trainer's `_get_per_token_logps_and_entropies` with one set of multimodal keys."""
+    import inspect
+
+    signatures = [inspect.signature(t._get_per_token_logps_and_entropies) for t in (GRPOTrainer, RLOOTrainer)]
+    assert list(signatures[0].parameters) == list(signatures[1].parameters)
+    assert "batch_size" in signatures[0].parameters
+
+
+# ------------------------------------------------------------------------------------------------------ G2, G4
+@pytest.mark.parametrize("steps_per_generation", [1, 2], ids=["on-policy", "off-policy"])
+def test_grpo_returns_pi_old_exactly_off_policy_and_logs_the_batch_advantages(
+    tiny_model_path, tmp_path, steps_per_generation
+):
+    trainer = grpo_trainer(
+        tiny_model_path, tmp_path, steps_per_generation=steps_per_generation, gradient_accumulation_steps=1
+    )
+    trainer.model.train()
+    output = trainer._generate_and_score_completions([{"prompt": "p0"}] * 2 * steps_per_generation)
+    off_policy = steps_per_generation > 1  # gradient_accumulation_steps % (steps_per_generation * num_iterations)
+    assert ("old_per_token_logps" in output) == off_policy  # G2
+    assert list(trainer._logs["advantages"])[-len(output["advantages"]) :] == output["advantages"].tolist()  # G4
+
+
+# ------------------------------------------------------------------------------------------------------ S4
+@pytest.mark.parametrize("trl_trainer", list(TRL_TRAINERS))
+def test_checkpoint_hooks_save_at_each_checkpoint_and_load_after_the_state(tiny_model_path, tmp_path, trl_trainer):
+    calls = []
+    trainer_class, _ = TRL_TRAINERS[trl_trainer]
+
+    class Recorder(trainer_class):
+        def _save_checkpoint(self, model, trial):
+            calls.append(("save", self.state.global_step))
+            super()._save_checkpoint(model, trial)
+
+        def _load_optimizer_and_scheduler(self, checkpoint):
+            calls.append(("load", self.state.global_step, checkpoint is not None))
+            super()._load_optimizer_and_scheduler(checkpoint)
+
+    trainer = grpo_trainer(tiny_model_path, tmp_path, trl_trainer, max_steps=2, save_strategy="steps", save_steps=1)
+    trainer.__class__ = Recorder
+    trainer.train()
+    assert [call for call in calls if call[0] == "save"] == [("save", 1), ("save", 2)]
+    calls.clear()
+    resumed = grpo_trainer(tiny_model_path, tmp_path / "resumed", trl_trainer, max_steps=2)
+    resumed.__class__ = Recorder
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert ("load", 1, True) in calls, "called on resume, after the state (global_step 1) is loaded"

@@ -236,7 +236,7 @@ def micro_batches_as_generated(trainer, batch: dict) -> list[dict]:
     """
     The rows of a fixed generation `batch` (with a `row_id` key) in each micro-batch TRL buffered, as generated.
 
-    TRL shuffles and splits the batch; the trainer then adds its split and replaces the advantages by AR's in the
+    TRL shuffles and splits the batch; the trainer then adds its split and AR's values (under their own keys) to the
     buffered micro-batches. This maps each buffered micro-batch back to the original rows, so a hand-run starts from
     what the generation produced.
     """

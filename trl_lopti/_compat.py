@@ -1,6 +1,6 @@
 """The TRL releases trl_lopti supports, checked when the trainer or its config is first imported.
 
-`trl_lopti.config` and `trl_lopti.trainer` import this module before they import TRL, so that an unsupported TRL fails
+`trl_lopti.config` and the trainer modules import this module before they import TRL, so that an unsupported TRL fails
 with the message below rather than somewhere inside TRL; `trl_lopti.tasks` does not import TRL at all.
 
 The trainers rely on the TRL facts in `TRL_FACTS`, which hold unchanged from 1.10 to 1.16: `.ci/run` runs the contract,

@@ -131,24 +131,44 @@ class LoptiTrainerMixin:
         super().__init__(model, reward_funcs, args, *extra_args, **kwargs)
         self._name = describe_method(args)
         self._loss_call: LossCall | None = None  # the compute_loss call in flight
-        self._generation_forwards: list[torch.Tensor] | None = None  # while TRL scores a batch: its forwards' logps
+        # while TRL scores a generation batch: the log-probabilities of each forward it runs meanwhile, in order
+        self._generation_logps: list[torch.Tensor] | None = None
         self._split_totals: torch.Tensor | None = None  # low tokens, AR weights, tokens of the batch split so far
         self._completions_logged_for: int | None = None  # the generation batch whose completions table was written
 
     # ------------------------------------------------------------------------------------------------ what differs
     def old_per_token_logps_at_generation(
-        self, batch: dict[str, Any], generation_forwards: list[torch.Tensor]
+        self, batch: dict[str, Any], generation_logps: list[torch.Tensor]
     ) -> torch.Tensor | None:
-        """pi_old (B, T) of a generation batch as TRL computed it while scoring it (`generation_forwards`: the
-        log-probabilities of the forwards TRL ran meanwhile, in order), or `None` where TRL computed none."""
+        """
+        Where pi_old comes from: pi_old (B, T) of a generation batch as TRL computed it while scoring it, or `None`
+        where TRL computed none (the first pass's forward then gives it).
+
+        Args:
+            batch (`dict`): this process's part of the generation batch, as TRL returned it.
+            generation_logps (`list[torch.Tensor]`): the log-probabilities of the forwards TRL ran while scoring it.
+        """
         raise NotImplementedError
 
     def store_advantage_reweighting(self, batch: dict[str, Any], old_per_token_logps: torch.Tensor) -> None:
-        """Stores AR's values in a micro-batch at its split (with `advantage_reweighting_alpha != 0`)."""
+        """
+        How AR enters the loss, part 1: stores AR's values in a micro-batch at its split (when AR is on).
+
+        Args:
+            batch (`dict`): the micro-batch (TRL's buffered dict).
+            old_per_token_logps (`torch.Tensor`): its pi_old (B, T).
+        """
         raise NotImplementedError
 
     def apply_advantage_reweighting(self, call: LossCall, per_token_logps: torch.Tensor) -> torch.Tensor:
-        """AR in one loss forward of a split micro-batch: the log-probabilities the loss reads (and its inputs)."""
+        """
+        How AR enters the loss, part 2: in each loss forward of a split micro-batch (when AR is on), returns the
+        log-probabilities the loss reads (and may set what it reads in `call.loss_inputs`).
+
+        Args:
+            call (`LossCall`): the loss call in flight.
+            per_token_logps (`torch.Tensor`): the policy's log-probabilities (B, T) of this forward.
+        """
         raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------------ schedule
@@ -169,12 +189,12 @@ class LoptiTrainerMixin:
 
     # ------------------------------------------------------------------------------------------------ generation batch
     def _generate_and_score_completions(self, inputs):
-        self._generation_forwards = []
+        self._generation_logps = []
         try:
             output = super()._generate_and_score_completions(inputs)
-            old_per_token_logps = self.old_per_token_logps_at_generation(output, self._generation_forwards)
+            old_per_token_logps = self.old_per_token_logps_at_generation(output, self._generation_logps)
         finally:
-            self._generation_forwards = None
+            self._generation_logps = None
         if old_per_token_logps is not None:
             output["old_per_token_logps"] = old_per_token_logps
         if self.args.lopti_enabled:
@@ -183,8 +203,13 @@ class LoptiTrainerMixin:
         return output
 
     def lopti_eta(self, batch: dict[str, Any]) -> float:
-        """eta of a generation batch (`batch`: this process's part, as TRL generated it): `lopti_threshold`, or the
-        `lopti_quantile` quantile of pi_old over the whole batch (every process). Override it to split otherwise."""
+        """
+        eta of a generation batch: `lopti_threshold`, or the `lopti_quantile` quantile of pi_old over the whole batch
+        (every process). Override it to split otherwise.
+
+        Args:
+            batch (`dict`): this process's part of the generation batch, as TRL generated it.
+        """
         if self.args.lopti_quantile is None:
             return self.args.lopti_threshold
         if "old_per_token_logps" not in batch:  # TRL did not need it: one no-grad forward, as TRL's own
@@ -220,8 +245,8 @@ class LoptiTrainerMixin:
         )
         call = self._loss_call
         if call is None:  # a forward outside the loss: pi_old or the reference model's log-probs
-            if self._generation_forwards is not None:
-                self._generation_forwards.append(per_token_logps)
+            if self._generation_logps is not None:
+                self._generation_logps.append(per_token_logps)
             return per_token_logps, entropies, aux_loss
         call.policy_forwards += 1
         if LOW_MASK_KEY not in call.batch:  # the micro-batch's first loss forward: split it
@@ -251,9 +276,10 @@ class LoptiTrainerMixin:
         eta = float(eta) if self.args.lopti_enabled else UNSPLIT_REPORTING_THRESHOLD
         mask = loss_token_mask(batch)
         low_mask = batch[LOW_MASK_KEY] = low_probability_token_mask(old_per_token_logps, mask, eta)
-        alpha, mask = self.args.advantage_reweighting_alpha, mask.float()
-        if alpha != 0.0:
+        mask = mask.float()
+        if self.args.advantage_reweighting_enabled:
             self.store_advantage_reweighting(batch, old_per_token_logps)
+        alpha = self.args.advantage_reweighting_alpha
         weight_sum = (advantage_reweighting_weights(old_per_token_logps, alpha).float() * mask).sum()
         self._log_split(torch.stack([(low_mask.float() * mask).sum(), weight_sum, mask.sum()]), eta)
 

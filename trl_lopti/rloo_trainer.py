@@ -68,15 +68,20 @@ class LoptiRLOOTrainer(LoptiTrainerMixin, RLOOTrainer):
     _name = "Lopti-RLOO"
     _paper: ClassVar[dict[str, str]] = lopti_paper(RLOOTrainer)
 
-    def old_per_token_logps_at_generation(self, batch: dict[str, Any], generation_forwards: list) -> torch.Tensor:
-        # Fact R1: the first forward of the generation is pi_old; its masked sum is exactly the `old_logps` RLOO kept
-        old_per_token_logps = generation_forwards[0] if generation_forwards else None
-        if old_per_token_logps is None or not torch.equal(
-            (old_per_token_logps * batch["completion_mask"]).sum(1), batch["old_logps"]
+    def old_per_token_logps_at_generation(self, batch: dict[str, Any], generation_logps: list) -> torch.Tensor:
+        # Fact R1: the first forward of the generation is pi_old; its masked sum is exactly the `old_logps` RLOO kept.
+        # Fact R2: RLOO's loss sums over completion_mask alone (a tool_mask, which the split would read, it ignores).
+        old_per_token_logps = generation_logps[0] if generation_logps else None
+        if old_per_token_logps is None or not torch.allclose(
+            (old_per_token_logps * batch["completion_mask"]).sum(1), batch["old_logps"], rtol=0, atol=0, equal_nan=True
         ):
             raise RuntimeError(
                 "RLOOTrainer._generate_and_score_completions no longer computes pi_old with its first log-prob "
                 "forward: trl_lopti does not support this TRL"
+            )
+        if batch.get("tool_mask") is not None:
+            raise RuntimeError(
+                "RLOOTrainer returned a tool_mask, which its loss ignores: trl_lopti does not support it"
             )
         return old_per_token_logps
 

@@ -65,7 +65,7 @@ class LoptiGRPOTrainer(LoptiTrainerMixin, ReinforcePlusPlusMixin, GRPOTrainer):
     _name = "Lopti-GRPO"
     _paper: ClassVar[dict[str, str]] = lopti_paper(GRPOTrainer)
 
-    def old_per_token_logps_at_generation(self, batch: dict[str, Any], generation_forwards: list) -> Any:
+    def old_per_token_logps_at_generation(self, batch: dict[str, Any], generation_logps: list) -> Any:
         # Fact G2: TRL's own pi_old where it needs one; on-policy, the first pass's forward gives it (no extra forward)
         return batch.get("old_per_token_logps")
 
