@@ -19,7 +19,7 @@ from testing_utils import (
 )
 from trl import RLOOConfig, RLOOTrainer
 
-from trl_lopti import LoptiRLOOConfig, LoptiRLOOTrainer
+from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer
 from trl_lopti.lopti_mixin import GENERATION_BATCH_FILE
 
 
@@ -31,7 +31,7 @@ def rloo_config(output_dir, config_class=None, **overrides):
 
 @pytest.fixture
 def mid_gap_rloo():
-    """A LoptiRLOOTrainer whose eta for each generation batch lies half-way in a wide gap of its pi_old (conftest)."""
+    """A LoptiRLOOTrainer whose eta for each generation batch lies half-way in a wide gap of its pi_old (`mid_gap_eta_trainer`)."""
     return mid_gap_eta_trainer(LoptiRLOOTrainer)
 
 
@@ -186,10 +186,8 @@ def test_evaluation_reports_the_split_and_trains_nothing(tiny_model_path, tmp_pa
 def test_each_pass_logs_the_loss_the_trainer_logs(tiny_model_path, tmp_path, trainer_name):
     """`lopti/loss_<group>_pass` is TRL's loss on its optimizer step's scale (GRPO divides its micro-step loss by the
     gradient accumulation, RLOO leaves that to the Trainer): equal to the Trainer's `loss` at every step."""
-    from trl_lopti import LoptiGRPOTrainer
-
     trainer_class = {"grpo": LoptiGRPOTrainer, "rloo": LoptiRLOOTrainer}[trainer_name]
-    config_class = None if trainer_name == "rloo" else __import__("trl_lopti").LoptiGRPOConfig
+    config_class = {"grpo": LoptiGRPOConfig, "rloo": LoptiRLOOConfig}[trainer_name]
     config = rloo_config(tmp_path, config_class=config_class, lopti_threshold=0.999)  # gradient accumulation 2
     assert config.gradient_accumulation_steps == 2
     trainer = trainer_class(

@@ -29,6 +29,8 @@ class LoptiArguments:
         advantage_reweighting_alpha (`float`, *optional*, defaults to `0.3`):
             alpha in `A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i)`, where `pi_old(i, t)` is the probability
             of the sampled token under the policy that generated the batch. Must lie in [0, 1]; `0.0` disables AR.
+            RLOO's loss takes one advantage per sequence: there the gradient through each token's log-probability
+            is weighted by the same factor, and the loss's value is unchanged (`trl_lopti.core_algos.reweight_token_gradients`).
             The paper uses 0.3 together with Lopti on Knights & Knaves, 0.2 for AR alone there, 0.1 on math.
         lopti_threshold (`float` or `None`, *optional*, defaults to `0.5`):
             eta: completion tokens with `pi_old < eta` are "low", the others "high". Each generation batch is then
