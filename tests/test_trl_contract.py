@@ -415,13 +415,22 @@ def test_rloo_log_prints_the_completions_table_while_log_completions_is_set(tiny
 
 
 # ------------------------------------------------------------------------------------------------------ S3 (arguments)
-def test_both_trainers_log_prob_forwards_take_the_same_arguments():
-    """trl_lopti calls either trainer's `_get_per_token_logps_and_entropies` with one set of multimodal keys."""
+@pytest.mark.parametrize("trl_trainer", list(TRL_TRAINERS))
+def test_the_log_prob_forward_names_the_multimodal_inputs_trl_lopti_passes(trl_trainer):
+    """trl_lopti passes a batch's multimodal inputs (`EXTRA_FORWARD_KEYS`) to TRL's log-prob forward by name. TRL 1.14's
+    `GRPOTrainer._get_per_token_logps_and_entropies` takes them as `**kwargs` and passes them on to
+    `_full_logits_logps`; every other release names them in the method itself."""
     import inspect
 
-    signatures = [inspect.signature(t._get_per_token_logps_and_entropies) for t in (GRPOTrainer, RLOOTrainer)]
-    assert list(signatures[0].parameters) == list(signatures[1].parameters)
-    assert "batch_size" in signatures[0].parameters
+    from trl_lopti.lopti_mixin import EXTRA_FORWARD_KEYS
+
+    trainer_class, _ = TRL_TRAINERS[trl_trainer]
+    forward = trainer_class._get_per_token_logps_and_entropies
+    named = inspect.signature(forward).parameters
+    if any(parameter.kind is parameter.VAR_KEYWORD for parameter in named.values()):
+        named = inspect.signature(trainer_class._full_logits_logps).parameters
+    assert {"pixel_values", "image_grid_thw"} <= set(EXTRA_FORWARD_KEYS) <= set(named)
+    assert "batch_size" in named and "batch_size" not in EXTRA_FORWARD_KEYS
 
 
 # ------------------------------------------------------------------------------------------------------ G2, G4

@@ -68,10 +68,12 @@ ETA_KEY = "lopti_batch_eta"  # 0-dim, in each micro-batch of a generation batch 
 LOPTI_BATCH_KEYS = (LOW_MASK_KEY, AR_ADVANTAGES_KEY, AR_WEIGHTS_KEY, ETA_KEY)  # what the trainers add to TRL's batches
 GENERATION_BATCH_FILE = "lopti_generation_batch_rank{}.pt"  # in a checkpoint taken inside a generation batch
 UNSPLIT_REPORTING_THRESHOLD = 0.5  # the eta of `lopti/low_token_share` when Lopti is off (the paper's)
-# The multimodal inputs of TRL's log-prob forward (its other arguments are ids, masks and options), as TRL names them.
+# The multimodal inputs of TRL's log-prob forward (its other arguments are ids, masks and options), as TRL names them
+# (TRL 1.14's GRPOTrainer takes them as `**kwargs` there and passes them on to `_full_logits_logps`, which names them).
+_NAMED_FORWARD = getattr(GRPOTrainer, "_full_logits_logps", GRPOTrainer._get_per_token_logps_and_entropies)
 EXTRA_FORWARD_KEYS = tuple(
     name
-    for name, parameter in inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters.items()
+    for name, parameter in inspect.signature(_NAMED_FORWARD).parameters.items()
     if parameter.default is None and name != "batch_size"
 )
 
