@@ -418,7 +418,10 @@ CYCLES = {
     "ar+lopti, beta>0": (2, 2, dict(advantage_reweighting_alpha=0.3, lopti_threshold=0.5, beta=0.05)),
     "normalize_advantages": (2, 2, dict(advantage_reweighting_alpha=0.3, beta=0.05, normalize_advantages=True)),
     "num_iterations=2": (2, 2, dict(advantage_reweighting_alpha=0.3, beta=0.05, num_iterations=2)),
-    "clipping (epsilon 0.005)": (1, 2, dict(advantage_reweighting_alpha=0.3, epsilon=0.005, epsilon_high=0.005)),
+    # clipping: a sequence of negative advantage whose probability fell at all is clipped (epsilon 1e-6, far below the
+    # ~1e-4-1e-2 moves of these steps), one of positive advantage never (epsilon_high 1), so on any stack some sequences
+    # clip and every step trains through the others (a symmetric 0.005 sat inside the moves: torch 2.6 clipped all)
+    "clipping (epsilon 1e-6)": (1, 2, dict(advantage_reweighting_alpha=0.3, epsilon=1e-6, epsilon_high=1.0)),
     "quantile 0.37": (2, 2, dict(advantage_reweighting_alpha=0.0, lopti_quantile=0.37)),
     "high_first": (1, 2, dict(advantage_reweighting_alpha=0.3, lopti_order="high_first")),
     "ar alone": (2, 2, dict(advantage_reweighting_alpha=0.3, lopti_threshold=None, beta=0.05)),
