@@ -65,9 +65,10 @@ def server_url(served_model, tmp_path_factory):
         yield url
 
 
-def server_config(tmp_path: Path, url: str, **overrides) -> LoptiGRPOConfig:
-    """Three generation batches of 16 completions in server mode, one optimizer step per pass; float64, KL on."""
-    settings = dict(
+def server_settings(tmp_path: Path, url: str) -> dict:
+    """The fields of both trainers' server runs: three generation batches of 16 completions in server mode, one
+    optimizer step per pass; float64; AR + Lopti."""
+    return dict(
         output_dir=str(tmp_path / "out"),
         per_device_train_batch_size=8,
         num_generations=4,
@@ -75,15 +76,12 @@ def server_config(tmp_path: Path, url: str, **overrides) -> LoptiGRPOConfig:
         steps_per_generation=2,
         max_steps=3 * CYCLE_STEPS,
         max_completion_length=12,
-        learning_rate=1e-4,
-        beta=0.04,
         advantage_reweighting_alpha=0.3,
         lopti_threshold=0.5,
         use_vllm=True,
         vllm_mode="server",
         vllm_server_base_url=url,
         vllm_group_port=vllm_server.free_port(),
-        vllm_importance_sampling_correction=False,
         generation_kwargs={"seed": 0},  # the server samples the same completions in every run
         model_init_kwargs={"dtype": "auto"},
         bf16=False,
@@ -92,7 +90,12 @@ def server_config(tmp_path: Path, url: str, **overrides) -> LoptiGRPOConfig:
         report_to="none",
         seed=0,
     )
-    return LoptiGRPOConfig(**{**settings, **overrides})
+
+
+def server_config(tmp_path: Path, url: str, **overrides) -> LoptiGRPOConfig:
+    """`server_settings` for GRPO, KL on (in the loss), without vLLM's importance-sampling correction."""
+    settings = dict(learning_rate=1e-4, beta=0.04, vllm_importance_sampling_correction=False)
+    return LoptiGRPOConfig(**{**server_settings(tmp_path, url), **settings, **overrides})
 
 
 def train_against_server(model: str, config: LoptiGRPOConfig, **trainer_kwargs):
@@ -500,35 +503,11 @@ def test_the_cpu_server_serves_seeded_requests_whose_prompts_fill_more_than_a_de
 
 
 def rloo_server_config(tmp_path: Path, url: str, **overrides) -> LoptiRLOOConfig:
-    """`server_config`'s run for RLOO: three generation batches of 16 completions, one optimizer step per pass;
-    float64, RLOO's KL penalty on (a reward penalty, `beta`). A twentieth of its learning rate: RLOO clips one ratio
-    per sequence (its 12 tokens' log-ratios summed), and after a low pass at 1e-4 every sequence of the first batch
-    lay outside the clip range in the high pass (a zero gradient; at 1e-5, 15 of 16; here, half)."""
-    settings = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        gradient_accumulation_steps=2,
-        steps_per_generation=2,
-        max_steps=3 * CYCLE_STEPS,
-        max_completion_length=12,
-        learning_rate=5e-6,
-        beta=0.05,
-        advantage_reweighting_alpha=0.3,
-        lopti_threshold=0.5,
-        use_vllm=True,
-        vllm_mode="server",
-        vllm_server_base_url=url,
-        vllm_group_port=vllm_server.free_port(),
-        generation_kwargs={"seed": 0},
-        model_init_kwargs={"dtype": "auto"},
-        bf16=False,
-        use_cpu=True,
-        logging_steps=1,
-        report_to="none",
-        seed=0,
-    )
-    return LoptiRLOOConfig(**{**settings, **overrides})
+    """`server_settings` for RLOO, its KL penalty on (a reward penalty, `beta`). A twentieth of GRPO's learning rate:
+    RLOO clips one ratio per sequence (its 12 tokens' log-ratios summed), and after a low pass at 1e-4 every sequence
+    of the first batch lay outside the clip range in the high pass (a zero gradient; at 1e-5, 15 of 16; here, half)."""
+    settings = dict(learning_rate=5e-6, beta=0.05)
+    return LoptiRLOOConfig(**{**server_settings(tmp_path, url), **settings, **overrides})
 
 
 def test_rloo_server_mode_trains_lopti_on_server_rollouts_and_equals_a_run_fed_the_same_completions(
