@@ -44,6 +44,7 @@ def reference_grpo_loss(
     importance_sampling_ratio: torch.Tensor | None = None,
     importance_sampling_level: str = "token",
     grad_mask: torch.Tensor | None = None,
+    gradient_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """
     The GRPO-family loss of one micro-batch, as TRL 1.16 defines it (token- or sequence-level importance sampling,
@@ -52,9 +53,12 @@ def reference_grpo_loss(
     `kl_mask` multiplies the KL term per token (1 keeps it). `entropy_grad_mask` lets the entropy bonus gradient
     flow only through the selected tokens (its value and normaliser stay those of all completion tokens).
     `grad_mask` lets gradient flow only through the selected tokens' log-probabilities and entropies (every value
-    unchanged): Lopti's isolation in its general form.
+    unchanged): Lopti's isolation in its general form. `gradient_weights` scales the gradient through each token's
+    log-probability (every value unchanged): AR's general form, for a ratio the tokens of a sequence share.
     """
     mask = mask.float()
+    if gradient_weights is not None:
+        logps = gradient_weights * logps + (1 - gradient_weights) * logps.detach()
     if grad_mask is not None:
         logps = torch.where(grad_mask.bool(), logps, logps.detach())
         entropies = torch.where(grad_mask.bool(), entropies, entropies.detach())

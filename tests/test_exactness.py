@@ -231,7 +231,8 @@ def test_low_pass_plus_high_pass_equals_plain_gradient(
         pytest.skip("VESPO is sequence-level by construction")
     inputs = make_batch(models, seed=7)
     eta = splitting_eta(inputs)
-    fields = settings(loss_type, beta, alpha=0.3, eta=eta, entropy_coef=entropy_coef)
+    alpha = 0.0 if importance_sampling_level == "sequence" and beta else 0.3  # AR refuses a KL with a shared ratio
+    fields = settings(loss_type, beta, alpha=alpha, eta=eta, entropy_coef=entropy_coef)
     trainer = build(**fields, importance_sampling_level=importance_sampling_level)
     low_mask = (inputs["old_per_token_logps"].exp() < eta) & inputs["completion_mask"].bool()
     assert 0 < int(low_mask.sum()) < int(inputs["completion_mask"].sum()), "both groups must be non-empty"
@@ -330,7 +331,8 @@ class PolicyOutputs:
 
     def gradients(self, trainer, inputs: dict, token_group: str | None):
         loss, _ = trainer_loss_and_gradients(trainer, inputs, token_group)
-        return loss, self.logps.grad.clone(), self.entropies.grad.clone()
+        entropy_grad = torch.zeros_like(self.entropies) if self.entropies.grad is None else self.entropies.grad.clone()
+        return loss, self.logps.grad.clone(), entropy_grad
 
 
 def lopti_groups(inputs: dict, eta: float):
@@ -352,7 +354,8 @@ def test_inactive_tokens_get_exactly_zero_gradient_and_active_ones_plain_grpos(
     eta = splitting_eta(inputs)
     options = dict(TRL_OPTIONS[option])
     vllm = options.pop("vllm", False)
-    fields = settings(loss_type, beta=0.1, alpha=0.3, eta=eta, entropy_coef=0.05)
+    beta = 0.1 if importance_sampling_level == "token" else 0.0  # AR refuses a KL with a shared ratio
+    fields = settings(loss_type, beta=beta, alpha=0.3, eta=eta, entropy_coef=0.05)
     trainer = build(**fields, importance_sampling_level=importance_sampling_level, **options)
     if vllm:
         generator = torch.Generator().manual_seed(4)
@@ -381,31 +384,36 @@ def test_inactive_tokens_get_exactly_zero_gradient_and_active_ones_plain_grpos(
 def test_lopti_pass_matches_the_independent_general_form(
     build, models, loss_type, importance_sampling_level, token_group
 ):
-    """Parameter gradients of each pass against the reference loss with gradient only through active tokens."""
+    """Parameter gradients of each pass against the reference loss with gradient only through active tokens, AR as
+    token-level advantages (a token's own ratio) or through each token's log-probability (a sequence's shared one)."""
     inputs = make_batch(models, seed=13)
     eta = splitting_eta(inputs)
-    fields = settings(loss_type, beta=0.1, alpha=0.3, eta=eta, entropy_coef=0.05)
+    beta = 0.1 if importance_sampling_level == "token" else 0.0  # AR refuses a KL with a shared ratio
+    fields = settings(loss_type, beta=beta, alpha=0.3, eta=eta, entropy_coef=0.05)
     trainer = build(**fields, importance_sampling_level=importance_sampling_level)
     _, gradients = trainer_loss_and_gradients(trainer, inputs, token_group)
     trainer.model.zero_grad(set_to_none=True)
     logps, entropies = completion_logps_and_entropies(trainer.model, inputs, TEMPERATURE)
     old_logps = inputs["old_per_token_logps"]
+    weights = 0.3 * old_logps.exp() + 0.7
+    token_level = importance_sampling_level == "token"
     reference = reference_grpo_loss(
         logps,
         entropies,
         old_logps,
-        inputs["advantages"][:, None] * (0.3 * old_logps.exp() + 0.7),
+        inputs["advantages"][:, None] * (weights if token_level else torch.ones_like(weights)),
         inputs["completion_mask"],
         loss_type=loss_type,
         epsilon_low=EPSILON_LOW,
         epsilon_high=EPSILON_HIGH,
-        beta=0.1,
+        beta=beta,
         ref_logps=inputs["ref_per_token_logps"],
         entropy_coef=0.05,
         num_items_in_batch=inputs["num_items_in_batch"],
         max_completion_length=MAX_COMPLETION_LENGTH,
         importance_sampling_level=importance_sampling_level,
         grad_mask=lopti_groups(inputs, eta)[token_group],
+        gradient_weights=None if token_level else weights,
     )
     reference.backward()
     expected = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
@@ -478,3 +486,69 @@ def test_router_auxiliary_loss_is_trained_once_per_cycle(moe_model_path, tmp_pat
     summed = {n: low.get(n, torch.zeros_like(plain[n])) + high.get(n, torch.zeros_like(plain[n])) for n in plain}
     # the real float32 path (TRL's fused head): two backward passes round apart by ~1e-7 of each tensor's scale
     assert_gradients_close(summed, plain, relative_to_largest=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- AR under every loss
+CLIPPING_LOSS_TYPES = ["dapo", "grpo", "bnpo", "dr_grpo", "luspo"]  # a clipped token (or sequence) gets no gradient
+
+
+@pytest.mark.parametrize("loss_type", ALL_LOSS_TYPES)
+@pytest.mark.parametrize("importance_sampling_level", ["token", "sequence"])
+def test_advantage_reweighting_scales_each_tokens_gradient_by_its_weight(
+    build, models, monkeypatch, loss_type, importance_sampling_level
+):
+    """Through TRL's own loss (autograd on the log-probabilities its forward returns), at equal parameters and with
+    clipping active: the gradient through each completion token's log-probability under AR is `w(t)` times plain
+    GRPO's, for every loss type at both levels. Token-level advantages `w * A` would give a shared ratio the mean `w`
+    of its sequence; the test measures that too, and fails for it wherever the ratio is shared and differentiated."""
+    outputs = PolicyOutputs(monkeypatch)
+    inputs = make_batch(models, seed=17)
+    # two sequences whose ratios lie outside the clip range on the side their advantages clip: ratio e^-0.5 with a
+    # negative advantage, e^0.5 with a positive one (the other two sequences keep ratios near 1)
+    inputs["old_per_token_logps"][0] += 0.5
+    inputs["old_per_token_logps"][2] -= 0.5
+    inputs["advantages"][0], inputs["advantages"][2] = -inputs["advantages"][0].abs(), inputs["advantages"][2].abs()
+    mask = inputs["completion_mask"].bool()
+    weights = 0.3 * inputs["old_per_token_logps"].exp() + 0.7
+    level = dict(importance_sampling_level=importance_sampling_level)
+    _, plain, _ = outputs.gradients(build(**settings(loss_type, 0.0, alpha=0.0, eta=None), **level), inputs, None)
+    _, reweighted, _ = outputs.gradients(build(**settings(loss_type, 0.0, alpha=0.3, eta=None), **level), inputs, None)
+    token_advantages = dict(inputs, advantages=inputs["advantages"][:, None] * weights)
+    plain_trainer = build(**settings(loss_type, 0.0, alpha=0.0, eta=None), **level)
+    _, token_form, _ = outputs.gradients(plain_trainer, token_advantages, None)
+    flowing = mask & (plain != 0)
+    if loss_type in CLIPPING_LOSS_TYPES:
+        assert 0 < int(flowing.sum()) < int(mask.sum()), "clipping must be active on some tokens or sequences"
+    assert torch.count_nonzero(reweighted[~flowing]) == 0
+    ratio = reweighted[flowing] / plain[flowing]
+    torch.testing.assert_close(ratio, weights[flowing], atol=1e-12, rtol=1e-10)
+    token_form_error = float((token_form[flowing] / plain[flowing] - weights[flowing]).abs().max())
+    print(  # noqa: T201 - the measured figures, for the record (pytest -s)
+        f"{loss_type}/{importance_sampling_level}: max |AR/plain - w| {float((ratio - weights[flowing]).abs().max()):.2g}"
+        f", token-level advantages {token_form_error:.2g}"
+    )
+    ratio_is_shared_and_differentiated = importance_sampling_level == "sequence" and loss_type not in (
+        "cispo",
+        "vespo",
+    )
+    if ratio_is_shared_and_differentiated:
+        assert token_form_error > 1e-6, "token-level advantages would give a shared ratio its sequence's mean weight"
+    else:
+        assert token_form_error < 1e-9
+
+
+def test_advantage_reweighting_leaves_the_kl_gradient_alone(build, models, monkeypatch):
+    """With a token's own ratio and beta > 0: AR's gradient minus its beta = 0 gradient (the KL term's part) is plain
+    GRPO's KL part, per token; with a shared ratio the combination is refused at config time."""
+    outputs = PolicyOutputs(monkeypatch)
+    inputs = make_batch(models, seed=19)
+    kl_parts = []
+    for alpha in (0.0, 0.3):
+        _, with_kl, _ = outputs.gradients(build(**settings("dapo", 0.1, alpha=alpha, eta=None)), inputs, None)
+        _, without_kl, _ = outputs.gradients(build(**settings("dapo", 0.0, alpha=alpha, eta=None)), inputs, None)
+        kl_parts.append(with_kl - without_kl)
+    assert kl_parts[0].abs().sum() > 0
+    torch.testing.assert_close(kl_parts[1], kl_parts[0], atol=1e-12, rtol=1e-9)
+    with pytest.raises(ValueError, match="advantage_reweighting_alpha=0.3 with importance_sampling_level='sequence'"):
+        settings_fields = settings("dapo", 0.1, alpha=0.3, eta=None)
+        LoptiGRPOConfig(output_dir="unused", use_cpu=True, importance_sampling_level="sequence", **settings_fields)

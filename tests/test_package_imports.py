@@ -86,7 +86,7 @@ def test_trainer_import_checks_the_trl_version_before_importing_trl(run_without_
 def test_package_exports_the_trainer_lazily():
     import trl_lopti
     from trl_lopti.config import LoptiGRPOConfig
-    from trl_lopti.trainer import LoptiGRPOTrainer
+    from trl_lopti.grpo_trainer import LoptiGRPOTrainer
 
     assert trl_lopti.LoptiGRPOTrainer is LoptiGRPOTrainer and trl_lopti.LoptiGRPOConfig is LoptiGRPOConfig
     assert {"LoptiGRPOConfig", "LoptiGRPOTrainer"} <= set(dir(trl_lopti))

@@ -544,7 +544,7 @@ def test_the_config_validates_as_grpos_and_refuses_grpos_estimators():
     ):
         with pytest.raises(ValueError, match=rf"{field} must be a number in {re_escape(allowed)}.*{value!r}"):
             make(**{field: value})
-    with pytest.raises(ValueError, match=r"advantage_estimator='reinforce_plus_plus'.*'rloo'.*LoptiGRPOConfig"):
+    with pytest.raises(TypeError, match=r"advantage_estimator"):  # REINFORCE++ is LoptiGRPOConfig's
         make(advantage_estimator="reinforce_plus_plus")
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps \(4\).*steps_per_generation=4"):
         make(gradient_accumulation_steps=4, steps_per_generation=2)

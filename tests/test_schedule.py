@@ -42,6 +42,8 @@ def run_one_cycle(
     importance_sampling_level="token",
     loss_type="dapo",
     exact_head=True,
+    alpha=0.3,
+    epsilon=0.2,
 ):
     per_device_train_batch_size = 2
     num_rows = per_device_train_batch_size * steps_per_generation
@@ -56,7 +58,8 @@ def run_one_cycle(
         max_completion_length=COMPLETION_LENGTH,
         temperature=TEMPERATURE,
         beta=beta,
-        advantage_reweighting_alpha=0.3,
+        advantage_reweighting_alpha=alpha,
+        epsilon=epsilon,
         lopti_threshold=float(torch.tensor(eta).exp()),
         lopti_order=lopti_order,
         importance_sampling_level=importance_sampling_level,
@@ -103,7 +106,8 @@ def hand_run_cycle(initial_model, slices, config, eta_log, beta, pass_order):
 
     In each pass every value of the loss is plain GRPO's and gradient flows only through the active tokens'
     log-probabilities (the general form; for token-level losses the same gradient as zeroing the inactive tokens'
-    advantages and KL).
+    advantages and KL). AR: token-level advantages `w * A` with a token-level ratio; with a sequence-level ratio, the
+    gradient through each token's log-probability scaled by `w` (every value unchanged).
     """
     model = copy.deepcopy(initial_model)
     model.train()
@@ -118,8 +122,14 @@ def hand_run_cycle(initial_model, slices, config, eta_log, beta, pass_order):
             mask = micro_batch["completion_mask"].float()
             low = (pi_old_logps < eta_log).float() * mask
             active = low if token_group == "low" else mask - low
-            advantages = micro_batch["advantages"][:, None] * (0.3 * pi_old_logps.exp() + 0.7)
+            alpha = config.advantage_reweighting_alpha
+            weights = alpha * pi_old_logps.exp() + 1 - alpha
+            advantages = micro_batch["advantages"][:, None].expand_as(weights)
             logps, entropies = completion_logps_and_entropies(model, micro_batch, TEMPERATURE)
+            if config.importance_sampling_level == "sequence":
+                logps = weights * logps + (1 - weights) * logps.detach()
+            else:
+                advantages = advantages * weights
             loss = reference_grpo_loss(
                 logps,
                 entropies,
@@ -148,15 +158,18 @@ def hand_run_cycle(initial_model, slices, config, eta_log, beta, pass_order):
 
 
 @pytest.mark.parametrize(
-    "gradient_accumulation_steps, steps_per_generation, num_iterations, beta, lopti_order, is_level, loss_type",
+    "gradient_accumulation_steps, steps_per_generation, num_iterations, beta, lopti_order, is_level, loss_type, alpha, "
+    "epsilon",
     [
-        (2, 2, 1, 0.0, "low_first", "token", "dapo"),  # on-policy: pi_old captured from the first pass's forward
-        (1, 2, 1, 0.1, "low_first", "token", "dapo"),  # steps_per_generation > accumulation: TRL computes pi_old
-        (1, 1, 2, 0.1, "low_first", "token", "dapo"),  # num_iterations = 2, with the KL term over a second update
-        (2, 2, 1, 0.1, "high_first", "token", "dapo"),  # the paper's ablation order
-        (2, 2, 1, 0.1, "low_first", "sequence", "dapo"),  # GSPO-style sequence ratio, on-policy
-        (1, 2, 1, 0.1, "low_first", "sequence", "luspo"),  # LUSPO, off-policy pi_old
-        (1, 1, 2, 0.1, "low_first", "sequence", "grpo"),  # sequence ratio over two iterations, with KL
+        (2, 2, 1, 0.0, "low_first", "token", "dapo", 0.3, 0.2),  # on-policy: pi_old from the first pass's forward
+        (1, 2, 1, 0.1, "low_first", "token", "dapo", 0.3, 0.2),  # steps_per_generation > accumulation: TRL's pi_old
+        (1, 1, 2, 0.1, "low_first", "token", "dapo", 0.3, 0.2),  # num_iterations = 2, the KL over a second update
+        (2, 2, 1, 0.1, "high_first", "token", "dapo", 0.3, 0.2),  # the paper's ablation order
+        (2, 2, 1, 0.1, "low_first", "sequence", "dapo", 0.0, 0.2),  # GSPO with KL (without AR: it refuses KL there)
+        (1, 1, 2, 0.1, "low_first", "sequence", "grpo", 0.0, 0.2),  # sequence ratio over two iterations, with KL
+        # AR's general form under a shared ratio; a wide clip, so that the low pass leaves the high pass a gradient
+        (2, 2, 1, 0.0, "low_first", "sequence", "dapo", 0.3, 1.0),  # GSPO-style sequence ratio, on-policy
+        (1, 2, 1, 0.0, "low_first", "sequence", "luspo", 0.3, 1.0),  # LUSPO, off-policy pi_old
     ],
 )
 def test_one_lopti_cycle_equals_hand_run_two_step_update(
@@ -170,6 +183,8 @@ def test_one_lopti_cycle_equals_hand_run_two_step_update(
     lopti_order,
     is_level,
     loss_type,
+    alpha,
+    epsilon,
 ):
     trainer, initial_model, generation_calls, eta_log, batch = run_one_cycle(
         tiny_float64_model_path,
@@ -181,6 +196,8 @@ def test_one_lopti_cycle_equals_hand_run_two_step_update(
         lopti_order,
         is_level,
         loss_type,
+        alpha=alpha,
+        epsilon=epsilon,
     )
     assert len(generation_calls) == 1, "one generation per Lopti cycle"
     pass_order = ("low", "high") if lopti_order == "low_first" else ("high", "low")

@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 _LAZY_ATTRIBUTES = {
     "LoptiGRPOConfig": "trl_lopti.config",
-    "LoptiGRPOTrainer": "trl_lopti.trainer",
+    "LoptiGRPOTrainer": "trl_lopti.grpo_trainer",
     "LoptiRLOOConfig": "trl_lopti.config",
     "LoptiRLOOTrainer": "trl_lopti.rloo_trainer",
     "TRL_VERSION": "trl_lopti._compat",
@@ -25,8 +25,8 @@ _LAZY_ATTRIBUTES = {
 if TYPE_CHECKING:
     from ._compat import TRL_VERSION
     from .config import LoptiGRPOConfig, LoptiRLOOConfig
+    from .grpo_trainer import LoptiGRPOTrainer
     from .rloo_trainer import LoptiRLOOTrainer
-    from .trainer import LoptiGRPOTrainer
 
 
 def __getattr__(name: str) -> Any:

@@ -25,21 +25,27 @@ SUPPORTED_TRL_SPEC = ">=1.10.0,<1.17,!=1.15.*"
 SUPPORTED_TRL = SpecifierSet(SUPPORTED_TRL_SPEC)
 
 TRL_FACTS = {
-    "S1": "schedule: generation every steps_per_generation * num_iterations micro-steps, buffered slices, _step",
-    "S2": "dataloader: each generation batch repeated num_iterations * steps_per_generation times, read when built",
-    "S3": "loss forward: _compute_loss runs _get_per_token_logps_and_entropies once for the policy",
-    "S4": "checkpoints: _save_checkpoint and _load_optimizer_and_scheduler, the latter after self.state is loaded",
-    "S5": "logging: log averages self._metrics and writes the completions table while log_completions is set",
-    "G1": "GRPO loss: reads advantages ((B, T) accepted) and old_per_token_logps after its policy forward",
-    "G2": "GRPO generation: returns old_per_token_logps exactly when TRL needs pi_old",
+    "S1": "schedule: _prepare_inputs generates every steps_per_generation * self.num_iterations micro-steps (_step), "
+    "buffers the micro-batches in _buffered_inputs and serves the same dicts until the next generation",
+    "S2": "dataloader: the train sampler repeats each generation batch self.num_iterations * steps_per_generation "
+    "times (read when built)",
+    "S3": "loss forward: _compute_loss runs _get_per_token_logps_and_entropies once for the policy and differentiates "
+    "its loss through the log-probabilities it returns",
+    "S4": "checkpoints: _save_checkpoint, and _load_optimizer_and_scheduler on resume after self.state is loaded",
+    "S5": "logging: log averages and clears self._metrics[mode], and reads self._logs for the completions table only "
+    "while self.log_completions is true",
+    "G1": "GRPO loss: reads advantages ((B, T) accepted) after its policy forward",
+    "G2": "GRPO generation: returns old_per_token_logps whenever the policy moves before the batch is trained "
+    "(deciding by self.num_iterations) or vLLM importance sampling needs it",
     "G3": "GRPO rewards: _calculate_rewards once per generation batch, every process's rewards in process order",
-    "G4": "GRPO logs: the batch's advantages (every process) in self._logs['advantages']",
+    "G4": "GRPO logs: the batch's advantages (every process) appended to self._logs['advantages']",
     "R1": "RLOO generation: pi_old is its first log-prob forward, kept only as the masked sum old_logps",
     "R2": "RLOO loss: sums its policy forward's log-probs over completion_mask, reads old_logps and advantages",
 }
 """The TRL facts the trainers rely on, by number: S (both trainers; stated in `trl_lopti/lopti_mixin.py`), G
-(`GRPOTrainer`; `trl_lopti/trainer.py`, `trl_lopti/reinforce_plus_plus.py`), R (`RLOOTrainer`;
-`trl_lopti/rloo_trainer.py`). `tests/test_trl_contract.py` pins each under its number."""
+(`GRPOTrainer`; `trl_lopti/grpo_trainer.py`, `trl_lopti/reinforce_plus_plus.py`), R (`RLOOTrainer`;
+`trl_lopti/rloo_trainer.py`). Each is checked while training ([`broken_fact`]) and pinned by
+`tests/test_trl_contract.py`."""
 
 TESTED_TRL_RELEASES = ("1.10.0", "1.11.0", "1.12.0", "1.13.0", "1.14.2", "1.16.0")
 """The newest patch of each supported minor release: what `.ci/run` tests."""
@@ -89,6 +95,15 @@ def check_trl_version() -> str:
         )
         return installed
     raise ImportError(unsupported_trl_message(installed))
+
+
+def broken_fact(number: str, saw: str) -> RuntimeError:
+    """The error of a runtime check: the installed TRL no longer behaves as fact `number` of `TRL_FACTS` states, and
+    `saw` says what the check saw. Training stops at the first step where it happens."""
+    return RuntimeError(
+        f"TRL {TRL_VERSION} broke fact {number} of trl_lopti ({TRL_FACTS[number]}): {saw}. Training stops here rather "
+        "than train an update other than the method's (docs/releases.md)"
+    )
 
 
 def check_features(config) -> None:

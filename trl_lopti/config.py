@@ -93,7 +93,9 @@ class LoptiArguments:
             raise ValueError(f"lopti_order must be one of {sorted(LOPTI_PASS_ORDERS)}, got {self.lopti_order!r}")
         super().__post_init__()  # TRL's: derives steps_per_generation, which the schedule check needs
         if self.lopti_enabled and self.lopti_pass_micro_steps % self.gradient_accumulation_steps:  # ends on a step
-            raise ValueError(lopti_schedule_error(self))
+            rule = "lopti_threshold" if self.lopti_quantile is None else "lopti_quantile"
+            raise ValueError(lopti_schedule_error(self, f"set {rule}=None to train without Lopti"))
+        warn_if_max_steps_ends_inside_a_cycle(self)
 
     @property
     def lopti_enabled(self) -> bool:
@@ -160,6 +162,13 @@ class LoptiGRPOConfig(LoptiArguments, GRPOConfig):
             )
         super().__post_init__()
         _compat.check_features(self)  # e.g. Liger below TRL 1.14
+        if self.advantage_reweighting_enabled and self.importance_sampling_level == "sequence" and self.beta != 0.0:
+            raise ValueError(
+                f"advantage_reweighting_alpha={self.advantage_reweighting_alpha:g} with importance_sampling_level="
+                f"'sequence' and beta={self.beta:g}: where a sequence's tokens share one importance ratio, AR scales the "
+                "gradient through each token's log-probability, and so would reweight the KL term's gradient, which AR "
+                "leaves alone. Set beta=0.0, advantage_reweighting_alpha=0.0, or importance_sampling_level='token'"
+            )
         aggregation = self.multi_objective_aggregation
         if self.advantage_estimator == "reinforce_plus_plus" and aggregation != "sum_then_normalize":
             raise ValueError(
@@ -178,29 +187,7 @@ class LoptiRLOOConfig(LoptiArguments, RLOOConfig):
     [`LoptiArguments`] adds Advantage Reweighting and Lopti. With `advantage_reweighting_alpha=0.0` and
     `lopti_threshold=None` the trainer is exactly TRL's `RLOOTrainer`. RLOO computes pi_old at every generation, so
     neither method, nor `lopti_quantile`, costs a forward pass.
-
-    Parameters:
-        advantage_estimator (`str`, *optional*, defaults to `"rloo"`):
-            RLOO's own leave-one-out advantages, the only value: `"reinforce_plus_plus"` belongs to
-            [`LoptiGRPOConfig`].
     """
-
-    advantage_estimator: str = field(
-        default="rloo",
-        metadata={
-            "help": "RLOO's leave-one-out advantages (the only value; REINFORCE++ is LoptiGRPOConfig's).",
-            "choices": ["rloo"],
-        },
-    )
-
-    def __post_init__(self):
-        if self.advantage_estimator != "rloo":
-            raise ValueError(
-                f"advantage_estimator={self.advantage_estimator!r}: LoptiRLOOConfig trains with RLOO's own "
-                "leave-one-out advantages ('rloo', the only value); GRPO's and REINFORCE++'s estimators are "
-                "LoptiGRPOConfig's (train with LoptiGRPOTrainer)"
-            )
-        super().__post_init__()
 
 
 LOPTI_CONFIGS: dict[type, type] = {GRPOConfig: LoptiGRPOConfig, RLOOConfig: LoptiRLOOConfig}
@@ -240,13 +227,14 @@ def as_lopti_config(args: Any, model: Any, config_class: type = LoptiGRPOConfig)
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(base) if f.init}
     values["generation_batch_size"] = None  # TRL derived it from steps_per_generation; both set is an error
     upgrade = f"Lopti{trainer}Trainer got a plain {base.__name__} and turns on the paper's defaults for it"
-    try:
-        config = config_class(**values)
+    try:  # Lopti's schedule is checked below, with advice for a plain config (it has no lopti_threshold to set)
+        config = config_class(**values, lopti_threshold=None)
     except ValueError as error:
-        raise ValueError(
-            f"{upgrade}: {error} (with a plain {base.__name__}: pass "
-            f"trl_lopti.{config_class.__name__}(..., lopti_threshold=None) to train without Lopti)"
-        ) from None
+        raise ValueError(f"{upgrade}: {error} (in a trl_lopti.{config_class.__name__})") from None
+    config.lopti_threshold = LoptiArguments.lopti_threshold
+    if config.lopti_pass_micro_steps % config.gradient_accumulation_steps:
+        without = f"pass a trl_lopti.{config_class.__name__}(..., lopti_threshold=None) to train without Lopti"
+        raise ValueError(f"{upgrade}: {lopti_schedule_error(config, without)}")
     warnings.warn(
         f"{upgrade}: Advantage Reweighting (advantage_reweighting_alpha={config.advantage_reweighting_alpha}) and "
         f"Lopti (lopti_threshold={config.lopti_threshold}, lopti_order={config.lopti_order!r}). Lopti trains each "
@@ -257,11 +245,13 @@ def as_lopti_config(args: Any, model: Any, config_class: type = LoptiGRPOConfig)
         UserWarning,
         stacklevel=3,
     )
+    warn_if_max_steps_ends_inside_a_cycle(config)
     return config
 
 
-def lopti_schedule_error(config: LoptiArguments) -> str:
-    """The message for a schedule in which a Lopti pass would not end on an optimizer step, with a fix that works."""
+def lopti_schedule_error(config: LoptiArguments, without_lopti: str) -> str:
+    """The message for a schedule in which a Lopti pass would not end on an optimizer step, with a fix that works and
+    `without_lopti`, how to train without Lopti instead."""
     steps, iterations = config.steps_per_generation, config.num_iterations
     accumulation = config.gradient_accumulation_steps
     fitting = accumulation // math.gcd(accumulation, iterations)
@@ -272,8 +262,24 @@ def lopti_schedule_error(config: LoptiArguments) -> str:
         f"steps_per_generation * num_iterations ({steps} * {iterations} = {steps * iterations}) must be a multiple of "
         f"gradient_accumulation_steps ({accumulation}). Set steps_per_generation={suggestion} (or "
         f"generation_batch_size={suggestion * global_batch}, {global_batch} completions per micro-step over all "
-        "processes), or set lopti_threshold=None and lopti_quantile=None to train without Lopti."
+        f"processes), or {without_lopti}."
     )
+
+
+def warn_if_max_steps_ends_inside_a_cycle(config: LoptiArguments) -> None:
+    """Warns when `max_steps` ends a run between the passes of its last generation batch (which then trains its first
+    pass only), naming the nearest `max_steps` that does not."""
+    cycle_steps = config.lopti_cycle_micro_steps // config.gradient_accumulation_steps  # optimizer steps per batch
+    if config.lopti_enabled and config.max_steps > 0 and config.max_steps % cycle_steps:
+        below = config.max_steps - config.max_steps % cycle_steps
+        fits = " or max_steps=".join(str(steps) for steps in (below, below + cycle_steps) if steps > 0)
+        warnings.warn(
+            f"max_steps={config.max_steps} ends inside a generation batch's Lopti cycle ({cycle_steps} optimizer steps "
+            f"per generation batch, {cycle_steps // 2} per pass): the last batch would train its "
+            f"{LOPTI_PASS_ORDERS[config.lopti_order][0]} pass only. Set max_steps={fits}.",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def _check_fraction(config: LoptiArguments, name: str, closed: bool, disabled_by: str) -> None:

@@ -1,33 +1,51 @@
 """The Lopti mechanism, written once for both trainers: the two-pass schedule, the split, token isolation, the pass
-metrics, the completions table and checkpoints inside a generation batch.
+metrics, the completions table, checkpoints inside a generation batch, and the runtime checks of the TRL facts.
 
 [`LoptiTrainerMixin`] sits in front of a TRL trainer (`GRPOTrainer` or `RLOOTrainer`, which TRL keeps in parity). Each
 Lopti trainer adds only what differs: where pi_old comes from, how AR enters its loss, and the TRL facts it relies on
-(`trl_lopti/trainer.py` for GRPO, `trl_lopti/rloo_trainer.py` for RLOO). The math is in `trl_lopti/core_algos.py`.
+(`trl_lopti/grpo_trainer.py` for GRPO, `trl_lopti/rloo_trainer.py` for RLOO). The math is in `trl_lopti/core_algos.py`.
 
-- Schedule. Each generation batch is trained once per pass (docs/trainers/grpo.md, "The Lopti schedule"): the first pass is TRL's own
-  schedule, a later pass replays the micro-batches TRL buffered, so every optimizer step is an ordinary Trainer step.
-- Split. Each micro-batch is split once, at its first loss forward, into its own dict (`lopti_low_mask`, AR's values,
-  with Lopti `old_per_token_logps`): pi_old is the batch's (the trainer's source), else that forward's detached output
-  (on-policy: no extra forward). Each generation batch gets its eta at generation (`lopti_batch_eta`): the quantile
-  rule needs the whole batch's pi_old first.
+- Schedule. TRL runs the passes itself (docs/trainers/grpo.md, "The Lopti schedule"): `self.num_iterations`, TRL's
+  count of the times a generation batch is trained, is the user's `num_iterations` times the passes, so TRL's sampler
+  serves each generation batch once per pass and its `_prepare_inputs` replays the buffered micro-batches in each
+  (facts S1, S2); TRL sees the user's value at generation, where it decides whether pi_old is needed (G2). Every
+  optimizer step is an ordinary Trainer step; the pass of a micro-step follows from TRL's counter `_step`.
+- Split. A generation batch is split once by pi_old (`lopti_low_mask`, with AR its weights `lopti_ar_weights`): at
+  generation where pi_old is known there (TRL's, RLOO's, or the quantile rule's forward), which logs its metrics on
+  the row of TRL's generation metrics; else (on-policy) each micro-batch at its first loss forward, whose detached
+  output is pi_old: no extra forward, and the whole first iteration then fits in one optimizer step. Each generation
+  batch gets its eta at generation (`lopti_batch_eta`): the quantile rule needs the whole batch's pi_old first.
 - Isolation. In a pass, gradient flows only through the active tokens' log-probabilities and entropies; every value of
   the loss is the base trainer's.
+- Checks. Each fact below is checked while training, at no measurable cost, and stops the run at the first step where
+  it fails ([`~trl_lopti._compat.broken_fact`]); tests/test_trl_contract.py breaks each one on purpose.
+
+The overrides, and why each stays: `training_step` (marks the micro-step in flight; checks S2, S3, S4), `compute_loss`
+(the pass's token group; checks S1, S3 and the values AR placed), `_get_per_token_logps_and_entropies` (the one place
+TRL's loss hands out the policy's log-probabilities: split, AR, isolation), `_generate_and_score_completions` (pi_old,
+eta and the split of a new batch; TRL's pi_old decision at the user's `num_iterations`), `_save_checkpoint` and
+`_load_optimizer_and_scheduler` (a batch's schedule across a checkpoint), `log` (one completions table per generation
+batch; checks S5).
 
 The TRL facts it relies on hold for both `GRPOTrainer` and `RLOOTrainer` (TRL 1.10-1.16); their numbers are the ones
 `trl_lopti/_compat.py` (`TRL_FACTS`), the docs and `tests/test_trl_contract.py` use:
 
-- S1. Schedule. `_prepare_inputs` generates when `self._step % (steps_per_generation * num_iterations) == 0`, buffers
-  the batch split into micro-batches in `self._buffered_inputs` (0-dim tensors copied into each) and serves slice
-  `self._step % steps_per_generation`; `training_step` then increments `self._step`.
-- S2. Dataloader. The train dataloader repeats each generation batch `self.num_iterations * steps_per_generation`
-  times, reading `self.num_iterations` as it is built.
-- S3. Loss forward. `_compute_loss(model, inputs)` calls `self._get_per_token_logps_and_entropies` once for the
-  policy, and that method takes `batch_size=` and the same arguments in both trainers.
+- S1. Schedule. `_prepare_inputs` generates when `self._step % (steps_per_generation * self.num_iterations) == 0` (or
+  with nothing buffered), buffers the batch split into micro-batches in `self._buffered_inputs` (0-dim tensors copied
+  into each) and serves slice `self._step % steps_per_generation`, the same dicts until the next generation;
+  `training_step` then increments `self._step`. Checked: a generation happens only at a cycle's first micro-step, and a
+  micro-batch carries the mark of its first training exactly when it is trained again.
+- S2. Dataloader. The train sampler repeats each generation batch `self.num_iterations * steps_per_generation` times,
+  reading `self.num_iterations` when the dataloader is built. Checked: the dataloader serves the same generation batch
+  (its prompts) at every micro-step of a cycle.
+- S3. Loss forward. `_compute_loss(model, inputs)` calls `self._get_per_token_logps_and_entropies` once for the policy
+  (taking `batch_size=` and the same arguments in both trainers) and its loss is differentiated through the
+  log-probabilities that call returns. Checked: one forward per loss, and the backward reaches what it returned.
 - S4. Checkpoints. `_save_checkpoint` and `_load_optimizer_and_scheduler` are the extension points for trainer state
-  (TRL's entropy controller uses them); transformers calls the latter on resume after `self.state` is loaded.
-- S5. Logging. `log` averages the lists in `self._metrics[mode]` and writes the completions table when
-  `self.log_completions` is true at that call.
+  (TRL's entropy controller uses them); transformers calls the latter on resume after `self.state` is loaded. Checked:
+  the state is loaded there, and at each accumulation window TRL's `_step` sits where the optimizer steps put it.
+- S5. Logging. `log` averages and clears the lists in `self._metrics[mode]`, and reads `self._logs` (the completions
+  table) only when `self.log_completions` is true at that call. Checked after every log.
 """
 
 from __future__ import annotations
@@ -38,12 +56,14 @@ import glob
 import inspect
 import os
 import textwrap
+import warnings
 from typing import Any, ClassVar
 
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
 
-from . import _compat  # noqa: F401  (checks the TRL version before TRL is imported)
+from ._compat import broken_fact  # (checks the TRL version before TRL is imported)
 
 
 # isort: split
@@ -61,13 +81,18 @@ from .core_algos import (
 )
 
 
-LOW_MASK_KEY = "lopti_low_mask"  # (B, T) bool, in each micro-batch: the split, pi_old < eta
-AR_ADVANTAGES_KEY = "lopti_advantages"  # (B, T), GRPO with AR: the token-level advantages TRL's loss reads
-AR_WEIGHTS_KEY = "lopti_ar_weights"  # (B, T), RLOO with AR: the weight of the gradient through each token
-ETA_KEY = "lopti_batch_eta"  # 0-dim, in each micro-batch of a generation batch under Lopti: its eta
-LOPTI_BATCH_KEYS = (LOW_MASK_KEY, AR_ADVANTAGES_KEY, AR_WEIGHTS_KEY, ETA_KEY)  # what the trainers add to TRL's batches
+logger = logging.get_logger(__name__)
+
+LOW_MASK_KEY = "lopti_low_mask"  # (B, T) bool, in a split batch: pi_old < eta
+AR_WEIGHTS_KEY = "lopti_ar_weights"  # (B, T), with AR: alpha * pi_old + 1 - alpha
+ETA_KEY = "lopti_batch_eta"  # 0-dim float64 on the CPU, in each micro-batch of a generation batch under Lopti: its eta
+FIRST_TRAINED_KEY = (
+    "lopti_first_trained_at"  # int: the micro-step of its cycle at which a micro-batch was first trained
+)
+LOPTI_BATCH_KEYS = (LOW_MASK_KEY, AR_WEIGHTS_KEY, ETA_KEY, FIRST_TRAINED_KEY)  # what the trainers add to TRL's batches
 GENERATION_BATCH_FILE = "lopti_generation_batch_rank{}.pt"  # in a checkpoint taken inside a generation batch
 UNSPLIT_REPORTING_THRESHOLD = 0.5  # the eta of `lopti/low_token_share` when Lopti is off (the paper's)
+EMPTY_GROUP_WARNING_BATCHES = 3  # generation batches after which a group empty in every one of them is warned about
 # The multimodal inputs of TRL's log-prob forward (its other arguments are ids, masks and options), as TRL names them
 # (TRL 1.14's GRPOTrainer takes them as `**kwargs` there and passes them on to `_full_logits_logps`, which names them).
 _NAMED_FORWARD = getattr(GRPOTrainer, "_full_logits_logps", GRPOTrainer._get_per_token_logps_and_entropies)
@@ -95,23 +120,74 @@ def lopti_paper(trl_trainer_class: type) -> dict[str, str]:
     }
 
 
+class ReadRecorder(dict):
+    """A dict that records every value read from it by key (`reads`): what TRL's code actually read (facts G1, S5)."""
+
+    def __init__(self, values: dict[str, Any]):
+        super().__init__(values)
+        self.reads: dict[str, list[Any]] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        value = super().__getitem__(key)
+        self.reads.setdefault(key, []).append(value)
+        return value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default  # noqa: SIM401 (dict.get would skip __getitem__)
+
+
+@dataclasses.dataclass
+class MicroStep:
+    """
+    The training micro-step in flight, as `training_step` marks it for the hooks it runs (TRL's `_step` is its index).
+
+    Args:
+        position (`int`): the micro-step of its generation batch's cycle (one pass per token group).
+        first_visit (`bool`): its micro-batch is trained for the first time (first pass, first iteration).
+        backward_reached_logps (`bool`): the backward reached the log-probabilities handed to TRL's loss (fact S3).
+    """
+
+    position: int
+    first_visit: bool
+    backward_reached_logps: bool = False
+
+    def mark_backward(self, gradient: torch.Tensor) -> None:
+        """A tensor hook: the backward reached the tensor it is registered on."""
+        self.backward_reached_logps = True
+
+
 @dataclasses.dataclass
 class LossCall:
-    """What one `compute_loss` call shares with the policy forward TRL runs inside it (fact S3).
+    """
+    What one `compute_loss` call shares with the policy forward TRL runs inside it (fact S3).
 
     Args:
         batch (`dict`): the micro-batch (TRL's buffered dict, which keeps TRL's advantages) and its split.
-        loss_inputs (`dict`): what TRL's `_compute_loss` reads: a copy of the micro-batch, AR's values in it for GRPO.
+        loss_inputs (`ReadRecorder`): what TRL's `_compute_loss` reads: a copy of the micro-batch, recording its reads.
         token_group (`str` or `None`): the tokens that carry gradient in this pass (`"low"`, `"high"`; `None`: all).
         trains_aux_loss (`bool`): whether a MoE router's auxiliary loss keeps its gradient (the first pass only).
+        micro_step (`MicroStep` or `None`): the training micro-step it belongs to (`None`: a call outside training).
         policy_forwards (`int`): the policy forwards TRL ran in this call so far (exactly one is expected).
+        placed (`dict`): the values a trainer placed in `loss_inputs` during the forward, which TRL's loss must read.
     """
 
     batch: dict[str, Any]
-    loss_inputs: dict[str, Any]
+    loss_inputs: ReadRecorder
     token_group: str | None
     trains_aux_loss: bool
+    micro_step: MicroStep | None
     policy_forwards: int = 0
+    placed: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class SplitHistory:
+    """The split of the generation batches trained so far, for the warning about a group that stays empty."""
+
+    batches: int = 0
+    without_low: int = 0
+    without_high: int = 0
+    warned: bool = False
 
 
 class LoptiTrainerMixin:
@@ -120,80 +196,120 @@ class LoptiTrainerMixin:
     `GRPOTrainer`'s (facts S1-S5): the base of [`LoptiGRPOTrainer`] and [`LoptiRLOOTrainer`].
 
     A Lopti trainer sets `config_class` and `trl_trainer_class`, and implements where pi_old comes from
-    (`old_per_token_logps_at_generation`) and how AR enters its loss (`store_advantage_reweighting`,
-    `apply_advantage_reweighting`).
+    (`old_per_token_logps_at_generation`) and how AR enters its loss (`apply_advantage_reweighting`).
     """
 
     config_class: ClassVar[type]  # the trainer's Lopti config (a `LoptiArguments`)
     trl_trainer_class: ClassVar[type]  # the TRL trainer it extends
     loss_is_scaled_for_accumulation: ClassVar[bool]  # whether TRL's loss of a micro-step is divided by accumulation
+    placement_fact: ClassVar[str] = (
+        "S3"  # the fact by which TRL's loss reads what `apply_advantage_reweighting` places
+    )
 
     def __init__(self, model, reward_funcs=None, args=None, *extra_args, **kwargs):
         args = as_lopti_config(args, model, self.config_class)
         super().__init__(model, reward_funcs, args, *extra_args, **kwargs)
+        # Facts S1, S2: TRL trains each generation batch `self.num_iterations` times, once per pass here
+        self.num_iterations = args.num_iterations * args.lopti_num_passes
         self._name = describe_method(args)
+        self._micro_step: MicroStep | None = None  # the training micro-step in flight
         self._loss_call: LossCall | None = None  # the compute_loss call in flight
         # while TRL scores a generation batch: the log-probabilities of each forward it runs meanwhile, in order
         self._generation_logps: list[torch.Tensor] | None = None
-        self._split_totals: torch.Tensor | None = None  # low tokens, AR weights, tokens of the batch split so far
+        self._split_totals: torch.Tensor | None = None  # low tokens, AR weights, tokens of the micro-batches split
+        self._cycle_prompts: list[Any] | None = None  # the prompts the dataloader serves through this cycle (S2)
         self._completions_logged_for: int | None = None  # the generation batch whose completions table was written
+        self._split_history = SplitHistory()
+        if args.lopti_enabled:
+            steps = args.lopti_cycle_micro_steps // args.gradient_accumulation_steps
+            logger.info(
+                f"{type(self).__name__}: Lopti trains each generation batch once per token group ({steps} optimizer "
+                f"steps per batch, {steps // 2} without Lopti): max_steps, save_steps, logging_steps and the "
+                "learning-rate schedule count both passes, and a max_steps buys half the rollouts it buys "
+                f"{self.trl_trainer_class.__name__}. Compare runs at equal generation batches."
+            )
 
     # ------------------------------------------------------------------------------------------------ what differs
     def old_per_token_logps_at_generation(
         self, batch: dict[str, Any], generation_logps: list[torch.Tensor]
     ) -> torch.Tensor | None:
         """
-        Where pi_old comes from: pi_old (B, T) of a generation batch as TRL computed it while scoring it, or `None`
-        where TRL computed none (the first pass's forward then gives it).
+        Where pi_old comes from: pi_old of a generation batch as TRL computed it while scoring it.
 
         Args:
             batch (`dict`): this process's part of the generation batch, as TRL returned it.
             generation_logps (`list[torch.Tensor]`): the log-probabilities of the forwards TRL ran while scoring it.
-        """
-        raise NotImplementedError
 
-    def store_advantage_reweighting(self, batch: dict[str, Any], old_per_token_logps: torch.Tensor) -> None:
-        """
-        How AR enters the loss, part 1: stores AR's values in a micro-batch at its split (when AR is on).
-
-        Args:
-            batch (`dict`): the micro-batch (TRL's buffered dict).
-            old_per_token_logps (`torch.Tensor`): its pi_old (B, T).
+        Returns:
+            `torch.Tensor` or `None`: pi_old (B, T), or `None` where TRL computed none (on-policy: the first loss
+            forward of each micro-batch then gives it).
         """
         raise NotImplementedError
 
     def apply_advantage_reweighting(self, call: LossCall, per_token_logps: torch.Tensor) -> torch.Tensor:
         """
-        How AR enters the loss, part 2: in each loss forward of a split micro-batch (when AR is on), returns the
-        log-probabilities the loss reads (and may set what it reads in `call.loss_inputs`).
+        Makes TRL's loss reweight each token's advantage by its AR weight (`call.batch[AR_WEIGHTS_KEY]`).
 
         Args:
-            call (`LossCall`): the loss call in flight.
+            call (`LossCall`): the loss call in flight; a value the loss must read is placed with `place_loss_input`.
             per_token_logps (`torch.Tensor`): the policy's log-probabilities (B, T) of this forward.
+
+        Returns:
+            `torch.Tensor`: the log-probabilities TRL's loss reads.
         """
         raise NotImplementedError
+
+    def place_loss_input(self, call: LossCall, key: str, value: Any) -> None:
+        """Puts `value` under `key` in what TRL's loss reads, during its forward; the loss must then read it
+        (checked after the loss under `placement_fact`)."""
+        call.loss_inputs[key] = call.placed[key] = value
 
     # ------------------------------------------------------------------------------------------------ schedule
     def lopti_pass_index(self) -> int:
         """The pass over its generation batch of the current training micro-step (0 without Lopti)."""
         return (self._step % self.args.lopti_cycle_micro_steps) // self.args.lopti_pass_micro_steps
 
-    def get_train_dataloader(self):
-        # Fact S2: the dataloader serves each generation batch `self.num_iterations * steps_per_generation` times;
-        # Lopti trains it num_iterations times per pass, so an epoch still covers every prompt once.
-        with temporarily_set(self, num_iterations=self.args.lopti_num_passes * self.args.num_iterations):
-            return super().get_train_dataloader()
-
-    def _prepare_inputs(self, generation_batch):
-        if self.model.training and self.lopti_pass_index() > 0:  # a later pass replays the first pass's micro-batches
-            return self._buffered_inputs[self._step % self.args.steps_per_generation]
-        return super()._prepare_inputs(generation_batch)
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        args, step = self.args, self._step
+        cycle, accumulation = args.lopti_cycle_micro_steps, args.gradient_accumulation_steps
+        if (
+            cycle % accumulation == 0
+            and step % accumulation == 0
+            and (self.state.global_step * accumulation - step) % cycle
+        ):
+            raise broken_fact(
+                "S4",
+                f"at optimizer step {self.state.global_step} TRL's micro-step counter _step is {step}, which is not "
+                f"where {accumulation} micro-steps per optimizer step put it in a {cycle}-micro-step cycle (a resumed "
+                "run whose _load_optimizer_and_scheduler did not run?)",
+            )
+        prompts = [row.get("prompt") for row in inputs] if isinstance(inputs, list) else None
+        if step % cycle == 0 or self._cycle_prompts is None:
+            self._cycle_prompts = prompts
+        elif prompts != self._cycle_prompts:
+            raise broken_fact(
+                "S2",
+                f"at micro-step {step % cycle} of a {cycle}-micro-step cycle the dataloader served other prompts than "
+                "at its first: each pass must train the generation batch the first pass trained",
+            )
+        micro_step = MicroStep(position=step % cycle, first_visit=step % cycle < args.steps_per_generation)
+        with temporarily_set(self, _micro_step=micro_step):
+            output = super().training_step(model, inputs, num_items_in_batch)
+        if not micro_step.backward_reached_logps:
+            raise broken_fact(
+                "S3", "the backward of the training step never reached the log-probabilities handed to TRL's loss"
+            )
+        return output
 
     # ------------------------------------------------------------------------------------------------ generation batch
     def _generate_and_score_completions(self, inputs):
+        cycle = self.args.lopti_cycle_micro_steps
+        if self.model.training and self._step % cycle:
+            raise broken_fact("S1", f"TRL generated at micro-step {self._step % cycle} of a {cycle}-micro-step cycle")
         self._generation_logps = []
-        try:
-            output = super()._generate_and_score_completions(inputs)
+        try:  # fact G2: TRL decides whether it needs pi_old by the user's num_iterations
+            with temporarily_set(self, num_iterations=self.args.num_iterations):
+                output = super()._generate_and_score_completions(inputs)
             old_per_token_logps = self.old_per_token_logps_at_generation(output, self._generation_logps)
         finally:
             self._generation_logps = None
@@ -202,6 +318,8 @@ class LoptiTrainerMixin:
         if self.args.lopti_enabled:
             # a 0-dim float64 tensor on the CPU (MPS has no float64), copied to each micro-batch
             output[ETA_KEY] = torch.tensor(self.lopti_eta(output), dtype=torch.float64)
+        if output.get("old_per_token_logps") is not None:  # pi_old known: the whole batch is split now
+            self._log_split(self._split(output, output["old_per_token_logps"]), self._split_eta(output))
         return output
 
     def lopti_eta(self, batch: dict[str, Any]) -> float:
@@ -211,10 +329,13 @@ class LoptiTrainerMixin:
 
         Args:
             batch (`dict`): this process's part of the generation batch, as TRL generated it.
+
+        Returns:
+            `float`: eta in [0, 1].
         """
         if self.args.lopti_quantile is None:
             return self.args.lopti_threshold
-        if "old_per_token_logps" not in batch:  # TRL did not need it: one no-grad forward, as TRL's own
+        if batch.get("old_per_token_logps") is None:  # TRL did not need it: one no-grad forward, as TRL's own
             args = self.args
             batch_size = args.per_device_train_batch_size if self.model.training else args.per_device_eval_batch_size
             with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
@@ -229,14 +350,26 @@ class LoptiTrainerMixin:
         training = self.model.training
         pass_index = self.lopti_pass_index() if training else 0
         token_group = self.args.lopti_pass_order[pass_index] if training else None
-        call = LossCall(inputs, dict(inputs), token_group, trains_aux_loss=pass_index == 0)
+        micro_step = self._micro_step if training else None
+        if micro_step is not None:  # fact S1: a later visit trains the micro-batch the first one trained
+            first_trained_at = inputs.get(FIRST_TRAINED_KEY)
+            expected = None if micro_step.first_visit else micro_step.position % self.args.steps_per_generation
+            if first_trained_at != expected:
+                raise broken_fact(
+                    "S1",
+                    f"micro-step {micro_step.position} of its cycle got a micro-batch first trained at "
+                    f"{first_trained_at} (expected: {expected}; None: not trained before)",
+                )
+            inputs[FIRST_TRAINED_KEY] = micro_step.position % self.args.steps_per_generation
+        call = LossCall(inputs, ReadRecorder(inputs), token_group, pass_index == 0, micro_step)
         with temporarily_set(self, _loss_call=call):
             loss = super().compute_loss(model, call.loss_inputs, return_outputs, num_items_in_batch)
-        if call.policy_forwards != 1:  # fact S3, checked at every step
-            raise RuntimeError(
-                f"{self.trl_trainer_class.__name__}._compute_loss ran {call.policy_forwards} policy forwards through "
-                "_get_per_token_logps_and_entropies, not one: trl_lopti does not support this TRL"
-            )
+        if call.policy_forwards != 1:
+            raise broken_fact("S3", f"_compute_loss ran {call.policy_forwards} policy forwards, not one")
+        for key, value in call.placed.items():
+            read = call.loss_inputs.reads.get(key, [])
+            if not read or any(seen is not value for seen in read):
+                raise broken_fact(self.placement_fact, f"TRL's loss did not read the {key} placed during its forward")
         if token_group is not None:
             self._log_pass_loss(token_group, loss.detach())
         return loss
@@ -251,8 +384,8 @@ class LoptiTrainerMixin:
                 self._generation_logps.append(per_token_logps)
             return per_token_logps, entropies, aux_loss
         call.policy_forwards += 1
-        if LOW_MASK_KEY not in call.batch:  # the micro-batch's first loss forward: split it
-            self._split(call.batch, per_token_logps.detach())
+        if LOW_MASK_KEY not in call.batch:  # pi_old was not known at generation: this forward's output is pi_old
+            self._split_at_first_forward(call, per_token_logps.detach())
         if self.args.advantage_reweighting_enabled:
             per_token_logps = self.apply_advantage_reweighting(call, per_token_logps)
         if call.token_group is not None:  # Lopti: gradient only through the pass's active tokens
@@ -262,41 +395,64 @@ class LoptiTrainerMixin:
                 entropies = isolate_token_gradients(entropies, active_mask)
             if aux_loss is not None and not call.trains_aux_loss:
                 aux_loss = aux_loss.detach()
+        if call.micro_step is not None and per_token_logps.requires_grad:  # fact S3: the backward must reach them
+            per_token_logps.register_hook(call.micro_step.mark_backward)
         return per_token_logps, entropies, aux_loss
 
-    def _split(self, batch: dict[str, Any], forward_logps: torch.Tensor) -> None:
-        """Splits a micro-batch once: its low mask, with AR its reweighting, with Lopti its pi_old."""
+    # ------------------------------------------------------------------------------------------------ split
+    def _split_eta(self, batch: dict[str, Any]) -> float:
+        """The eta `batch` is split at: its generation's (`ETA_KEY`), else the fixed eta; 0.5 for reporting only."""
+        if not self.args.lopti_enabled:
+            return UNSPLIT_REPORTING_THRESHOLD
+        if ETA_KEY in batch:
+            return float(batch[ETA_KEY])
+        if self.args.lopti_quantile is not None:
+            raise RuntimeError(f"lopti_quantile: this batch has no eta from its generation ({ETA_KEY})")
+        return self.args.lopti_threshold
+
+    def _split(self, batch: dict[str, Any], old_per_token_logps: torch.Tensor) -> torch.Tensor:
+        """Splits `batch` (a generation batch or a micro-batch) by its pi_old: its low mask and, with AR, its AR
+        weights; returns its totals (low tokens, AR weight sum, tokens)."""
+        alpha = self.args.advantage_reweighting_alpha
+        mask = loss_token_mask(batch)
+        low_mask = batch[LOW_MASK_KEY] = low_probability_token_mask(old_per_token_logps, mask, self._split_eta(batch))
+        weights = advantage_reweighting_weights(old_per_token_logps, alpha)
+        if self.args.advantage_reweighting_enabled:
+            batch[AR_WEIGHTS_KEY] = weights
+        mask = mask.float()
+        return torch.stack([(low_mask.float() * mask).sum(), (weights.float() * mask).sum(), mask.sum()])
+
+    def _split_at_first_forward(self, call: LossCall, forward_logps: torch.Tensor) -> None:
+        """Splits a micro-batch at its first loss forward, where pi_old is the batch's or, on-policy, that forward's
+        detached output; logs the split once the generation batch's last micro-batch is split."""
+        batch, micro_step = call.batch, call.micro_step
         old_per_token_logps = batch.get("old_per_token_logps")
         if old_per_token_logps is None:  # on-policy: pi_old is this forward's output
+            step, accumulation = self._step, self.args.gradient_accumulation_steps
+            if micro_step is not None and (step - micro_step.position) // accumulation != step // accumulation:
+                raise broken_fact(
+                    "G2",
+                    f"no pi_old (old_per_token_logps) came with a micro-batch first trained at micro-step "
+                    f"{micro_step.position} of its cycle, after an optimizer step: its own forward is no longer pi_old",
+                )
             old_per_token_logps = forward_logps
             if self.args.lopti_enabled:  # a later pass's ratio is against it
                 batch["old_per_token_logps"] = old_per_token_logps
-        # the generation's eta; the fixed eta for a batch made elsewhere
-        eta = batch.get(ETA_KEY, self.args.lopti_threshold)
-        if eta is None and self.args.lopti_quantile is not None:
-            raise RuntimeError(f"lopti_quantile: this batch has no eta from its generation ({ETA_KEY})")
-        eta = float(eta) if self.args.lopti_enabled else UNSPLIT_REPORTING_THRESHOLD
-        mask = loss_token_mask(batch)
-        low_mask = batch[LOW_MASK_KEY] = low_probability_token_mask(old_per_token_logps, mask, eta)
-        mask = mask.float()
-        if self.args.advantage_reweighting_enabled:
-            self.store_advantage_reweighting(batch, old_per_token_logps)
-        alpha = self.args.advantage_reweighting_alpha
-        weight_sum = (advantage_reweighting_weights(old_per_token_logps, alpha).float() * mask).sum()
-        self._log_split(torch.stack([(low_mask.float() * mask).sum(), weight_sum, mask.sum()]), eta)
+        totals, eta = self._split(batch, old_per_token_logps), self._split_eta(batch)
+        if not self.model.training:  # an evaluation batch is its own generation batch
+            self._log_split(totals, eta)
+            return
+        position = self._step % self.args.steps_per_generation
+        self._split_totals = totals if position == 0 or self._split_totals is None else self._split_totals + totals
+        if position == self.args.steps_per_generation - 1:
+            self._log_split(self._split_totals, eta)
+            self._split_totals = None
 
     # ------------------------------------------------------------------------------------------------ metrics
-    def _log_split(self, micro_batch_totals: torch.Tensor, eta: float) -> None:
-        """Logs the split of a generation batch once its last micro-batch is split (first pass, first iteration)."""
-        if self.model.training:
-            position = self._step % self.args.steps_per_generation
-            first = position == 0 or self._split_totals is None
-            self._split_totals = micro_batch_totals if first else self._split_totals + micro_batch_totals
-            if position != self.args.steps_per_generation - 1:
-                return
-            micro_batch_totals, self._split_totals = self._split_totals, None
-        mode = "train" if self.model.training else "eval"  # an evaluation batch is its own generation batch
-        totals = self.accelerator.reduce(micro_batch_totals, reduction="sum")
+    def _log_split(self, totals: torch.Tensor, eta: float) -> None:
+        """Logs the split of a whole generation batch (`totals` of this process: low tokens, AR weights, tokens)."""
+        mode = "train" if self.model.training else "eval"
+        totals = self.accelerator.reduce(totals, reduction="sum")
         if totals[2] == 0:  # no completion token anywhere: nothing to report
             return
         self._metrics[mode]["lopti/low_token_share"].append((totals[0] / totals[2]).item())
@@ -304,6 +460,29 @@ class LoptiTrainerMixin:
             self._metrics[mode]["lopti/ar_weight_mean"].append((totals[1] / totals[2]).item())
         if self.args.lopti_enabled:
             self._metrics[mode]["lopti/threshold"].append(eta)
+            if mode == "train":
+                self._warn_if_a_group_stays_empty(int(totals[0]), int(totals[2]), eta)
+
+    def _warn_if_a_group_stays_empty(self, low_tokens: int, tokens: int, eta: float) -> None:
+        history = self._split_history
+        history.batches += 1
+        history.without_low += low_tokens == 0
+        history.without_high += low_tokens == tokens
+        if history.warned or history.batches < EMPTY_GROUP_WARNING_BATCHES:
+            return
+        for group, empty in (("low", history.without_low), ("high", history.without_high)):
+            if empty == history.batches:
+                history.warned = True
+                other = "high" if group == "low" else "low"
+                warnings.warn(
+                    f"Lopti: no completion token was {group} (pi_old {'<' if group == 'low' else '>='} eta = "
+                    f"{eta:.4g}) in any of the {history.batches} generation batches so far, so every {group} pass had "
+                    f"zero gradient: its optimizer steps only apply the optimizer's momentum and weight decay. A random "
+                    f"or untrained model puts every token {other}. Set lopti_quantile (e.g. 0.5: each batch split at "
+                    f"its median pi_old), or a lopti_threshold that splits your model's tokens.",
+                    UserWarning,
+                    stacklevel=2,
+                )
 
     def _log_pass_loss(self, token_group: str, loss: torch.Tensor) -> None:
         # TRL's loss of a micro-step, on its optimizer step's scale (GRPO returns the micro-step's share of it)
@@ -314,14 +493,32 @@ class LoptiTrainerMixin:
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Fact S5: TRL writes the completions table at every log; a generation batch trained over several optimizer
         # steps (Lopti's passes, steps_per_generation > gradient_accumulation_steps) is written once.
-        batch_index = (self._step - 1) // self.args.lopti_cycle_micro_steps if self.model.training else None
-        fresh = batch_index is None or batch_index != self._completions_logged_for
-        with temporarily_set(self, log_completions=self.log_completions and fresh):
+        mode = "train" if self.model.training else "eval"
+        batch_index = (self._step - 1) // self.args.lopti_cycle_micro_steps if mode == "train" else None
+        suppressed = self.log_completions and batch_index is not None and batch_index == self._completions_logged_for
+        completions = ReadRecorder(self._logs)
+        with temporarily_set(self, log_completions=self.log_completions and not suppressed, _logs=completions):
             if self.log_completions and batch_index is not None:
                 self._completions_logged_for = batch_index
             super().log(logs, start_time)
+        if self._metrics[mode] or (suppressed and completions.reads):
+            unlogged = ", ".join(self._metrics[mode]) or "the completions table, again"
+            raise broken_fact(
+                "S5", f"TRL's log left these metrics unlogged or logged what it was told not to: {unlogged}"
+            )
 
     # ------------------------------------------------------------------------------------------------ checkpoints
+    def _schedule_signature(self) -> dict[str, Any]:
+        """What a checkpoint taken inside a generation batch's schedule must be resumed with."""
+        args = self.args
+        return {
+            "num_processes": self.accelerator.num_processes,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "steps_per_generation": args.steps_per_generation,
+            "num_iterations": args.num_iterations,
+            "lopti_order": args.lopti_order if args.lopti_enabled else None,
+        }
+
     def _save_checkpoint(self, model, trial):
         if self._step % self.args.lopti_cycle_micro_steps != 0 and self._buffered_inputs is not None:
             # inside a generation batch's schedule: keep it and its split for the rest (fact S4), before it is pushed
@@ -329,28 +526,51 @@ class LoptiTrainerMixin:
             folder = os.path.join(self._get_output_dir(trial=trial), checkpoint)
             os.makedirs(folder, exist_ok=True)
             path = os.path.join(folder, GENERATION_BATCH_FILE.format(self.accelerator.process_index))
-            torch.save(self._buffered_inputs, path)
+            torch.save({"micro_batches": self._buffered_inputs, "schedule": self._schedule_signature()}, path)
         super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         saved = glob.glob(os.path.join(checkpoint, GENERATION_BATCH_FILE.format("*"))) if checkpoint else []
-        if saved and len(saved) != self.accelerator.num_processes:  # each process resumes its own part of the batch
+        schedule = self._schedule_signature()
+        if saved and len(saved) != schedule["num_processes"]:  # each process resumes its own part of the batch
             raise ValueError(
-                f"{checkpoint} was saved inside a generation batch by {len(saved)} processes: resume it "
-                f"with {len(saved)} processes, or from a checkpoint between generation batches"
+                f"{checkpoint} was saved inside a generation batch by num_processes={len(saved)}; this run has "
+                f"num_processes={schedule['num_processes']}: resume it with {len(saved)} processes, or from a "
+                "checkpoint between generation batches"
             )
         super()._load_optimizer_and_scheduler(checkpoint)
-        if saved:  # resume inside the batch's schedule, at the micro-step it stopped at
-            device = self.accelerator.device  # torch.load maps to "cpu", not to an indexed "cpu:0"
-            path = os.path.join(checkpoint, GENERATION_BATCH_FILE.format(self.accelerator.process_index))
-            self._buffered_inputs = torch.load(path, map_location="cpu" if device.type == "cpu" else device)
-            self._step = self.state.global_step * self.args.gradient_accumulation_steps
+        if not saved:
+            return
+        if self.state.global_step == 0:  # a checkpoint inside a batch is taken after at least one optimizer step
+            raise broken_fact("S4", "_load_optimizer_and_scheduler ran before the trainer state was loaded")
+        path = os.path.join(checkpoint, GENERATION_BATCH_FILE.format(self.accelerator.process_index))
+        stored = torch.load(path, map_location="cpu")  # onto the device below: eta stays on the CPU in float64
+        saved_schedule = stored["schedule"]
+        if saved_schedule != schedule:
+            differ = [key for key in schedule if saved_schedule.get(key) != schedule[key]]
+            raise ValueError(
+                f"{checkpoint} was saved inside a generation batch with "
+                + ", ".join(f"{key}={saved_schedule.get(key)}" for key in differ)
+                + "; this run has "
+                + ", ".join(f"{key}={schedule[key]}" for key in differ)
+                + ": resume it with the values it was saved with, or from a checkpoint between generation batches"
+            )
+        device = self.accelerator.device
+        self._buffered_inputs = [
+            {
+                key: value.to(device) if torch.is_tensor(value) and key != ETA_KEY else value
+                for key, value in batch.items()
+            }
+            for batch in stored["micro_batches"]
+        ]  # resume inside the batch's schedule, at the micro-step it stopped at
+        self._step = self.state.global_step * self.args.gradient_accumulation_steps
 
 
 def describe_method(config: LoptiArguments) -> str:
     """The method of a configuration in words, the model card's "trained with", e.g. `"GRPO with Advantage
     Reweighting (alpha=0.3) and Low-Probability Token Isolation (Lopti, eta=0.5, low tokens first)"`."""
-    base = {"grpo": "GRPO", "reinforce_plus_plus": "REINFORCE++", "rloo": "RLOO"}[config.advantage_estimator]
+    base = getattr(config, "advantage_estimator", "rloo")
+    base = {"grpo": "GRPO", "reinforce_plus_plus": "REINFORCE++", "rloo": "RLOO"}[base]
     parts = []
     if config.advantage_reweighting_enabled:
         parts.append(f"Advantage Reweighting (alpha={config.advantage_reweighting_alpha:g})")

@@ -9,15 +9,18 @@ The GRPO facts it relies on (numbered as in `trl_lopti/_compat.py`'s `TRL_FACTS`
 
 - G3. `GRPOTrainer._generate_and_score_completions` calls `self._calculate_rewards` once per generation batch, which
   returns the rewards of every completion of the batch (all processes, in process order), one column per reward
-  function; this process's completions are the `process_index`-th slice of that order.
+  function; this process's completions are the `process_index`-th slice of that order. Checked at every generation
+  batch: one call, one row per completion of every process.
 - G4. `_generate_and_score_completions` appends the batch's advantages (all processes) to `self._logs["advantages"]`,
-  which the completions table shows; the REINFORCE++ advantages take their place there.
+  which the completions table shows; the REINFORCE++ advantages take their place there. Checked at every generation
+  batch: this process's slice of the last ones appended is the advantages TRL returned.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ._compat import broken_fact
 from .core_algos import loss_token_mask, reinforce_plus_plus_advantages
 
 
@@ -35,8 +38,10 @@ class ReinforcePlusPlusMixin:
         self._rewards_of_scored_batch = None
         output = super()._generate_and_score_completions(inputs)
         if self.args.advantage_estimator == "reinforce_plus_plus":
-            if self._rewards_of_scored_batch is None:
-                raise RuntimeError("GRPOTrainer did not call _calculate_rewards: this TRL version is not supported")
+            rewards, local = self._rewards_of_scored_batch, len(output["completion_mask"])
+            if rewards is None or len(rewards) != local * self.accelerator.num_processes:
+                saw = "no call" if rewards is None else f"{len(rewards)} rows for {local} completions per process"
+                raise broken_fact("G3", f"_calculate_rewards of the generation batch: {saw}")
             output["advantages"] = self._reinforce_plus_plus_advantages(self._rewards_of_scored_batch, output)
         return output
 
@@ -47,10 +52,13 @@ class ReinforcePlusPlusMixin:
         mask = loss_token_mask(output)
         lengths = self.accelerator.gather(mask.sum(dim=1))  # process order, as the rewards
         advantages = reinforce_plus_plus_advantages(rewards, lengths)
-        logged = self._logs["advantages"]  # fact G4: the completions table shows the advantages trained on
-        for _ in range(min(len(advantages), len(logged))):
-            logged.pop()
-        logged.extend(advantages.tolist())
         local = len(output["completion_mask"])
         start = self.accelerator.process_index * local
+        logged = self._logs["advantages"]  # fact G4: the completions table shows the advantages trained on
+        trl_logged = list(logged)[len(logged) - len(advantages) :][start : start + local]
+        if len(logged) < len(advantages) or trl_logged != output["advantages"].tolist():
+            raise broken_fact("G4", "the last advantages in self._logs['advantages'] are not the batch's")
+        for _ in range(len(advantages)):
+            logged.pop()
+        logged.extend(advantages.tolist())
         return advantages[start : start + local].to(output["completion_mask"].device)

@@ -1,7 +1,7 @@
 """`LoptiRLOOTrainer`: TRL's `RLOOTrainer` with Advantage Reweighting and Low-Probability Token Isolation.
 
 The math is in `trl_lopti/core_algos.py`, the mechanism shared with GRPO (schedule, split, isolation, metrics,
-checkpoints) in `trl_lopti/lopti_mixin.py`; this file is RLOO's plumbing. RLOO's loss is sequence-level: the sum of a
+checkpoints, the runtime checks) in `trl_lopti/lopti_mixin.py`; this file is RLOO's plumbing. RLOO's loss is sequence-level: the sum of a
 completion's token log-probabilities against pi_old's sum, one clipped ratio and one advantage per sequence (its KL is
 a reward penalty, computed before the leave-one-out baseline).
 
@@ -18,11 +18,11 @@ The TRL facts it relies on besides the shared ones (S1-S5, `trl_lopti/lopti_mixi
 `trl_lopti/_compat.py` (`TRL_FACTS`) and pinned by `tests/test_trl_contract.py`:
 
 - R1. Generation. `_generate_and_score_completions` computes pi_old with its first `_get_per_token_logps_and_entropies`
-  call (the policy, no gradient, before the reference model's) and returns its masked sum as `old_logps` (B,); checked
+  call (the policy, no gradient, before the reference model's) and returns its masked sum as `old_logps` (B,). Checked
   at every generation batch.
 - R2. Loss. `_compute_loss(model, inputs)` sums the log-probabilities of its one policy forward over `completion_mask`
   and reads `old_logps` and `advantages` (B,); it returns the micro-batch's mean loss (the Trainer divides it by the
-  gradient accumulation).
+  gradient accumulation). Checked at every generation batch (no `tool_mask`) and, through S3, at every loss.
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import _compat  # noqa: F401  (checks the TRL version before TRL is imported)
+from ._compat import broken_fact  # (checks the TRL version before TRL is imported)
 
 
 # isort: split
 from trl import RLOOTrainer
 
 from .config import LoptiRLOOConfig
-from .core_algos import advantage_reweighting_weights, reweight_token_gradients
+from .core_algos import reweight_token_gradients
 from .lopti_mixin import AR_WEIGHTS_KEY, LoptiTrainerMixin, LossCall, lopti_paper
 
 
@@ -75,19 +75,12 @@ class LoptiRLOOTrainer(LoptiTrainerMixin, RLOOTrainer):
         if old_per_token_logps is None or not torch.allclose(
             (old_per_token_logps * batch["completion_mask"]).sum(1), batch["old_logps"], rtol=0, atol=0, equal_nan=True
         ):
-            raise RuntimeError(
-                "RLOOTrainer._generate_and_score_completions no longer computes pi_old with its first log-prob "
-                "forward: trl_lopti does not support this TRL"
-            )
+            raise broken_fact("R1", "the masked sum of its first log-prob forward is not the old_logps it returned")
         if batch.get("tool_mask") is not None:
-            raise RuntimeError(
-                "RLOOTrainer returned a tool_mask, which its loss ignores: trl_lopti does not support it"
+            raise broken_fact(
+                "R2", "RLOOTrainer returned a tool_mask, which its loss ignores and the split would read"
             )
         return old_per_token_logps
-
-    def store_advantage_reweighting(self, batch: dict[str, Any], old_per_token_logps: torch.Tensor) -> None:
-        alpha = self.args.advantage_reweighting_alpha
-        batch[AR_WEIGHTS_KEY] = advantage_reweighting_weights(old_per_token_logps, alpha)
 
     def apply_advantage_reweighting(self, call: LossCall, per_token_logps: torch.Tensor) -> torch.Tensor:
         # Fact R2: RLOO's loss sums these log-probabilities into its sequence ratio

@@ -23,8 +23,8 @@ from trl import ModelConfig, TrlParser
 
 from ..config import LoptiGRPOConfig
 from ..diagnostics.report import new_figure, save_figure
+from ..grpo_trainer import LoptiGRPOTrainer
 from ..tasks.arithmetic import build_train_dataset, evaluate_held_out, exact_answer_reward, split_problems
-from ..trainer import LoptiGRPOTrainer
 from .demo_model import get_smollm2
 from .parsing import check_model_name_or_path, on_cpu, parse_with_config
 from .train import policy_model_init_kwargs, trainer_of

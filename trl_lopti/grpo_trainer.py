@@ -1,22 +1,29 @@
 """`LoptiGRPOTrainer`: TRL's `GRPOTrainer` with Advantage Reweighting and Low-Probability Token Isolation.
 
 The math is in `trl_lopti/core_algos.py`, the mechanism shared with RLOO (schedule, split, isolation, metrics,
-checkpoints) in `trl_lopti/lopti_mixin.py`; this file is GRPO's plumbing. TRL computes every loss, KL, clipping,
-importance-sampling and normalisation term itself; AR changes, per token, the advantage TRL's loss reads.
+checkpoints, the runtime checks) in `trl_lopti/lopti_mixin.py`; this file is GRPO's plumbing. TRL computes every loss,
+KL, clipping, importance-sampling and normalisation term itself.
 
 - pi_old: TRL's `old_per_token_logps` where TRL computes it at generation (off-policy schedules, vLLM importance
   sampling: fact G2), else the first pass's own forward (on-policy: no extra forward).
-- AR: token-level advantages `A'(i, t)` (B, T) in place of TRL's (B,) ones, which TRL's loss accepts and reads after its
-  policy forward (fact G1); the KL and entropy terms are untouched.
+- AR where each token has its own importance ratio (`importance_sampling_level="token"`): token-level advantages
+  `A'(i, t) = w(i, t) * A(i)` (B, T) in place of TRL's (B,) ones, which TRL's loss accepts and reads after its policy
+  forward (fact G1); the KL and entropy terms are untouched. Where the tokens of a sequence share one ratio
+  (`"sequence"`: GSPO, and LUSPO as TRL recommends it), the ratio would average the weights of a sequence's tokens,
+  so AR takes its general form ([`~trl_lopti.core_algos.reweight_token_gradients`]): the gradient through each token's
+  log-probability is scaled by `w(i, t)` and every value of the loss is unchanged. That form would reweight the KL
+  term's gradient too, so `LoptiGRPOConfig` refuses it with `beta != 0`.
 
 The TRL facts it relies on besides the shared ones (S1-S5, `trl_lopti/lopti_mixin.py`), numbered once in
 `trl_lopti/_compat.py` (`TRL_FACTS`) and pinned by `tests/test_trl_contract.py`:
 
-- G1. Loss. `_compute_loss(model, inputs)` reads `inputs["advantages"]` (token-level (B, T) accepted) and
-  `inputs.get("old_per_token_logps")` (absent: the forward's own detached output) only after its policy forward, and
-  returns the micro-step's share of its optimizer step's loss.
-- G2. Generation. `_generate_and_score_completions` returns `old_per_token_logps` exactly when TRL needs pi_old
-  (off-policy schedules, vLLM importance sampling).
+- G1. Loss. `_compute_loss(model, inputs)` reads `inputs["advantages"]` (token-level (B, T) accepted) only after its
+  policy forward, and returns the micro-step's share of its optimizer step's loss. Checked at every loss: it read the
+  advantages AR placed during the forward, and nothing else.
+- G2. Generation. `_generate_and_score_completions` returns `old_per_token_logps` whenever the policy moves between
+  the batch's generation and its training (`gradient_accumulation_steps` not a multiple of `steps_per_generation *
+  self.num_iterations`) or vLLM importance sampling needs it. Checked at every split without pi_old: no optimizer step
+  came between the generation and that micro-batch.
 """
 
 from __future__ import annotations
@@ -32,8 +39,8 @@ from . import _compat  # noqa: F401  (checks the TRL version before TRL is impor
 from trl import GRPOTrainer
 
 from .config import LoptiGRPOConfig
-from .core_algos import reweight_advantages
-from .lopti_mixin import AR_ADVANTAGES_KEY, LoptiTrainerMixin, LossCall, lopti_paper
+from .core_algos import reweight_token_gradients, token_level_advantages
+from .lopti_mixin import AR_WEIGHTS_KEY, LoptiTrainerMixin, LossCall, lopti_paper
 from .reinforce_plus_plus import ReinforcePlusPlusMixin
 
 
@@ -44,7 +51,8 @@ class LoptiGRPOTrainer(LoptiTrainerMixin, ReinforcePlusPlusMixin, GRPOTrainer):
     Same constructor and arguments as `GRPOTrainer`. `args` should be a [`LoptiGRPOConfig`]; a plain `GRPOConfig`
     is upgraded with the paper's defaults (`advantage_reweighting_alpha=0.3`, `lopti_threshold=0.5`), with a warning.
 
-    - AR: each completion's advantage `A(i)` becomes `(alpha * pi_old(i, t) + 1 - alpha) * A(i)` (not the KL).
+    - AR: each completion's advantage `A(i)` becomes `(alpha * pi_old(i, t) + 1 - alpha) * A(i)` (not the KL); with a
+      sequence-level importance ratio, the gradient through each token's log-probability is scaled by that weight.
     - Lopti: the completion tokens of each generation batch are split once by `pi_old < eta` (`lopti_threshold`, or
       the `lopti_quantile` quantile of the batch's pi_old), and the batch is trained once per group, low tokens first,
       the second pass from the first's parameters and against the same pi_old. In a pass every value of the loss is
@@ -55,12 +63,13 @@ class LoptiGRPOTrainer(LoptiTrainerMixin, ReinforcePlusPlusMixin, GRPOTrainer):
     - A checkpoint taken between the passes keeps its generation batch; resuming continues the schedule there.
 
     Metrics (`lopti/low_token_share`, `ar_weight_mean`, `threshold` per generation batch, `loss_low_pass`,
-    `loss_high_pass` per pass): docs/trainers/grpo.md, "Metrics". Completions are logged once per generation batch.
+    `loss_high_pass` per pass): [Metrics](../trainers/grpo.md#metrics). Completions are logged once per generation batch.
     """
 
     config_class = LoptiGRPOConfig
     trl_trainer_class = GRPOTrainer
     loss_is_scaled_for_accumulation = True  # fact G1
+    placement_fact = "G1"
     _tag_names: ClassVar[list[str]] = ["trl", "grpo", "lopti"]
     _name = "Lopti-GRPO"
     _paper: ClassVar[dict[str, str]] = lopti_paper(GRPOTrainer)
@@ -69,14 +78,13 @@ class LoptiGRPOTrainer(LoptiTrainerMixin, ReinforcePlusPlusMixin, GRPOTrainer):
         # Fact G2: TRL's own pi_old where it needs one; on-policy, the first pass's forward gives it (no extra forward)
         return batch.get("old_per_token_logps")
 
-    def store_advantage_reweighting(self, batch: dict[str, Any], old_per_token_logps: torch.Tensor) -> None:
-        # A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i), under its own key: TRL's advantages stay in the batch
-        alpha = self.args.advantage_reweighting_alpha
-        batch[AR_ADVANTAGES_KEY] = reweight_advantages(batch["advantages"], old_per_token_logps, alpha)
-
     def apply_advantage_reweighting(self, call: LossCall, per_token_logps: torch.Tensor) -> torch.Tensor:
-        # Fact G1: TRL's loss reads its (token-level) advantages after this forward
-        call.loss_inputs["advantages"] = call.batch[AR_ADVANTAGES_KEY]
+        weights = call.batch[AR_WEIGHTS_KEY]
+        if self.args.importance_sampling_level == "sequence":  # a shared ratio: the general form
+            return reweight_token_gradients(per_token_logps, weights)
+        # A'(i, t) = w(i, t) * A(i) in what the loss reads, which it reads after this forward (fact G1)
+        advantages = token_level_advantages(call.batch["advantages"], weights.size(1)) * weights
+        self.place_loss_input(call, "advantages", advantages)
         return per_token_logps
 
 
