@@ -32,9 +32,10 @@ from transformers import AutoConfig, PrinterCallback, TrainerCallback, set_seed
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer
+from trl_lopti._compat import trl_completion_logps
 from trl_lopti.cli.demo_model import get_smollm2
 from trl_lopti.diagnostics import completion_log_probs, probability_quartiles, probability_shift
-from trl_lopti.lopti_mixin import describe_method, trl_completion_logps
+from trl_lopti.lopti_mixin import describe_method
 from trl_lopti.models import build_tiny_model
 from trl_lopti.tasks import completion_to_text
 

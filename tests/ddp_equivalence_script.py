@@ -39,7 +39,7 @@ def main(model_path: str, output_dir: str, result_path: str) -> None:
         num_generations=2,
         max_completion_length=COMPLETION_LENGTH,
         temperature=TEMPERATURE,
-        beta=0.1,
+        beta=0.0,  # AR's general form (a sequence-level ratio) refuses a KL term
         advantage_reweighting_alpha=0.3,
         lopti_threshold=eta,
         importance_sampling_level="sequence",

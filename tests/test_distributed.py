@@ -46,7 +46,8 @@ def assert_reinforce_plus_plus_whitens_over_both_processes(per_rank_batches):
 
 @pytest.mark.slow
 def test_two_process_ddp_equals_one_process_with_twice_the_batch(tiny_float64_model_path, tmp_path):
-    """A Lopti cycle (sequence-level ratio, KL, AR) on a fixed generation batch split over 2 gloo processes, float64."""
+    """A Lopti cycle (sequence-level ratio, AR in its general form) on a fixed generation batch split over 2 gloo
+    processes, float64."""
     import torch
     from testing_utils import assert_parameters_close
     from transformers import AutoModelForCausalLM

@@ -388,20 +388,74 @@ def trainer(tiny_model_path, tmp_path):
     )
 
 
+def saved_generation_batch(trainer, path, micro_batches, **schedule):
+    """A generation batch file as `_save_checkpoint` writes it inside a batch, with `schedule` changed."""
+    torch.save({"micro_batches": micro_batches, "schedule": {**trainer._schedule_signature(), **schedule}}, path)
+
+
 def test_a_checkpoint_inside_a_generation_batch_resumes_its_buffered_batch_at_its_micro_step(trainer, tmp_path):
-    batch = [{"completion_mask": torch.ones(2, 3)}, {"completion_mask": torch.zeros(2, 3)}]
-    torch.save(batch, tmp_path / "lopti_generation_batch_rank0.pt")
+    from trl_lopti.lopti_mixin import ETA_KEY
+
+    eta = torch.tensor(0.25, dtype=torch.float64)
+    batch = [{"completion_mask": torch.ones(2, 3), ETA_KEY: eta}, {"completion_mask": torch.zeros(2, 3), ETA_KEY: eta}]
+    saved_generation_batch(trainer, tmp_path / "lopti_generation_batch_rank0.pt", batch)
     trainer.state.global_step = 3
     trainer._load_optimizer_and_scheduler(str(tmp_path))
     assert trainer._step == 3 * 2 and torch.equal(trainer._buffered_inputs[1]["completion_mask"], torch.zeros(2, 3))
+    # loaded on the CPU, then moved: the eta stays a float64 CPU tensor (MPS has no float64)
+    assert trainer._buffered_inputs[0][ETA_KEY].device.type == "cpu" and trainer._buffered_inputs[0][ETA_KEY] == eta
     trainer._load_optimizer_and_scheduler(str(tmp_path.parent))  # a checkpoint between generation batches: nothing
     assert trainer._step == 6
 
 
+def test_a_checkpoint_inside_a_generation_batch_moves_its_tensors_but_the_eta_to_the_device(
+    trainer, tmp_path, monkeypatch
+):
+    """On a device without float64 (MPS), torch.load onto the device fails for the eta: it is loaded on the CPU and
+    every other tensor moved to the trainer's device (the meta device stands in for it here)."""
+    from accelerate import Accelerator
+
+    from trl_lopti.lopti_mixin import ETA_KEY
+
+    eta = torch.tensor(0.25, dtype=torch.float64)
+    saved_generation_batch(
+        trainer, tmp_path / "lopti_generation_batch_rank0.pt", [{"ids": torch.ones(2), ETA_KEY: eta}]
+    )
+    load = torch.load
+
+    def load_without_float64_on_the_device(*args, map_location=None, **kwargs):
+        assert map_location == "cpu", "a float64 tensor cannot be mapped onto an MPS device"
+        return load(*args, map_location=map_location, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load_without_float64_on_the_device)
+    monkeypatch.setattr(Accelerator, "device", property(lambda self: torch.device("meta")))
+    trainer.state.global_step = 1
+    trainer._load_optimizer_and_scheduler(str(tmp_path))
+    micro_batch = trainer._buffered_inputs[0]
+    assert micro_batch["ids"].device.type == "meta" and micro_batch[ETA_KEY].device.type == "cpu"
+
+
 def test_a_checkpoint_inside_a_generation_batch_refuses_another_process_count(trainer, tmp_path):
     for rank in range(2):
-        torch.save([], tmp_path / f"lopti_generation_batch_rank{rank}.pt")
-    with pytest.raises(ValueError, match="by 2 processes: resume it with 2 processes"):
+        saved_generation_batch(trainer, tmp_path / f"lopti_generation_batch_rank{rank}.pt", [], num_processes=2)
+    with pytest.raises(
+        ValueError, match="by num_processes=2; this run has num_processes=1: resume it with 2 processes"
+    ):
+        trainer._load_optimizer_and_scheduler(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "changed", [{"gradient_accumulation_steps": 4}, {"steps_per_generation": 2}, {"num_iterations": 2}]
+)
+def test_a_checkpoint_inside_a_generation_batch_refuses_another_schedule_naming_both_values(
+    trainer, tmp_path, changed
+):
+    saved_generation_batch(trainer, tmp_path / "lopti_generation_batch_rank0.pt", [], **changed)
+    trainer.state.global_step = 1
+    [(name, saved)] = changed.items()
+    with pytest.raises(
+        ValueError, match=rf"saved inside a generation batch with {name}={saved}; this run has {name}="
+    ):
         trainer._load_optimizer_and_scheduler(str(tmp_path))
 
 

@@ -417,20 +417,20 @@ def test_rloo_log_prints_the_completions_table_while_log_completions_is_set(tiny
 # ------------------------------------------------------------------------------------------------------ S3 (arguments)
 @pytest.mark.parametrize("trl_trainer", list(TRL_TRAINERS))
 def test_the_log_prob_forward_names_the_multimodal_inputs_trl_lopti_passes(trl_trainer):
-    """trl_lopti passes a batch's multimodal inputs (`EXTRA_FORWARD_KEYS`) to TRL's log-prob forward by name. TRL 1.14's
+    """trl_lopti passes a batch's multimodal inputs (`extra_forward_keys()`) to TRL's log-prob forward by name. TRL 1.14's
     `GRPOTrainer._get_per_token_logps_and_entropies` takes them as `**kwargs` and passes them on to
     `_full_logits_logps`; every other release names them in the method itself."""
     import inspect
 
-    from trl_lopti.lopti_mixin import EXTRA_FORWARD_KEYS
+    from trl_lopti._compat import extra_forward_keys
 
     trainer_class, _ = TRL_TRAINERS[trl_trainer]
     forward = trainer_class._get_per_token_logps_and_entropies
     named = inspect.signature(forward).parameters
     if any(parameter.kind is parameter.VAR_KEYWORD for parameter in named.values()):
         named = inspect.signature(trainer_class._full_logits_logps).parameters
-    assert {"pixel_values", "image_grid_thw"} <= set(EXTRA_FORWARD_KEYS) <= set(named)
-    assert "batch_size" in named and "batch_size" not in EXTRA_FORWARD_KEYS
+    assert {"pixel_values", "image_grid_thw"} <= set(extra_forward_keys()) <= set(named)
+    assert "batch_size" in named and "batch_size" not in extra_forward_keys()
 
 
 # ------------------------------------------------------------------------------------------------------ G2, G4

@@ -183,8 +183,8 @@ class MidGapEta:
     def lopti_eta(self, batch: dict) -> float:
         from accelerate.utils import gather_object
 
+        from trl_lopti._compat import trl_completion_logps
         from trl_lopti.core_algos import loss_token_mask
-        from trl_lopti.lopti_mixin import trl_completion_logps
 
         if not self.model.training or self.args.lopti_quantile is not None:
             return super().lopti_eta(batch)
@@ -576,3 +576,199 @@ def load_benchmark_script(name: str):
     sys.modules[spec.name] = module  # dataclasses resolve the module by name
     spec.loader.exec_module(module)
     return module
+
+
+# ---------------------------------------------------------------------------------------------- TRL, broken on purpose
+# Each mutation makes TRL's trainer class behave as a plausible future release that breaks one fact of
+# `trl_lopti._compat.TRL_FACTS` would (monkeypatch undoes it). tests/test_fact_checks.py trains with each one and expects
+# the trainer's runtime check of that fact to stop it; tests/test_layout.py checks that every fact has one.
+def _copies_the_micro_batch(monkeypatch, trl_class):  # S1: what compute_loss gets is a copy of the buffered dict
+    prepare = trl_class._prepare_inputs
+    monkeypatch.setattr(trl_class, "_prepare_inputs", lambda self, batch: dict(prepare(self, batch)))
+
+
+def _generates_at_every_pass(monkeypatch, trl_class):  # S1: generates by the user's num_iterations, not its own
+    prepare = trl_class._prepare_inputs
+
+    def regenerating(self, batch):
+        if self.model.training and self._step % (self.args.steps_per_generation * self.args.num_iterations) == 0:
+            self._buffered_inputs = None
+        return prepare(self, batch)
+
+    monkeypatch.setattr(trl_class, "_prepare_inputs", regenerating)
+
+
+def _repeats_once_per_pass(monkeypatch, trl_class):  # S2: the sampler repeats by args.num_iterations
+    from trl_lopti._compat import temporarily_set
+
+    sampler = trl_class._get_train_sampler
+
+    def sampler_by_the_arguments(self, *args, **kwargs):
+        with temporarily_set(self, num_iterations=self.args.num_iterations):
+            return sampler(self, *args, **kwargs)
+
+    monkeypatch.setattr(trl_class, "_get_train_sampler", sampler_by_the_arguments)
+
+
+def _two_forwards(monkeypatch, trl_class):  # S3: the loss runs a second forward (e.g. for a metric)
+    loss = trl_class._compute_loss
+
+    def twice(self, model, inputs):
+        loss(self, model, inputs)
+        return loss(self, model, inputs)
+
+    monkeypatch.setattr(trl_class, "_compute_loss", twice)
+
+
+def _loss_not_through_the_hook(monkeypatch, trl_class):  # S3: a fused loss; the hooked forward feeds metrics only
+    loss = trl_class._compute_loss
+
+    def fused(self, model, inputs):
+        with torch.no_grad():
+            loss(self, model, inputs)
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        logps = trl_class._get_per_token_logps_and_entropies(
+            self, model, ids, attention, ids.size(1) - inputs["prompt_ids"].size(1)
+        )[0]
+        mask = inputs["completion_mask"]
+        return -(logps * mask).sum() / mask.sum().clamp(min=1)
+
+    monkeypatch.setattr(trl_class, "_compute_loss", fused)
+
+
+def _state_loaded_after_the_hook(monkeypatch, trl_class):  # S4: the trainer state is not loaded yet in the hook
+    from transformers import TrainerState
+
+    load = TrainerState.load_from_json.__func__
+
+    def not_yet_loaded(cls, path):  # the state at the hook: its step not yet restored
+        state = load(cls, path)
+        state.global_step = 0
+        return state
+
+    monkeypatch.setattr(TrainerState, "load_from_json", classmethod(not_yet_loaded))
+
+
+def _hook_not_called(monkeypatch, trl_class):  # S4: the training loop restores the optimizer through another hook
+    import functools
+
+    import transformers
+
+    loop = transformers.Trainer._inner_training_loop
+
+    def loop_with_the_base_hook(self, *args, **kwargs):
+        self._load_optimizer_and_scheduler = functools.partial(
+            transformers.Trainer._load_optimizer_and_scheduler, self
+        )
+        return loop(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.Trainer, "_inner_training_loop", loop_with_the_base_hook)
+
+
+def _metrics_kept(monkeypatch, trl_class):  # S5: log keeps the metrics it averaged (a running mean)
+    log = trl_class.log
+
+    def keeping(self, logs, start_time=None):
+        mode = "train" if self.model.training else "eval"
+        kept = {key: list(values) for key, values in self._metrics[mode].items()}
+        log(self, logs, start_time)
+        self._metrics[mode].update(kept)
+
+    monkeypatch.setattr(trl_class, "log", keeping)
+
+
+def _table_from_the_arguments(monkeypatch, trl_class):  # S5: the completions table follows args.log_completions
+    from trl_lopti._compat import temporarily_set
+
+    log = trl_class.log
+
+    def by_the_arguments(self, logs, start_time=None):
+        with temporarily_set(self, log_completions=self.args.log_completions):
+            log(self, logs, start_time)
+
+    monkeypatch.setattr(trl_class, "log", by_the_arguments)
+
+
+def _advantages_read_first(monkeypatch, trl_class):  # G1: the loss reads its inputs before its policy forward
+    loss = trl_class._compute_loss
+    monkeypatch.setattr(trl_class, "_compute_loss", lambda self, model, inputs: loss(self, model, dict(inputs)))
+
+
+def _no_pi_old(monkeypatch, trl_class):  # G2: no old_per_token_logps off-policy
+    generate = trl_class._generate_and_score_completions
+
+    def without_pi_old(self, inputs):
+        output = generate(self, inputs)
+        output.pop("old_per_token_logps", None)
+        return output
+
+    monkeypatch.setattr(trl_class, "_generate_and_score_completions", without_pi_old)
+
+
+def _rewards_elsewhere(monkeypatch, trl_class):  # G3: the rewards come from another method than _calculate_rewards
+    import functools
+
+    from trl_lopti._compat import temporarily_set
+
+    generate = trl_class._generate_and_score_completions
+
+    def renamed(self, inputs):
+        with temporarily_set(self, _calculate_rewards=functools.partial(trl_class._calculate_rewards, self)):
+            return generate(self, inputs)
+
+    monkeypatch.setattr(trl_class, "_generate_and_score_completions", renamed)
+
+
+def _advantages_unlogged(monkeypatch, trl_class):  # G4: the advantages logged elsewhere than self._logs
+    generate = trl_class._generate_and_score_completions
+
+    def unlogged(self, inputs):
+        output = generate(self, inputs)
+        for _ in range(len(output["advantages"]) * self.accelerator.num_processes):
+            self._logs["advantages"].pop()
+        return output
+
+    monkeypatch.setattr(trl_class, "_generate_and_score_completions", unlogged)
+
+
+def _old_logps_elsewhere(monkeypatch, trl_class):  # R1: old_logps no longer the first forward's masked sum
+    generate = trl_class._generate_and_score_completions
+
+    def shifted(self, inputs):
+        output = generate(self, inputs)
+        output["old_logps"] = output["old_logps"] + 1.0
+        return output
+
+    monkeypatch.setattr(trl_class, "_generate_and_score_completions", shifted)
+
+
+def _tool_mask(monkeypatch, trl_class):  # R2: RLOO returns a tool_mask, which its loss ignores
+    generate = trl_class._generate_and_score_completions
+
+    def with_tool_mask(self, inputs):
+        output = generate(self, inputs)
+        output["tool_mask"] = torch.ones_like(output["completion_mask"])
+        return output
+
+    monkeypatch.setattr(trl_class, "_generate_and_score_completions", with_tool_mask)
+
+
+TRL_MUTATIONS = {
+    "copied micro-batch": ("S1", _copies_the_micro_batch),
+    "generation at every pass": ("S1", _generates_at_every_pass),
+    "sampler repeats once per pass": ("S2", _repeats_once_per_pass),
+    "two policy forwards": ("S3", _two_forwards),
+    "loss not through the hooked forward": ("S3", _loss_not_through_the_hook),
+    "state loaded after the hook": ("S4", _state_loaded_after_the_hook),
+    "hook not called on resume": ("S4", _hook_not_called),
+    "metrics kept after log": ("S5", _metrics_kept),
+    "table from the arguments": ("S5", _table_from_the_arguments),
+    "advantages read before the forward": ("G1", _advantages_read_first),
+    "no pi_old off-policy": ("G2", _no_pi_old),
+    "rewards from another method": ("G3", _rewards_elsewhere),
+    "advantages not logged": ("G4", _advantages_unlogged),
+    "old_logps not the first forward": ("R1", _old_logps_elsewhere),
+    "a tool_mask": ("R2", _tool_mask),
+}
+"""Mutation name -> (the fact of `trl_lopti._compat.TRL_FACTS` it breaks, `mutation(monkeypatch, trl_class)`)."""

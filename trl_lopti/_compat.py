@@ -1,20 +1,71 @@
-"""The TRL releases trl_lopti supports, checked when the trainer or its config is first imported.
+"""What trl_lopti relies on in TRL: the supported releases, checked at import, and the TRL facts, checked while training.
 
 `trl_lopti.config` and the trainer modules import this module before they import TRL, so that an unsupported TRL fails
 with the message below rather than somewhere inside TRL; `trl_lopti.tasks` does not import TRL at all.
 
-The trainers rely on the TRL facts in `TRL_FACTS`, which hold unchanged from 1.10 to 1.16: `.ci/run` runs the contract,
-exactness, schedule and split tests against the newest patch of each minor release.
+The trainers rely on the TRL facts below (`TRL_FACTS`), which hold unchanged from 1.10 to 1.16: `.ci/run` runs the
+contract, exactness, schedule and split tests against the newest patch of each minor release. Each fact is also checked
+in every training run, at no measurable cost, by the `check_*` function named beside it, which stops the run at the
+first step where the fact fails ([`broken_fact`]: the fact's number, the TRL release, what the check saw);
+tests/test_fact_checks.py breaks each one on purpose. S holds for both trainers (`trl_lopti/lopti_mixin.py` relies on
+it), G for `GRPOTrainer` (`trl_lopti/grpo_trainer.py`, `trl_lopti/reinforce_plus_plus.py`), R for `RLOOTrainer`
+(`trl_lopti/rloo_trainer.py`).
+
+- S1. Schedule. `_prepare_inputs` generates when `self._step % (steps_per_generation * self.num_iterations) == 0` (or
+  with nothing buffered), buffers the batch split into micro-batches in `self._buffered_inputs` (0-dim tensors copied
+  into each) and serves slice `self._step % steps_per_generation`, the same dicts until the next generation;
+  `training_step` then increments `self._step`. Checked: a generation happens only at a cycle's first micro-step, and
+  a micro-batch carries the mark of its first training exactly when it is trained again (`check_generation`,
+  `check_micro_batch`).
+- S2. Dataloader. The train sampler repeats each generation batch `self.num_iterations * steps_per_generation` times,
+  reading `self.num_iterations` when the dataloader is built. Checked: the dataloader serves the same generation batch
+  (its prompts) at every micro-step of a cycle (`check_micro_step`).
+- S3. Loss forward. `_compute_loss(model, inputs)` calls `self._get_per_token_logps_and_entropies` once for the policy
+  (taking `batch_size=` and the same arguments in both trainers), and its loss is differentiated through the
+  log-probabilities that call returns. Checked: one forward per loss, and the backward reaches what it returned
+  (`check_loss_call`, `check_backward`).
+- S4. Checkpoints. `_save_checkpoint` and `_load_optimizer_and_scheduler` are the extension points for trainer state
+  (TRL's entropy controller uses them); transformers calls the latter on resume after `self.state` is loaded. Checked:
+  the state is loaded there, and at each accumulation window `self._step` sits where the optimizer steps put it
+  (`check_resumed_state`, `check_micro_step`).
+- S5. Logging. `log` averages and clears the lists in `self._metrics[mode]`, and reads `self._logs` (the completions
+  table) only when `self.log_completions` is true at that call. Checked after every log (`check_log`).
+- G1. GRPO loss. `_compute_loss(model, inputs)` reads `inputs["advantages"]` (token-level (B, T) accepted) only after
+  its policy forward, and returns the micro-step's share of its optimizer step's loss. Checked at every loss: it read
+  the advantages AR placed during the forward, and nothing else (`check_loss_call`).
+- G2. GRPO generation. `_generate_and_score_completions` returns `old_per_token_logps` whenever the policy moves
+  between the batch's generation and its training (`gradient_accumulation_steps` not a multiple of
+  `steps_per_generation * self.num_iterations`) or vLLM importance sampling needs it. Checked at every split without
+  pi_old: no optimizer step came between the generation and that micro-batch (`check_on_policy`).
+- G3. GRPO rewards. `_generate_and_score_completions` calls `self._calculate_rewards` once per generation batch, which
+  returns the rewards of every completion of the batch (all processes, in process order), one column per reward
+  function; this process's completions are the `process_index`-th slice of that order. Checked at every generation
+  batch: one call, one row per completion of every process.
+- G4. GRPO logs. `_generate_and_score_completions` appends the batch's advantages (all processes) to
+  `self._logs["advantages"]`, which the completions table shows; REINFORCE++'s take their place there. Checked at every
+  generation batch: this process's slice of the last ones appended is the advantages TRL returned.
+- R1. RLOO generation. `_generate_and_score_completions` computes pi_old with its first
+  `_get_per_token_logps_and_entropies` call (the policy, no gradient, before the reference model's) and returns its
+  masked sum as `old_logps` (B,). Checked at every generation batch.
+- R2. RLOO loss. `_compute_loss(model, inputs)` sums the log-probabilities of its one policy forward over
+  `completion_mask` (no `tool_mask`) and reads `old_logps` and `advantages` (B,); it returns the micro-batch's mean loss
+  (the Trainer divides it by the gradient accumulation). Checked at every generation batch (no `tool_mask`) and,
+  through S3, at every loss.
+
 TRL 1.15 is left out: its fused log-prob head needs Triton on every device (1.16 made it optional), so no test of
-ours can run it on a CPU, and a release we cannot test is refused. A release above the range is refused too: the
-runtime checks catch a changed loss forward, not a changed schedule, so a new release could train the wrong update.
+ours can run it on a CPU, and a release we cannot test is refused. A release above the range is refused too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import os
+import textwrap
 import warnings
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -42,10 +93,8 @@ TRL_FACTS = {
     "R1": "RLOO generation: pi_old is its first log-prob forward, kept only as the masked sum old_logps",
     "R2": "RLOO loss: sums its policy forward's log-probs over completion_mask, reads old_logps and advantages",
 }
-"""The TRL facts the trainers rely on, by number: S (both trainers; stated in `trl_lopti/lopti_mixin.py`), G
-(`GRPOTrainer`; `trl_lopti/grpo_trainer.py`, `trl_lopti/reinforce_plus_plus.py`), R (`RLOOTrainer`;
-`trl_lopti/rloo_trainer.py`). Each is checked while training ([`broken_fact`]) and pinned by
-`tests/test_trl_contract.py`."""
+"""The TRL facts the trainers rely on, by number (stated in this module's docstring), each checked while training and
+pinned by `tests/test_trl_contract.py`."""
 
 TESTED_TRL_RELEASES = ("1.10.0", "1.11.0", "1.12.0", "1.13.0", "1.14.2", "1.16.0")
 """The newest patch of each supported minor release: what `.ci/run` tests."""
@@ -104,6 +153,163 @@ def broken_fact(number: str, saw: str) -> RuntimeError:
         f"TRL {TRL_VERSION} broke fact {number} of trl_lopti ({TRL_FACTS[number]}): {saw}. Training stops here rather "
         "than train an update other than the method's (docs/releases.md)"
     )
+
+
+class ReadRecorder(dict):
+    """A dict that records every value read from it by key (`reads`): what TRL's code read (facts G1, S5)."""
+
+    def __init__(self, values: dict[str, Any]):
+        super().__init__(values)
+        self.reads: dict[str, list[Any]] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        value = super().__getitem__(key)
+        self.reads.setdefault(key, []).append(value)
+        return value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default  # noqa: SIM401 (dict.get would skip __getitem__)
+
+
+@functools.cache
+def extra_forward_keys() -> tuple[str, ...]:
+    """The multimodal inputs of TRL's log-prob forward (its other arguments are ids, masks and options), as TRL names
+    them (TRL 1.14's GRPOTrainer takes them as `**kwargs` there and passes them on to `_full_logits_logps`)."""
+    from trl import GRPOTrainer
+
+    forward = getattr(GRPOTrainer, "_full_logits_logps", GRPOTrainer._get_per_token_logps_and_entropies)
+    parameters = inspect.signature(forward).parameters.items()
+    return tuple(name for name, parameter in parameters if parameter.default is None and name != "batch_size")
+
+
+def trl_completion_logps(trainer, batch: dict[str, Any], model=None, **kwargs: Any) -> tuple:
+    """Per-token log-probabilities and entropies (`None` unless `compute_entropy=True`; B x T) of the completions of a
+    TRL batch by TRL's own forward (`_get_per_token_logps_and_entropies` of the trainer's TRL class, whatever a subclass
+    overrides: its LM head, temperature and autocast; `kwargs` go to it), with gradient where grad mode is on; `model`
+    defaults to `trainer.model`."""
+    import torch
+    from trl import GRPOTrainer
+
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    extra = {key: batch[key] for key in extra_forward_keys() if batch.get(key) is not None}
+    model, num_tokens = trainer.model if model is None else model, batch["completion_ids"].size(1)
+    forward = getattr(trainer, "trl_trainer_class", GRPOTrainer)._get_per_token_logps_and_entropies
+    return forward(trainer, model, input_ids, attention_mask, num_tokens, **extra, **kwargs)[:2]
+
+
+@contextlib.contextmanager
+def temporarily_set(obj: Any, **values: Any):
+    """Sets instance attributes of `obj` for the block (shadowing those of its class, methods included), then restores
+    what the instance held itself."""
+    own = {name: vars(obj)[name] for name in values if name in vars(obj)}
+    vars(obj).update(values)
+    try:
+        yield
+    finally:
+        for name in values:
+            del vars(obj)[name]
+        vars(obj).update(own)
+
+
+LOPTI_PAPER_CITATION = textwrap.dedent("""\
+    @article{yang2025lopti,
+        title        = {{Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs}},
+        author       = {Zhihe Yang and Xufang Luo and Zilong Wang and Dongqi Han and Zhiyuan He and Dongsheng Li and Yunjian Xu},
+        year         = 2025,
+        eprint       = {arXiv:2505.12929},
+    }""")
+
+
+def lopti_paper(trl_trainer_class: type) -> dict[str, str]:
+    """The model card's paper entry of a Lopti trainer: the Lopti paper, cited beside the TRL trainer's own."""
+    return {
+        "title": "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs",
+        "id": "2505.12929",
+        "citation": LOPTI_PAPER_CITATION + "\n\n" + trl_trainer_class._paper["citation"],
+    }
+
+
+def check_generation(position: int, cycle: int) -> None:
+    """Fact S1: a training generation batch is generated at micro-step `position` of a `cycle`-micro-step cycle."""
+    if position:
+        raise broken_fact("S1", f"TRL generated at micro-step {position} of a {cycle}-micro-step cycle")
+
+
+def check_micro_step(step: int, global_step: int, accumulation: int, cycle: int, same_prompts: bool) -> None:
+    """Facts S4 and S2, at the start of training micro-step `step` (TRL's `_step`) after `global_step` optimizer steps
+    of `accumulation` micro-steps, in a `cycle`-micro-step cycle; `same_prompts`: the dataloader served the prompts
+    it served at the cycle's first micro-step."""
+    if cycle % accumulation == 0 and step % accumulation == 0 and (global_step * accumulation - step) % cycle:
+        raise broken_fact(
+            "S4",
+            f"at optimizer step {global_step} TRL's micro-step counter _step is {step}, which is not where "
+            f"{accumulation} micro-steps per optimizer step put it in a {cycle}-micro-step cycle (a resumed run whose "
+            "_load_optimizer_and_scheduler did not run?)",
+        )
+    if not same_prompts:
+        raise broken_fact(
+            "S2",
+            f"at micro-step {step % cycle} of a {cycle}-micro-step cycle the dataloader served other prompts than at "
+            "its first: each pass must train the generation batch the first pass trained",
+        )
+
+
+def check_micro_batch(position: int, first_position: int | None, trained_at: int | None) -> None:
+    """Fact S1: the micro-batch served at micro-step `position` of its cycle was first trained at `trained_at` (`None`:
+    never); it must be at `first_position` of this cycle (`None`: it is its first training)."""
+    if first_position is None and trained_at is not None:
+        raise broken_fact("S1", f"micro-step {position} of a cycle got a micro-batch trained in an earlier cycle")
+    if first_position is not None and trained_at != first_position:
+        raise broken_fact(
+            "S1",
+            f"micro-step {position} of its cycle got another micro-batch (or a copy of it) than the one trained at "
+            f"micro-step {first_position}, whose split and pi_old it must reuse",
+        )
+
+
+def check_loss_call(policy_forwards: int, placed: dict, reads: dict, placement_fact: str) -> None:
+    """Facts S3 and (`placement_fact`) G1, after a loss: TRL ran `policy_forwards` policy forwards, and read (`reads`:
+    the values read, by key) every value placed in its inputs during the forward (`placed`, by key)."""
+    if policy_forwards != 1:
+        raise broken_fact("S3", f"_compute_loss ran {policy_forwards} policy forwards, not one")
+    for key, value in placed.items():
+        if not reads.get(key) or any(seen is not value for seen in reads[key]):
+            raise broken_fact(placement_fact, f"TRL's loss did not read the {key} placed during its forward")
+
+
+def check_backward(reached: bool) -> None:
+    """Fact S3, after a training step: its backward `reached` the log-probabilities handed to TRL's loss."""
+    if not reached:
+        raise broken_fact("S3", "the backward of the training step never reached the log-probabilities of the loss")
+
+
+def check_on_policy(step: int, position: int, accumulation: int) -> None:
+    """Fact G2: a micro-batch first trained at micro-step `step` (`position` of its cycle) came without pi_old, so no
+    optimizer step (every `accumulation` micro-steps) may lie between its generation and now."""
+    if (step - position) // accumulation != step // accumulation:
+        raise broken_fact(
+            "G2",
+            f"no pi_old (old_per_token_logps) came with a micro-batch first trained at micro-step {position} of its "
+            "cycle, after an optimizer step: its own forward is no longer pi_old",
+        )
+
+
+def check_log(kept_metrics: list[str], rewrote_table: bool) -> None:
+    """Fact S5, after a log: the metrics `log` kept, and whether it read the completions table while told not to."""
+    if kept_metrics:
+        raise broken_fact(
+            "S5", f"log kept {len(kept_metrics)} metrics it averaged, e.g. {', '.join(kept_metrics[:3])}"
+        )
+    if rewrote_table:
+        raise broken_fact("S5", "log wrote a generation batch's completions table again, with log_completions off")
+
+
+def check_resumed_state(global_step: int) -> None:
+    """Fact S4: a checkpoint inside a generation batch (at least one optimizer step in) is resumed with the trainer
+    state at `global_step` loaded."""
+    if global_step == 0:
+        raise broken_fact("S4", "_load_optimizer_and_scheduler ran before the trainer state was loaded")
 
 
 def check_features(config) -> None:

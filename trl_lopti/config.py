@@ -200,10 +200,6 @@ def lopti_field_names(config_class: type = LoptiGRPOConfig) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(config_class) if f.name not in base.__dataclass_fields__)
 
 
-LOPTI_FIELD_NAMES: tuple[str, ...] = lopti_field_names(LoptiGRPOConfig)
-"""The fields `LoptiGRPOConfig` adds to TRL's `GRPOConfig` (AR, Lopti, the advantage estimator)."""
-
-
 def as_lopti_config(args: Any, model: Any, config_class: type = LoptiGRPOConfig) -> LoptiArguments:
     """
     Returns the Lopti config (`config_class`, e.g. [`LoptiGRPOConfig`]) to train with: `args` itself; for a plain TRL

@@ -1,13 +1,13 @@
 """The algorithm: Advantage Reweighting (AR) and Low-Probability Token Isolation (Lopti) as small pure tensor functions.
 
 Exactly what arXiv 2505.12929 computes, each piece testable on its own; `trl_lopti/lopti_mixin.py` and the two
-trainers (`trainer.py` for GRPO, `rloo_trainer.py` for RLOO) wire them into TRL.
+trainers (`grpo_trainer.py`, `rloo_trainer.py`) wire them into TRL.
 Shapes: `B` completions, `T` completion tokens (padded). `old_per_token_logps` (B, T): log pi_old of each sampled token
 under the policy that produced the batch, at the loss's temperature (a constant: no gradient flows through it).
 `completion_mask` (B, T): 1 for a completion token the loss counts, 0 for padding (and masked tool output).
 
-- AR: `A'(i, t) = (alpha * pi_old(i, t) + (1 - alpha)) * A(i)` ([`reweight_advantages`]); for a loss with one advantage
-  per sequence, its general form: the gradient through each token scaled by the same weight ([`reweight_token_gradients`]).
+- AR: `A'(i, t) = (alpha * pi_old(i, t) + (1 - alpha)) * A(i)` ([`reweight_advantages`]); where a sequence's tokens
+  share one ratio, its general form: the gradient through each token scaled by that weight ([`reweight_token_gradients`]).
 - Lopti: split the completion tokens once by `pi_old < eta` ([`low_probability_token_mask`], eta fixed or
   [`lopti_batch_threshold`]) and run the update once per group, gradient only through that group's tokens
   ([`isolate_token_gradients`]).
@@ -58,10 +58,10 @@ def reweight_token_gradients(values: torch.Tensor, weights: torch.Tensor) -> tor
 
     Applied to the per-token log-probabilities (B, T) of the policy before a loss reads them, with the AR weights
     `alpha * pi_old + 1 - alpha` ([`advantage_reweighting_weights`]), it makes the gradient of the loss w.r.t. each
-    token's log-probability `w(i, t)` times the plain loss's, and changes no value the loss computes. For a loss with
-    one advantage per sequence (RLOO's sequence ratio) this is how AR enters; for a token-level loss without KL it
-    equals the paper's `A'(i, t) = w(i, t) * A(i)`, since `min(r w A, clip(r) w A) = w min(r A, clip(r) A)` for
-    `w > 0`. It composes with [`isolate_token_gradients`] in either order.
+    token's log-probability `w(i, t)` times the plain loss's, and changes no value the loss computes. Where the tokens
+    of a sequence share one ratio (RLOO, GRPO's `importance_sampling_level="sequence"`) this is how AR enters; for a
+    token-level loss without KL it equals the paper's `A'(i, t) = w(i, t) * A(i)`, since `min(r w A, clip(r) w A) =
+    w min(r A, clip(r) A)` for `w > 0`. It composes with [`isolate_token_gradients`] in either order.
 
     Args:
         values (`torch.Tensor`), weights (`torch.Tensor`):

@@ -14,16 +14,7 @@ KL, clipping, importance-sampling and normalisation term itself.
   log-probability is scaled by `w(i, t)` and every value of the loss is unchanged. That form would reweight the KL
   term's gradient too, so `LoptiGRPOConfig` refuses it with `beta != 0`.
 
-The TRL facts it relies on besides the shared ones (S1-S5, `trl_lopti/lopti_mixin.py`), numbered once in
-`trl_lopti/_compat.py` (`TRL_FACTS`) and pinned by `tests/test_trl_contract.py`:
-
-- G1. Loss. `_compute_loss(model, inputs)` reads `inputs["advantages"]` (token-level (B, T) accepted) only after its
-  policy forward, and returns the micro-step's share of its optimizer step's loss. Checked at every loss: it read the
-  advantages AR placed during the forward, and nothing else.
-- G2. Generation. `_generate_and_score_completions` returns `old_per_token_logps` whenever the policy moves between
-  the batch's generation and its training (`gradient_accumulation_steps` not a multiple of `steps_per_generation *
-  self.num_iterations`) or vLLM importance sampling needs it. Checked at every split without pi_old: no optimizer step
-  came between the generation and that micro-batch.
+The TRL facts it relies on besides the shared ones are G1-G4, stated and checked in `trl_lopti/_compat.py`.
 """
 
 from __future__ import annotations
@@ -32,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import _compat  # noqa: F401  (checks the TRL version before TRL is imported)
+from ._compat import lopti_paper  # (checks the TRL version before TRL is imported)
 
 
 # isort: split
@@ -40,7 +31,7 @@ from trl import GRPOTrainer
 
 from .config import LoptiGRPOConfig
 from .core_algos import reweight_token_gradients, token_level_advantages
-from .lopti_mixin import AR_WEIGHTS_KEY, LoptiTrainerMixin, LossCall, lopti_paper
+from .lopti_mixin import AR_WEIGHTS_KEY, LoptiTrainerMixin, LossCall
 from .reinforce_plus_plus import ReinforcePlusPlusMixin
 
 

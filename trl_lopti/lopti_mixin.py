@@ -17,8 +17,8 @@ Lopti trainer adds only what differs: where pi_old comes from, how AR enters its
   batch gets its eta at generation (`lopti_batch_eta`): the quantile rule needs the whole batch's pi_old first.
 - Isolation. In a pass, gradient flows only through the active tokens' log-probabilities and entropies; every value of
   the loss is the base trainer's.
-- Checks. Each fact below is checked while training, at no measurable cost, and stops the run at the first step where
-  it fails ([`~trl_lopti._compat.broken_fact`]); tests/test_trl_contract.py breaks each one on purpose.
+- Checks. Every TRL fact the mechanism relies on (S1-S5, stated in `trl_lopti/_compat.py`) is checked while
+  training, at no measurable cost, and stops the run at the first step where it fails.
 
 The overrides, and why each stays: `training_step` (marks the micro-step in flight; checks S2, S3, S4), `compute_loss`
 (the pass's token group; checks S1, S3 and the values AR placed), `_get_per_token_logps_and_entropies` (the one place
@@ -26,36 +26,13 @@ TRL's loss hands out the policy's log-probabilities: split, AR, isolation), `_ge
 eta and the split of a new batch; TRL's pi_old decision at the user's `num_iterations`), `_save_checkpoint` and
 `_load_optimizer_and_scheduler` (a batch's schedule across a checkpoint), `log` (one completions table per generation
 batch; checks S5).
-
-The TRL facts it relies on hold for both `GRPOTrainer` and `RLOOTrainer` (TRL 1.10-1.16); their numbers are the ones
-`trl_lopti/_compat.py` (`TRL_FACTS`), the docs and `tests/test_trl_contract.py` use:
-
-- S1. Schedule. `_prepare_inputs` generates when `self._step % (steps_per_generation * self.num_iterations) == 0` (or
-  with nothing buffered), buffers the batch split into micro-batches in `self._buffered_inputs` (0-dim tensors copied
-  into each) and serves slice `self._step % steps_per_generation`, the same dicts until the next generation;
-  `training_step` then increments `self._step`. Checked: a generation happens only at a cycle's first micro-step, and a
-  micro-batch carries the mark of its first training exactly when it is trained again.
-- S2. Dataloader. The train sampler repeats each generation batch `self.num_iterations * steps_per_generation` times,
-  reading `self.num_iterations` when the dataloader is built. Checked: the dataloader serves the same generation batch
-  (its prompts) at every micro-step of a cycle.
-- S3. Loss forward. `_compute_loss(model, inputs)` calls `self._get_per_token_logps_and_entropies` once for the policy
-  (taking `batch_size=` and the same arguments in both trainers) and its loss is differentiated through the
-  log-probabilities that call returns. Checked: one forward per loss, and the backward reaches what it returned.
-- S4. Checkpoints. `_save_checkpoint` and `_load_optimizer_and_scheduler` are the extension points for trainer state
-  (TRL's entropy controller uses them); transformers calls the latter on resume after `self.state` is loaded. Checked:
-  the state is loaded there, and at each accumulation window TRL's `_step` sits where the optimizer steps put it.
-- S5. Logging. `log` averages and clears the lists in `self._metrics[mode]`, and reads `self._logs` (the completions
-  table) only when `self.log_completions` is true at that call. Checked after every log.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import glob
-import inspect
 import os
-import textwrap
 import warnings
 from typing import Any, ClassVar
 
@@ -63,11 +40,10 @@ import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
-from ._compat import broken_fact  # (checks the TRL version before TRL is imported)
+from . import _compat  # (checks the TRL version before TRL is imported)
 
 
 # isort: split
-from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
 from .config import LoptiArguments, as_lopti_config
@@ -86,73 +62,24 @@ logger = logging.get_logger(__name__)
 LOW_MASK_KEY = "lopti_low_mask"  # (B, T) bool, in a split batch: pi_old < eta
 AR_WEIGHTS_KEY = "lopti_ar_weights"  # (B, T), with AR: alpha * pi_old + 1 - alpha
 ETA_KEY = "lopti_batch_eta"  # 0-dim float64 on the CPU, in each micro-batch of a generation batch under Lopti: its eta
-FIRST_TRAINED_KEY = (
-    "lopti_first_trained_at"  # int: the micro-step of its cycle at which a micro-batch was first trained
-)
+FIRST_TRAINED_KEY = "lopti_first_trained_at"  # int: the micro-step of its cycle at which it was first trained
 LOPTI_BATCH_KEYS = (LOW_MASK_KEY, AR_WEIGHTS_KEY, ETA_KEY, FIRST_TRAINED_KEY)  # what the trainers add to TRL's batches
 GENERATION_BATCH_FILE = "lopti_generation_batch_rank{}.pt"  # in a checkpoint taken inside a generation batch
 UNSPLIT_REPORTING_THRESHOLD = 0.5  # the eta of `lopti/low_token_share` when Lopti is off (the paper's)
 EMPTY_GROUP_WARNING_BATCHES = 3  # generation batches after which a group empty in every one of them is warned about
-# The multimodal inputs of TRL's log-prob forward (its other arguments are ids, masks and options), as TRL names them
-# (TRL 1.14's GRPOTrainer takes them as `**kwargs` there and passes them on to `_full_logits_logps`, which names them).
-_NAMED_FORWARD = getattr(GRPOTrainer, "_full_logits_logps", GRPOTrainer._get_per_token_logps_and_entropies)
-EXTRA_FORWARD_KEYS = tuple(
-    name
-    for name, parameter in inspect.signature(_NAMED_FORWARD).parameters.items()
-    if parameter.default is None and name != "batch_size"
-)
-
-LOPTI_PAPER_CITATION = textwrap.dedent("""\
-    @article{yang2025lopti,
-        title        = {{Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs}},
-        author       = {Zhihe Yang and Xufang Luo and Zilong Wang and Dongqi Han and Zhiyuan He and Dongsheng Li and Yunjian Xu},
-        year         = 2025,
-        eprint       = {arXiv:2505.12929},
-    }""")
-
-
-def lopti_paper(trl_trainer_class: type) -> dict[str, str]:
-    """The model card's paper entry of a Lopti trainer: the Lopti paper, cited beside the TRL trainer's own."""
-    return {
-        "title": "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs",
-        "id": "2505.12929",
-        "citation": LOPTI_PAPER_CITATION + "\n\n" + trl_trainer_class._paper["citation"],
-    }
-
-
-class ReadRecorder(dict):
-    """A dict that records every value read from it by key (`reads`): what TRL's code actually read (facts G1, S5)."""
-
-    def __init__(self, values: dict[str, Any]):
-        super().__init__(values)
-        self.reads: dict[str, list[Any]] = {}
-
-    def __getitem__(self, key: str) -> Any:
-        value = super().__getitem__(key)
-        self.reads.setdefault(key, []).append(value)
-        return value
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self[key] if key in self else default  # noqa: SIM401 (dict.get would skip __getitem__)
 
 
 @dataclasses.dataclass
 class MicroStep:
-    """
-    The training micro-step in flight, as `training_step` marks it for the hooks it runs (TRL's `_step` is its index).
-
-    Args:
-        position (`int`): the micro-step of its generation batch's cycle (one pass per token group).
-        first_visit (`bool`): its micro-batch is trained for the first time (first pass, first iteration).
-        backward_reached_logps (`bool`): the backward reached the log-probabilities handed to TRL's loss (fact S3).
-    """
+    """The training micro-step in flight (TRL's `_step`), as `training_step` marks it for the hooks it runs: its
+    `position` in its generation batch's cycle, whether its micro-batch is trained for the `first_visit` (first pass,
+    first iteration), whether the backward reached the log-probabilities handed to TRL's loss (fact S3)."""
 
     position: int
     first_visit: bool
     backward_reached_logps: bool = False
 
-    def mark_backward(self, gradient: torch.Tensor) -> None:
-        """A tensor hook: the backward reached the tensor it is registered on."""
+    def mark_backward(self, gradient: torch.Tensor) -> None:  # a tensor hook
         self.backward_reached_logps = True
 
 
@@ -163,7 +90,7 @@ class LossCall:
 
     Args:
         batch (`dict`): the micro-batch (TRL's buffered dict, which keeps TRL's advantages) and its split.
-        loss_inputs (`ReadRecorder`): what TRL's `_compute_loss` reads: a copy of the micro-batch, recording its reads.
+        loss_inputs (`_compat.ReadRecorder`): what TRL's `_compute_loss` reads: a copy of the micro-batch, recording its reads.
         token_group (`str` or `None`): the tokens that carry gradient in this pass (`"low"`, `"high"`; `None`: all).
         trains_aux_loss (`bool`): whether a MoE router's auxiliary loss keeps its gradient (the first pass only).
         micro_step (`MicroStep` or `None`): the training micro-step it belongs to (`None`: a call outside training).
@@ -172,22 +99,12 @@ class LossCall:
     """
 
     batch: dict[str, Any]
-    loss_inputs: ReadRecorder
+    loss_inputs: _compat.ReadRecorder
     token_group: str | None
     trains_aux_loss: bool
     micro_step: MicroStep | None
     policy_forwards: int = 0
     placed: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class SplitHistory:
-    """The split of the generation batches trained so far, for the warning about a group that stays empty."""
-
-    batches: int = 0
-    without_low: int = 0
-    without_high: int = 0
-    warned: bool = False
 
 
 class LoptiTrainerMixin:
@@ -202,9 +119,7 @@ class LoptiTrainerMixin:
     config_class: ClassVar[type]  # the trainer's Lopti config (a `LoptiArguments`)
     trl_trainer_class: ClassVar[type]  # the TRL trainer it extends
     loss_is_scaled_for_accumulation: ClassVar[bool]  # whether TRL's loss of a micro-step is divided by accumulation
-    placement_fact: ClassVar[str] = (
-        "S3"  # the fact by which TRL's loss reads what `apply_advantage_reweighting` places
-    )
+    placement_fact: ClassVar[str] = "S3"  # the fact by which TRL's loss reads what AR places in its inputs
 
     def __init__(self, model, reward_funcs=None, args=None, *extra_args, **kwargs):
         args = as_lopti_config(args, model, self.config_class)
@@ -219,7 +134,7 @@ class LoptiTrainerMixin:
         self._split_totals: torch.Tensor | None = None  # low tokens, AR weights, tokens of the micro-batches split
         self._cycle_prompts: list[Any] | None = None  # the prompts the dataloader serves through this cycle (S2)
         self._completions_logged_for: int | None = None  # the generation batch whose completions table was written
-        self._split_history = SplitHistory()
+        self._empty_groups: list[str | None] | None = []  # per batch, until warned: the group it left empty, if any
         if args.lopti_enabled:
             steps = args.lopti_cycle_micro_steps // args.gradient_accumulation_steps
             logger.info(
@@ -271,44 +186,25 @@ class LoptiTrainerMixin:
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         args, step = self.args, self._step
-        cycle, accumulation = args.lopti_cycle_micro_steps, args.gradient_accumulation_steps
-        if (
-            cycle % accumulation == 0
-            and step % accumulation == 0
-            and (self.state.global_step * accumulation - step) % cycle
-        ):
-            raise broken_fact(
-                "S4",
-                f"at optimizer step {self.state.global_step} TRL's micro-step counter _step is {step}, which is not "
-                f"where {accumulation} micro-steps per optimizer step put it in a {cycle}-micro-step cycle (a resumed "
-                "run whose _load_optimizer_and_scheduler did not run?)",
-            )
+        cycle = args.lopti_cycle_micro_steps
         prompts = [row.get("prompt") for row in inputs] if isinstance(inputs, list) else None
         if step % cycle == 0 or self._cycle_prompts is None:
             self._cycle_prompts = prompts
-        elif prompts != self._cycle_prompts:
-            raise broken_fact(
-                "S2",
-                f"at micro-step {step % cycle} of a {cycle}-micro-step cycle the dataloader served other prompts than "
-                "at its first: each pass must train the generation batch the first pass trained",
-            )
+        same_prompts = prompts == self._cycle_prompts
+        _compat.check_micro_step(step, self.state.global_step, args.gradient_accumulation_steps, cycle, same_prompts)
         micro_step = MicroStep(position=step % cycle, first_visit=step % cycle < args.steps_per_generation)
-        with temporarily_set(self, _micro_step=micro_step):
+        with _compat.temporarily_set(self, _micro_step=micro_step):
             output = super().training_step(model, inputs, num_items_in_batch)
-        if not micro_step.backward_reached_logps:
-            raise broken_fact(
-                "S3", "the backward of the training step never reached the log-probabilities handed to TRL's loss"
-            )
+        _compat.check_backward(micro_step.backward_reached_logps)
         return output
 
     # ------------------------------------------------------------------------------------------------ generation batch
     def _generate_and_score_completions(self, inputs):
-        cycle = self.args.lopti_cycle_micro_steps
-        if self.model.training and self._step % cycle:
-            raise broken_fact("S1", f"TRL generated at micro-step {self._step % cycle} of a {cycle}-micro-step cycle")
+        if self.model.training:
+            _compat.check_generation(self._step % self.args.lopti_cycle_micro_steps, self.args.lopti_cycle_micro_steps)
         self._generation_logps = []
         try:  # fact G2: TRL decides whether it needs pi_old by the user's num_iterations
-            with temporarily_set(self, num_iterations=self.args.num_iterations):
+            with _compat.temporarily_set(self, num_iterations=self.args.num_iterations):
                 output = super()._generate_and_score_completions(inputs)
             old_per_token_logps = self.old_per_token_logps_at_generation(output, self._generation_logps)
         finally:
@@ -339,7 +235,7 @@ class LoptiTrainerMixin:
             args = self.args
             batch_size = args.per_device_train_batch_size if self.model.training else args.per_device_eval_batch_size
             with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
-                batch["old_per_token_logps"] = trl_completion_logps(self, batch, batch_size=batch_size)[0]
+                batch["old_per_token_logps"] = _compat.trl_completion_logps(self, batch, batch_size=batch_size)[0]
         local = batch["old_per_token_logps"][loss_token_mask(batch).bool()]
         logps = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0))
         counted = self.accelerator.gather(self.accelerator.pad_across_processes(torch.ones_like(local), dim=0))
@@ -352,24 +248,14 @@ class LoptiTrainerMixin:
         token_group = self.args.lopti_pass_order[pass_index] if training else None
         micro_step = self._micro_step if training else None
         if micro_step is not None:  # fact S1: a later visit trains the micro-batch the first one trained
-            first_trained_at = inputs.get(FIRST_TRAINED_KEY)
-            expected = None if micro_step.first_visit else micro_step.position % self.args.steps_per_generation
-            if first_trained_at != expected:
-                raise broken_fact(
-                    "S1",
-                    f"micro-step {micro_step.position} of its cycle got a micro-batch first trained at "
-                    f"{first_trained_at} (expected: {expected}; None: not trained before)",
-                )
-            inputs[FIRST_TRAINED_KEY] = micro_step.position % self.args.steps_per_generation
-        call = LossCall(inputs, ReadRecorder(inputs), token_group, pass_index == 0, micro_step)
-        with temporarily_set(self, _loss_call=call):
+            first_position = micro_step.position % self.args.steps_per_generation
+            expected = None if micro_step.first_visit else first_position
+            _compat.check_micro_batch(micro_step.position, expected, inputs.get(FIRST_TRAINED_KEY))
+            inputs[FIRST_TRAINED_KEY] = first_position
+        call = LossCall(inputs, _compat.ReadRecorder(inputs), token_group, pass_index == 0, micro_step)
+        with _compat.temporarily_set(self, _loss_call=call):
             loss = super().compute_loss(model, call.loss_inputs, return_outputs, num_items_in_batch)
-        if call.policy_forwards != 1:
-            raise broken_fact("S3", f"_compute_loss ran {call.policy_forwards} policy forwards, not one")
-        for key, value in call.placed.items():
-            read = call.loss_inputs.reads.get(key, [])
-            if not read or any(seen is not value for seen in read):
-                raise broken_fact(self.placement_fact, f"TRL's loss did not read the {key} placed during its forward")
+        _compat.check_loss_call(call.policy_forwards, call.placed, call.loss_inputs.reads, self.placement_fact)
         if token_group is not None:
             self._log_pass_loss(token_group, loss.detach())
         return loss
@@ -404,11 +290,9 @@ class LoptiTrainerMixin:
         """The eta `batch` is split at: its generation's (`ETA_KEY`), else the fixed eta; 0.5 for reporting only."""
         if not self.args.lopti_enabled:
             return UNSPLIT_REPORTING_THRESHOLD
-        if ETA_KEY in batch:
-            return float(batch[ETA_KEY])
-        if self.args.lopti_quantile is not None:
+        if ETA_KEY not in batch and self.args.lopti_quantile is not None:
             raise RuntimeError(f"lopti_quantile: this batch has no eta from its generation ({ETA_KEY})")
-        return self.args.lopti_threshold
+        return float(batch.get(ETA_KEY, self.args.lopti_threshold))
 
     def _split(self, batch: dict[str, Any], old_per_token_logps: torch.Tensor) -> torch.Tensor:
         """Splits `batch` (a generation batch or a micro-batch) by its pi_old: its low mask and, with AR, its AR
@@ -428,13 +312,8 @@ class LoptiTrainerMixin:
         batch, micro_step = call.batch, call.micro_step
         old_per_token_logps = batch.get("old_per_token_logps")
         if old_per_token_logps is None:  # on-policy: pi_old is this forward's output
-            step, accumulation = self._step, self.args.gradient_accumulation_steps
-            if micro_step is not None and (step - micro_step.position) // accumulation != step // accumulation:
-                raise broken_fact(
-                    "G2",
-                    f"no pi_old (old_per_token_logps) came with a micro-batch first trained at micro-step "
-                    f"{micro_step.position} of its cycle, after an optimizer step: its own forward is no longer pi_old",
-                )
+            if micro_step is not None:
+                _compat.check_on_policy(self._step, micro_step.position, self.args.gradient_accumulation_steps)
             old_per_token_logps = forward_logps
             if self.args.lopti_enabled:  # a later pass's ratio is against it
                 batch["old_per_token_logps"] = old_per_token_logps
@@ -464,22 +343,19 @@ class LoptiTrainerMixin:
                 self._warn_if_a_group_stays_empty(int(totals[0]), int(totals[2]), eta)
 
     def _warn_if_a_group_stays_empty(self, low_tokens: int, tokens: int, eta: float) -> None:
-        history = self._split_history
-        history.batches += 1
-        history.without_low += low_tokens == 0
-        history.without_high += low_tokens == tokens
-        if history.warned or history.batches < EMPTY_GROUP_WARNING_BATCHES:
+        if self._empty_groups is None:  # warned, or a batch has split
             return
-        for group, empty in (("low", history.without_low), ("high", history.without_high)):
-            if empty == history.batches:
-                history.warned = True
-                other = "high" if group == "low" else "low"
+        self._empty_groups.append("low" if low_tokens == 0 else "high" if low_tokens == tokens else None)
+        if len(self._empty_groups) == EMPTY_GROUP_WARNING_BATCHES:
+            empty = self._empty_groups[0] if len(set(self._empty_groups)) == 1 else None
+            self._empty_groups = None
+            if empty is not None:
                 warnings.warn(
-                    f"Lopti: no completion token was {group} (pi_old {'<' if group == 'low' else '>='} eta = "
-                    f"{eta:.4g}) in any of the {history.batches} generation batches so far, so every {group} pass had "
-                    f"zero gradient: its optimizer steps only apply the optimizer's momentum and weight decay. A random "
-                    f"or untrained model puts every token {other}. Set lopti_quantile (e.g. 0.5: each batch split at "
-                    f"its median pi_old), or a lopti_threshold that splits your model's tokens.",
+                    f"Lopti: no completion token was {empty} (eta = {eta:.4g}) in any of the first "
+                    f"{EMPTY_GROUP_WARNING_BATCHES} generation batches, so every {empty} pass had zero gradient: its "
+                    "optimizer steps only apply momentum and weight decay. A random or untrained model puts every "
+                    "token on one side of eta. Set lopti_quantile (e.g. 0.5: each batch split at its median pi_old), "
+                    "or a lopti_threshold that splits your model's tokens.",
                     UserWarning,
                     stacklevel=2,
                 )
@@ -496,16 +372,12 @@ class LoptiTrainerMixin:
         mode = "train" if self.model.training else "eval"
         batch_index = (self._step - 1) // self.args.lopti_cycle_micro_steps if mode == "train" else None
         suppressed = self.log_completions and batch_index is not None and batch_index == self._completions_logged_for
-        completions = ReadRecorder(self._logs)
-        with temporarily_set(self, log_completions=self.log_completions and not suppressed, _logs=completions):
+        completions = _compat.ReadRecorder(self._logs)
+        with _compat.temporarily_set(self, log_completions=self.log_completions and not suppressed, _logs=completions):
             if self.log_completions and batch_index is not None:
                 self._completions_logged_for = batch_index
             super().log(logs, start_time)
-        if self._metrics[mode] or (suppressed and completions.reads):
-            unlogged = ", ".join(self._metrics[mode]) or "the completions table, again"
-            raise broken_fact(
-                "S5", f"TRL's log left these metrics unlogged or logged what it was told not to: {unlogged}"
-            )
+        _compat.check_log(sorted(self._metrics[mode]), suppressed and bool(completions.reads))
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def _schedule_signature(self) -> dict[str, Any]:
@@ -533,37 +405,31 @@ class LoptiTrainerMixin:
         saved = glob.glob(os.path.join(checkpoint, GENERATION_BATCH_FILE.format("*"))) if checkpoint else []
         schedule = self._schedule_signature()
         if saved and len(saved) != schedule["num_processes"]:  # each process resumes its own part of the batch
-            raise ValueError(
-                f"{checkpoint} was saved inside a generation batch by num_processes={len(saved)}; this run has "
-                f"num_processes={schedule['num_processes']}: resume it with {len(saved)} processes, or from a "
-                "checkpoint between generation batches"
-            )
+            raise resume_error(checkpoint, {"num_processes": len(saved)}, schedule)
         super()._load_optimizer_and_scheduler(checkpoint)
         if not saved:
             return
-        if self.state.global_step == 0:  # a checkpoint inside a batch is taken after at least one optimizer step
-            raise broken_fact("S4", "_load_optimizer_and_scheduler ran before the trainer state was loaded")
+        _compat.check_resumed_state(self.state.global_step)
         path = os.path.join(checkpoint, GENERATION_BATCH_FILE.format(self.accelerator.process_index))
         stored = torch.load(path, map_location="cpu")  # onto the device below: eta stays on the CPU in float64
-        saved_schedule = stored["schedule"]
-        if saved_schedule != schedule:
-            differ = [key for key in schedule if saved_schedule.get(key) != schedule[key]]
-            raise ValueError(
-                f"{checkpoint} was saved inside a generation batch with "
-                + ", ".join(f"{key}={saved_schedule.get(key)}" for key in differ)
-                + "; this run has "
-                + ", ".join(f"{key}={schedule[key]}" for key in differ)
-                + ": resume it with the values it was saved with, or from a checkpoint between generation batches"
-            )
+        if stored["schedule"] != schedule:
+            raise resume_error(checkpoint, stored["schedule"], schedule)
         device = self.accelerator.device
-        self._buffered_inputs = [
-            {
-                key: value.to(device) if torch.is_tensor(value) and key != ETA_KEY else value
-                for key, value in batch.items()
-            }
-            for batch in stored["micro_batches"]
-        ]  # resume inside the batch's schedule, at the micro-step it stopped at
+        self._buffered_inputs = [  # resume inside the batch's schedule, at the micro-step it stopped at
+            {key: value.to(device) if torch.is_tensor(value) and key != ETA_KEY else value for key, value in b.items()}
+            for b in stored["micro_batches"]
+        ]
         self._step = self.state.global_step * self.args.gradient_accumulation_steps
+
+
+def resume_error(checkpoint: str, saved: dict[str, Any], current: dict[str, Any]) -> ValueError:
+    """The error for a checkpoint taken inside a generation batch with a schedule (`saved`) the run (`current`) lacks."""
+    differ = [key for key in saved if saved[key] != current[key]]
+    return ValueError(
+        f"{checkpoint} was saved inside a generation batch with {', '.join(f'{k}={saved[k]}' for k in differ)}; this "
+        f"run has {', '.join(f'{k}={current[k]}' for k in differ)}: resume it with the values it was saved with, or "
+        "from a checkpoint between generation batches"
+    )
 
 
 def describe_method(config: LoptiArguments) -> str:
@@ -582,30 +448,3 @@ def describe_method(config: LoptiArguments) -> str:
             split = f"eta at the {config.lopti_quantile:g} quantile of each batch"
         parts.append(f"Low-Probability Token Isolation (Lopti, {split}, {order})")
     return f"{base} with {' and '.join(parts)}" if parts else base
-
-
-def trl_completion_logps(trainer, batch: dict[str, Any], model=None, **kwargs: Any) -> tuple:
-    """Per-token log-probabilities and entropies (`None` unless `compute_entropy=True`; B x T) of the completions of a
-    TRL batch by TRL's own forward (`_get_per_token_logps_and_entropies` of the trainer's TRL class, whatever a subclass
-    overrides: its LM head, temperature and autocast; `kwargs` go to it), with gradient where grad mode is on; `model`
-    defaults to `trainer.model`."""
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    extra = {key: batch[key] for key in EXTRA_FORWARD_KEYS if batch.get(key) is not None}
-    model, num_tokens = trainer.model if model is None else model, batch["completion_ids"].size(1)
-    forward = getattr(trainer, "trl_trainer_class", GRPOTrainer)._get_per_token_logps_and_entropies
-    return forward(trainer, model, input_ids, attention_mask, num_tokens, **extra, **kwargs)[:2]
-
-
-@contextlib.contextmanager
-def temporarily_set(obj: Any, **values: Any):
-    """Sets instance attributes of `obj` for the block (shadowing those of its class, methods included), then restores
-    what the instance held itself."""
-    own = {name: vars(obj)[name] for name in values if name in vars(obj)}
-    vars(obj).update(values)
-    try:
-        yield
-    finally:
-        for name in values:
-            del vars(obj)[name]
-        vars(obj).update(own)

@@ -4,16 +4,8 @@
 "reinforce_plus_plus"`: it replaces each generation batch's advantages by `core_algos.reinforce_plus_plus_advantages`
 of its rewards, before AR and Lopti read them. Deleting it (and the config value) changes nothing else.
 
-The GRPO facts it relies on (numbered as in `trl_lopti/_compat.py`'s `TRL_FACTS`, pinned by
-`tests/test_trl_contract.py`):
-
-- G3. `GRPOTrainer._generate_and_score_completions` calls `self._calculate_rewards` once per generation batch, which
-  returns the rewards of every completion of the batch (all processes, in process order), one column per reward
-  function; this process's completions are the `process_index`-th slice of that order. Checked at every generation
-  batch: one call, one row per completion of every process.
-- G4. `_generate_and_score_completions` appends the batch's advantages (all processes) to `self._logs["advantages"]`,
-  which the completions table shows; the REINFORCE++ advantages take their place there. Checked at every generation
-  batch: this process's slice of the last ones appended is the advantages TRL returned.
+It relies on facts G3 (`_calculate_rewards`) and G4 (`self._logs["advantages"]`), stated and checked in
+`trl_lopti/_compat.py`.
 """
 
 from __future__ import annotations

@@ -14,15 +14,7 @@ a reward penalty, computed before the leave-one-out baseline).
 - Lopti: isolation in its general form is exact for the sequence ratio: at equal parameters, low pass + high pass =
   plain RLOO's gradient.
 
-The TRL facts it relies on besides the shared ones (S1-S5, `trl_lopti/lopti_mixin.py`), numbered once in
-`trl_lopti/_compat.py` (`TRL_FACTS`) and pinned by `tests/test_trl_contract.py`:
-
-- R1. Generation. `_generate_and_score_completions` computes pi_old with its first `_get_per_token_logps_and_entropies`
-  call (the policy, no gradient, before the reference model's) and returns its masked sum as `old_logps` (B,). Checked
-  at every generation batch.
-- R2. Loss. `_compute_loss(model, inputs)` sums the log-probabilities of its one policy forward over `completion_mask`
-  and reads `old_logps` and `advantages` (B,); it returns the micro-batch's mean loss (the Trainer divides it by the
-  gradient accumulation). Checked at every generation batch (no `tool_mask`) and, through S3, at every loss.
+The TRL facts it relies on besides the shared ones are R1-R2, stated and checked in `trl_lopti/_compat.py`.
 """
 
 from __future__ import annotations
@@ -31,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ._compat import broken_fact  # (checks the TRL version before TRL is imported)
+from ._compat import broken_fact, lopti_paper  # (checks the TRL version before TRL is imported)
 
 
 # isort: split
@@ -39,7 +31,7 @@ from trl import RLOOTrainer
 
 from .config import LoptiRLOOConfig
 from .core_algos import reweight_token_gradients
-from .lopti_mixin import AR_WEIGHTS_KEY, LoptiTrainerMixin, LossCall, lopti_paper
+from .lopti_mixin import AR_WEIGHTS_KEY, LoptiTrainerMixin, LossCall
 
 
 class LoptiRLOOTrainer(LoptiTrainerMixin, RLOOTrainer):

@@ -1,0 +1,93 @@
+"""The runtime checks of the TRL facts (`trl_lopti._compat.TRL_FACTS`), each proven by a TRL broken on purpose.
+
+Every check runs in every real training run. Here TRL is made to behave as a plausible future release that breaks one
+fact (`testing_utils.TRL_MUTATIONS`), and a short real training run of the Lopti trainer must stop with that fact's
+number; the same run with TRL as it is trains to the end (the control).
+"""
+
+import pytest
+from testing_utils import TRL_MUTATIONS, conversational_dataset, length_reward
+from trl import GRPOTrainer, RLOOTrainer
+
+from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer
+
+
+TRAINERS = {
+    "grpo": (LoptiGRPOTrainer, LoptiGRPOConfig, GRPOTrainer),
+    "rloo": (LoptiRLOOTrainer, LoptiRLOOConfig, RLOOTrainer),
+}
+
+
+def run(trainer_name: str, model_path: str, output_dir, resume_from_checkpoint=None, **overrides):
+    """Trains one Lopti cycle: one generation batch, 4 optimizer steps (2 per pass), TRL computing pi_old."""
+    trainer_class, config_class, _ = TRAINERS[trainer_name]
+    values = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        gradient_accumulation_steps=1,
+        steps_per_generation=2,
+        max_completion_length=4,
+        max_steps=4,
+        learning_rate=1e-3,
+        advantage_reweighting_alpha=0.3,
+        lopti_threshold=0.5,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        logging_steps=1,
+    )
+    values.update(overrides)
+    trainer = trainer_class(  # distinct prompts: the dataloader's batches differ
+        model=model_path,
+        reward_funcs=length_reward,
+        args=config_class(**values),
+        train_dataset=conversational_dataset(),
+    )
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    return trainer
+
+
+def mutations_for(trainer_name: str) -> list[str]:
+    other = "R" if trainer_name == "grpo" else "G"  # the S facts hold for both trainers
+    return [name for name, (fact, _) in TRL_MUTATIONS.items() if not fact.startswith(other)]
+
+
+# what a mutation needs of the run to show: a second pass, a second log of a batch, a checkpoint inside a cycle...
+RUN_SETTINGS = {
+    "table from the arguments": {"log_completions": True},
+    "no pi_old off-policy": {},  # steps_per_generation 2 over 1 accumulation step: off-policy
+    "rewards from another method": {"advantage_estimator": "reinforce_plus_plus"},
+    "advantages not logged": {"advantage_estimator": "reinforce_plus_plus"},
+}
+RESUMED = {"state loaded after the hook", "hook not called on resume"}
+
+
+@pytest.mark.parametrize("trainer_name", list(TRAINERS))
+def test_the_control_run_trains_every_step_with_every_check_on(tiny_model_path, tmp_path, trainer_name):
+    settings = {key: value for values in RUN_SETTINGS.values() for key, value in values.items()}
+    if trainer_name == "rloo":
+        settings.pop("advantage_estimator")
+    trainer = run(trainer_name, tiny_model_path, tmp_path / "whole", save_strategy="steps", save_steps=1, **settings)
+    assert trainer.state.global_step == 4
+    resumed = run(trainer_name, tiny_model_path, tmp_path / "resumed", str(tmp_path / "whole" / "checkpoint-1"))
+    assert resumed.state.global_step == 4
+
+
+@pytest.mark.parametrize(
+    "trainer_name, mutation",
+    [(trainer_name, mutation) for trainer_name in TRAINERS for mutation in mutations_for(trainer_name)],
+)
+def test_a_broken_trl_fact_stops_training_with_its_number(
+    tiny_model_path, tmp_path, monkeypatch, trainer_name, mutation
+):
+    fact, mutate = TRL_MUTATIONS[mutation]
+    settings = RUN_SETTINGS.get(mutation, {})
+    if mutation in RESUMED:  # a checkpoint inside the cycle (after its first optimizer step), taken by unbroken TRL
+        run(trainer_name, tiny_model_path, tmp_path / "whole", save_strategy="steps", save_steps=1, **settings)
+        settings = dict(settings, resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-1"))
+    mutate(monkeypatch, TRAINERS[trainer_name][2])
+    with pytest.raises(RuntimeError, match=rf"broke fact {fact} of trl_lopti \(") as error:
+        run(trainer_name, tiny_model_path, tmp_path / "broken", **settings)
+    print(f"{trainer_name}, {mutation}: {error.value}")  # noqa: T201 - what a user sees (pytest -s)
