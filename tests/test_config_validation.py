@@ -154,6 +154,9 @@ def test_a_plain_grpo_config_with_an_unfit_schedule_gets_an_error_in_its_own_ter
         as_lopti_config(plain, model="some/model")
     message = str(error.value)
     assert "steps_per_generation=4" in message and "lopti_threshold=None" in message
+    # one piece of advice, in terms of what a plain GRPOConfig user can pass
+    assert message.count("to train without Lopti") == 1 and "pass a trl_lopti.LoptiGRPOConfig(" in message
+    assert "lopti_quantile" not in message
 
 
 def test_fields_have_help_for_the_cli():
@@ -166,3 +169,38 @@ def test_fields_have_help_for_the_cli():
         "advantage_estimator",
     ):
         assert helps[name]
+
+
+@pytest.mark.parametrize(
+    "fields, nearest",
+    [
+        (dict(max_steps=5), "Set max_steps=4 or max_steps=6."),  # 2 optimizer steps per generation batch
+        (dict(max_steps=1), "Set max_steps=2."),
+        (dict(max_steps=6, gradient_accumulation_steps=1, steps_per_generation=2), "Set max_steps=4 or max_steps=8."),
+    ],
+)
+def test_a_max_steps_inside_a_cycle_warns_at_construction_with_the_nearest_that_is_not(fields, nearest):
+    with pytest.warns(UserWarning, match="ends inside a generation batch's Lopti cycle") as caught:
+        make(**fields)
+    [message] = [str(warning.message) for warning in caught if "Lopti cycle" in str(warning.message)]
+    assert f"max_steps={fields['max_steps']}" in message and message.endswith(nearest)
+    assert "would train its low pass only" in message
+
+
+@pytest.mark.parametrize(
+    "fields", [dict(max_steps=4), dict(max_steps=3, lopti_threshold=None), dict(max_steps=-1), dict(max_steps=8)]
+)
+def test_a_max_steps_on_a_cycle_boundary_or_without_lopti_is_silent(fields):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        make(**fields)
+
+
+def test_ar_refuses_a_kl_term_with_a_sequence_level_ratio_naming_the_fields():
+    message = rejection(importance_sampling_level="sequence", beta=0.04)
+    for text in ("advantage_reweighting_alpha=0.3", "importance_sampling_level='sequence'", "beta=0.04"):
+        assert text in message
+    assert "Set beta=0.0, advantage_reweighting_alpha=0.0, or importance_sampling_level='token'" in message
+    make(importance_sampling_level="sequence", beta=0.0)  # AR's general form
+    make(importance_sampling_level="sequence", beta=0.04, advantage_reweighting_alpha=0.0)  # GSPO with KL, Lopti alone
+    make(importance_sampling_level="token", beta=0.04)

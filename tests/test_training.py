@@ -2,6 +2,7 @@
 
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -287,3 +288,58 @@ def test_reinforce_plus_plus_trains_on_batch_whitened_advantages(tiny_model_path
         np.testing.assert_allclose(advantages, expected, rtol=1e-5, atol=1e-6)
     # the completions table shows the advantages trained on
     np.testing.assert_allclose(list(trainer._logs["advantages"]), records[-1][2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("eta, empty", [(0.999, "high"), (1e-9, "low")])
+def test_a_group_empty_in_every_batch_so_far_is_warned_about_once(tiny_model_path, tmp_path, eta, empty):
+    """A fixed eta above (below) every token a random model samples: every high (low) pass has zero gradient, said once
+    after the first 3 generation batches."""
+    config = small_config(tmp_path, lopti_threshold=eta, max_steps=8)  # 4 generation batches
+    with pytest.warns(
+        UserWarning, match=rf"no completion token was {empty} .* in any of the first 3 generation"
+    ) as seen:
+        trainer, _ = train(tiny_model_path, config)
+    messages = [str(w.message) for w in seen if "in any of the first 3 generation batches" in str(w.message)]
+    assert len(messages) == 1 and f"every {empty} pass had zero gradient" in messages[0]
+    assert "lopti_quantile" in messages[0]
+    shares = logged(trainer, "lopti/low_token_share")
+    assert len(shares) == 4 and set(shares) == {1.0 if empty == "high" else 0.0}
+
+
+def test_a_split_batch_gets_no_empty_group_warning(tiny_model_path, tmp_path, mid_gap_trainer):
+    config = small_config(tmp_path, lopti_threshold=ETA_FROM_EACH_BATCH, max_steps=6)  # 3 generation batches
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Lopti: no completion token")
+        train(tiny_model_path, config, trainer_class=mid_gap_trainer)
+
+
+def test_the_trainer_says_once_what_max_steps_means_under_lopti(tiny_model_path, tmp_path, caplog):
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_info()
+    transformers_logging.enable_propagation()
+    try:
+        with caplog.at_level("INFO", logger="trl_lopti.lopti_mixin"):
+            LoptiGRPOTrainer(
+                model=tiny_model_path,
+                reward_funcs=length_reward,
+                args=small_config(tmp_path),
+                train_dataset=conversational_dataset(),
+            )
+    finally:
+        transformers_logging.disable_propagation()
+        transformers_logging.set_verbosity_warning()
+    said = [record.getMessage() for record in caplog.records if record.name == "trl_lopti.lopti_mixin"]
+    assert len(said) == 1 and "2 optimizer steps per batch, 1 without Lopti" in said[0]
+    assert "buys half the rollouts it buys GRPOTrainer" in said[0]
+
+
+def test_a_generation_batchs_split_metrics_land_on_the_row_of_its_reward(tiny_model_path, tmp_path, mid_gap_trainer):
+    """steps_per_generation 4 over 2 accumulation steps: TRL computes pi_old at generation, so the batch is split
+    there, and its lopti/* metrics land on the log row of its reward (one row per generation batch for W&B)."""
+    config = small_config(tmp_path, steps_per_generation=4, lopti_threshold=ETA_FROM_EACH_BATCH, max_steps=8)
+    trainer, _ = train(tiny_model_path, config, trainer_class=mid_gap_trainer)
+    rows = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(rows) == 8  # 2 generation batches: 2 optimizer steps per pass
+    for key in ("reward", "lopti/low_token_share", "lopti/ar_weight_mean", "lopti/threshold"):
+        assert [key in row for row in rows] == [True, False, False, False] * 2, key
