@@ -1,6 +1,6 @@
 """The TRL behaviour the trainers rely on, checked by running it, under the numbers of `trl_lopti._compat.TRL_FACTS`:
-S1-S5 for both `GRPOTrainer` and `RLOOTrainer` (stated in trl_lopti/lopti_mixin.py), G1-G4 for `GRPOTrainer`
-(trl_lopti/trainer.py, trl_lopti/reinforce_plus_plus.py), R1-R2 for `RLOOTrainer` (trl_lopti/rloo_trainer.py).
+S1-S5 for both `GRPOTrainer` and `RLOOTrainer`, G1-G4 for `GRPOTrainer`, R1-R2 for `RLOOTrainer` (all stated in
+trl_lopti/_compat.py; tests/test_fact_checks.py breaks each on purpose and sees the trainer's runtime check stop it).
 
 Each test exercises TRL's own trainers (spies, counters, a 2-process run), so it fails when TRL's behaviour changes and
 not when its source is reformatted. Run this file first when upgrading TRL: a failure names the fact that changed.

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from .._compat import trl_completion_logps
+from .._compat import temporarily_set, trl_completion_logps
 from ..core_algos import loss_token_mask
-from ..lopti_mixin import LOPTI_BATCH_KEYS, temporarily_set
+from ..lopti_mixin import LOPTI_BATCH_KEYS
 from ..tasks._text import completion_to_text
 
 
