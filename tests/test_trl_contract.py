@@ -1,5 +1,5 @@
 """The TRL behaviour the trainers rely on, checked by running it, under the numbers of `trl_lopti._compat.TRL_FACTS`:
-S1-S5 for both `GRPOTrainer` and `RLOOTrainer`, G1-G4 for `GRPOTrainer`, R1-R2 for `RLOOTrainer` (all stated in
+S1-S6 for both `GRPOTrainer` and `RLOOTrainer`, G1-G4 for `GRPOTrainer`, R1-R2 for `RLOOTrainer` (all stated in
 trl_lopti/_compat.py; tests/test_fact_checks.py breaks each on purpose and sees the trainer's runtime check stop it).
 
 Each test exercises TRL's own trainers (spies, counters, a 2-process run), so it fails when TRL's behaviour changes and
@@ -472,3 +472,51 @@ def test_checkpoint_hooks_save_at_each_checkpoint_and_load_after_the_state(tiny_
     resumed.__class__ = Recorder
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     assert ("load", 1, True) in calls, "called on resume, after the state (global_step 1) is loaded"
+
+
+# ------------------------------------------------------------------------------------------------------ S6
+GRPO_LOSS_TYPES = ["dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
+
+
+@pytest.mark.parametrize(
+    "trl_trainer, options",
+    [
+        *[
+            ("grpo", dict(loss_type=loss, importance_sampling_level=level))
+            for loss in GRPO_LOSS_TYPES
+            for level in ("token", "sequence")
+        ],
+        ("rloo", {}),
+    ],
+    ids=lambda value: value if isinstance(value, str) else "-".join(map(str, value.values())),
+)
+def test_every_loss_counts_a_token_only_under_its_completion_mask(
+    tiny_model_path, tmp_path, monkeypatch, trl_trainer, options
+):
+    """TRL's own loss, at parameters away from pi_old and pi_ref (ratios, clipping, KL): the gradient w.r.t. the
+    log-probability of every padded token is exactly zero, and not of the others."""
+    trainer_class, _ = TRL_TRAINERS[trl_trainer]
+    trainer = grpo_trainer(tiny_model_path, tmp_path, trl_trainer, beta=0.1, **options)
+    batch, _ = fixed_generation_batch(tiny_model_path, 2, seed=3, beta=0.1)  # row 0 padded after 3 tokens
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        batch["old_per_token_logps"] = batch["ref_per_token_logps"] + 0.3 * torch.randn(
+            batch["ref_per_token_logps"].shape, generator=generator
+        )
+    batch["old_logps"] = (batch["old_per_token_logps"] * batch["completion_mask"]).sum(1)  # RLOO's
+    returned = []
+    forward = trainer_class._get_per_token_logps_and_entropies
+
+    def retained(self, *args, **kwargs):
+        logps, entropies, aux_loss = forward(self, *args, **kwargs)
+        if logps.requires_grad:
+            logps.retain_grad()
+            returned.append(logps)
+        return logps, entropies, aux_loss
+
+    monkeypatch.setattr(trainer_class, "_get_per_token_logps_and_entropies", retained)
+    trainer.model.train()
+    trainer.compute_loss(trainer.model, dict(batch)).backward()
+    mask = batch["completion_mask"].bool()
+    assert (~mask).any() and torch.count_nonzero(returned[0].grad[~mask]) == 0
+    assert torch.count_nonzero(returned[0].grad[mask]) > 0

@@ -637,6 +637,27 @@ def _loss_not_through_the_hook(monkeypatch, trl_class):  # S3: a fused loss; the
     monkeypatch.setattr(trl_class, "_compute_loss", fused)
 
 
+def _loss_counts_padding(
+    monkeypatch, trl_class
+):  # S6: a loss that sums its terms over padding too (as TRL 1.9's LUSPO)
+    from trl_lopti._compat import temporarily_set
+
+    loss = trl_class._compute_loss
+
+    def counting_padding(self, model, inputs):
+        returned, forward = [], self._get_per_token_logps_and_entropies
+
+        def recorded(*args, **kwargs):
+            returned.append(forward(*args, **kwargs))
+            return returned[-1]
+
+        with temporarily_set(self, _get_per_token_logps_and_entropies=recorded):
+            value = loss(self, model, inputs)
+        return value - 0.1 * (returned[0][0] * (1 - inputs["completion_mask"])).sum()
+
+    monkeypatch.setattr(trl_class, "_compute_loss", counting_padding)
+
+
 def _state_loaded_after_the_hook(monkeypatch, trl_class):  # S4: the trainer state is not loaded yet in the hook
     from transformers import TrainerState
 
@@ -764,6 +785,7 @@ TRL_MUTATIONS = {
     "hook not called on resume": ("S4", _hook_not_called),
     "metrics kept after log": ("S5", _metrics_kept),
     "table from the arguments": ("S5", _table_from_the_arguments),
+    "a loss that counts padding": ("S6", _loss_counts_padding),
     "advantages read before the forward": ("G1", _advantages_read_first),
     "no pi_old off-policy": ("G2", _no_pi_old),
     "rewards from another method": ("G3", _rewards_elsewhere),

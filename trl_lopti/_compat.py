@@ -30,6 +30,10 @@ it), G for `GRPOTrainer` (`trl_lopti/grpo_trainer.py`, `trl_lopti/reinforce_plus
   (`check_resumed_state`, `check_micro_step`).
 - S5. Logging. `log` averages and clears the lists in `self._metrics[mode]`, and reads `self._logs` (the completions
   table) only when `self.log_completions` is true at that call. Checked after every log (`check_log`).
+- S6. Loss mask. Every loss sums its per-token terms over `completion_mask` (times `tool_mask` where the batch has one):
+  no gradient reaches the log-probability of a token outside it (padding, masked tool output), which belongs to
+  neither Lopti group. Checked in every backward: the gradient reaching the log-probabilities handed to TRL's loss is
+  zero outside that mask (`check_backward`).
 - G1. GRPO loss. `_compute_loss(model, inputs)` reads `inputs["advantages"]` (token-level (B, T) accepted) only after
   its policy forward, and returns the micro-step's share of its optimizer step's loss. Checked at every loss: it read
   the advantages AR placed during the forward, and nothing else (`check_loss_call`).
@@ -85,6 +89,8 @@ TRL_FACTS = {
     "S4": "checkpoints: _save_checkpoint, and _load_optimizer_and_scheduler on resume after self.state is loaded",
     "S5": "logging: log averages and clears self._metrics[mode], and reads self._logs for the completions table only "
     "while self.log_completions is true",
+    "S6": "loss mask: the loss counts a token only under completion_mask (times tool_mask): no gradient reaches the "
+    "log-probability of any other",
     "G1": "GRPO loss: reads advantages ((B, T) accepted) after its policy forward",
     "G2": "GRPO generation: returns old_per_token_logps whenever the policy moves before the batch is trained "
     "(deciding by self.num_iterations) or vLLM importance sampling needs it",
@@ -278,10 +284,13 @@ def check_loss_call(policy_forwards: int, placed: dict, reads: dict, placement_f
             raise broken_fact(placement_fact, f"TRL's loss did not read the {key} placed during its forward")
 
 
-def check_backward(reached: bool) -> None:
-    """Fact S3, after a training step: its backward `reached` the log-probabilities handed to TRL's loss."""
+def check_backward(reached: bool, gradient_outside_the_mask: float) -> None:
+    """Facts S3 and S6, after a training step: its backward `reached` the log-probabilities handed to TRL's loss, and
+    what reached the tokens outside the loss mask (the sum of its absolute values) is zero."""
     if not reached:
         raise broken_fact("S3", "the backward of the training step never reached the log-probabilities of the loss")
+    if gradient_outside_the_mask != 0:
+        raise broken_fact("S6", f"a gradient of {gradient_outside_the_mask:.3g} reached tokens outside the loss mask")
 
 
 def check_on_policy(step: int, position: int, accumulation: int) -> None:

@@ -17,10 +17,10 @@ Lopti trainer adds only what differs: where pi_old comes from, how AR enters its
   batch gets its eta at generation (`lopti_batch_eta`): the quantile rule needs the whole batch's pi_old first.
 - Isolation. In a pass, gradient flows only through the active tokens' log-probabilities and entropies; every value of
   the loss is the base trainer's.
-- Checks. Every TRL fact the mechanism relies on (S1-S5, stated in `trl_lopti/_compat.py`) is checked while
+- Checks. Every TRL fact the mechanism relies on (S1-S6, stated in `trl_lopti/_compat.py`) is checked while
   training, at no measurable cost, and stops the run at the first step where it fails.
 
-The overrides, and why each stays: `training_step` (marks the micro-step in flight; checks S2, S3, S4), `compute_loss`
+The overrides, and why each stays: `training_step` (marks the micro-step in flight; checks S2-S4, S6), `compute_loss`
 (the pass's token group; checks S1, S3 and the values AR placed), `_get_per_token_logps_and_entropies` (the one place
 TRL's loss hands out the policy's log-probabilities: split, AR, isolation), `_generate_and_score_completions` (pi_old,
 eta and the split of a new batch; TRL's pi_old decision at the user's `num_iterations`), `_save_checkpoint` and
@@ -31,6 +31,7 @@ batch; checks S5).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import os
 import warnings
@@ -73,14 +74,17 @@ EMPTY_GROUP_WARNING_BATCHES = 3  # generation batches after which a group empty 
 class MicroStep:
     """The training micro-step in flight (TRL's `_step`), as `training_step` marks it for the hooks it runs: its
     `position` in its generation batch's cycle, whether its micro-batch is trained for the `first_visit` (first pass,
-    first iteration), whether the backward reached the log-probabilities handed to TRL's loss (fact S3)."""
+    first iteration), whether the backward reached the log-probabilities handed to TRL's loss (fact S3) and what
+    reached them outside the loss mask (S6)."""
 
     position: int
     first_visit: bool
     backward_reached_logps: bool = False
+    gradient_outside_the_mask: torch.Tensor | float = 0.0
 
-    def mark_backward(self, gradient: torch.Tensor) -> None:  # a tensor hook
+    def mark_backward(self, outside_the_mask: torch.Tensor, gradient: torch.Tensor) -> None:  # a tensor hook
         self.backward_reached_logps = True
+        self.gradient_outside_the_mask = self.gradient_outside_the_mask + (gradient.abs() * outside_the_mask).sum()
 
 
 @dataclasses.dataclass
@@ -110,7 +114,7 @@ class LossCall:
 class LoptiTrainerMixin:
     """
     Advantage Reweighting and Lopti for a TRL trainer whose schedule, loss hooks and checkpoint hooks are
-    `GRPOTrainer`'s (facts S1-S5): the base of [`LoptiGRPOTrainer`] and [`LoptiRLOOTrainer`].
+    `GRPOTrainer`'s (facts S1-S6): the base of [`LoptiGRPOTrainer`] and [`LoptiRLOOTrainer`].
 
     A Lopti trainer sets `config_class` and `trl_trainer_class`, and implements where pi_old comes from
     (`old_per_token_logps_at_generation`) and how AR enters its loss (`apply_advantage_reweighting`).
@@ -195,7 +199,7 @@ class LoptiTrainerMixin:
         micro_step = MicroStep(position=step % cycle, first_visit=step % cycle < args.steps_per_generation)
         with _compat.temporarily_set(self, _micro_step=micro_step):
             output = super().training_step(model, inputs, num_items_in_batch)
-        _compat.check_backward(micro_step.backward_reached_logps)
+        _compat.check_backward(micro_step.backward_reached_logps, float(micro_step.gradient_outside_the_mask))
         return output
 
     # ------------------------------------------------------------------------------------------------ generation batch
@@ -281,8 +285,9 @@ class LoptiTrainerMixin:
                 entropies = isolate_token_gradients(entropies, active_mask)
             if aux_loss is not None and not call.trains_aux_loss:
                 aux_loss = aux_loss.detach()
-        if call.micro_step is not None and per_token_logps.requires_grad:  # fact S3: the backward must reach them
-            per_token_logps.register_hook(call.micro_step.mark_backward)
+        if call.micro_step is not None and per_token_logps.requires_grad:  # facts S3, S6: checked in the backward
+            outside = 1 - loss_token_mask(call.batch).to(per_token_logps.dtype)
+            per_token_logps.register_hook(functools.partial(call.micro_step.mark_backward, outside))
         return per_token_logps, entropies, aux_loss
 
     # ------------------------------------------------------------------------------------------------ split
