@@ -51,12 +51,7 @@ METHODS: dict[str, dict[str, Any] | None] = {  # Lopti config fields; None: TRL'
     "lopti-quantile": dict(advantage_reweighting_alpha=0.0, lopti_threshold=None, lopti_quantile=0.5),
 }
 # the same settings on TRL's RLOOTrainer (`rloo`) and LoptiRLOOTrainer, which never adds a forward: RLOO computes pi_old
-METHODS |= {
-    "rloo": None,
-    "rloo-ar": METHODS["ar"],
-    "rloo-lopti": METHODS["lopti"],
-    "rloo-ar+lopti": METHODS["ar+lopti"],
-}
+METHODS |= {"rloo": None, **{f"rloo-{name}": METHODS[name] for name in ("ar", "lopti", "ar+lopti")}}
 AFTER_SCORING = {"lopti-refstyle": harness.add_old_logps_forward}  # the `after_scoring` hook of a method
 
 

@@ -31,16 +31,16 @@ from datasets import Dataset
 from transformers import AutoConfig, PrinterCallback, TrainerCallback, set_seed
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer
+from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer, _compat
 from trl_lopti._compat import trl_completion_logps
 from trl_lopti.cli.demo_model import get_smollm2
 from trl_lopti.diagnostics import completion_log_probs, probability_quartiles, probability_shift
-from trl_lopti.lopti_mixin import describe_method
+from trl_lopti.lopti_mixin import MicroStep, describe_method
 from trl_lopti.models import build_tiny_model
 from trl_lopti.tasks import completion_to_text
 
 
-PHASES = ("generation_s", "scoring_s", "loss_backward_optimizer_s", "probe_s", "step_s")
+PHASES = ("generation_s", "scoring_s", "loss_backward_optimizer_s", "probe_s", "step_s", "fact_checks_s")
 COUNTS = (  # policy forwards outside generation, generate calls and their decoding forwards, backward passes reaching
     # the policy (its input embedding), optimizer steps, tokens
     "policy_forwards_grad",
@@ -53,6 +53,9 @@ COUNTS = (  # policy forwards outside generation, generate calls and their decod
     "completion_tokens",
     "completions",
 )
+FACT_CHECKS = [(_compat, name) for name in vars(_compat) if name.startswith("check_") or name == "prompts_of"]
+FACT_CHECKS += [(MicroStep, "mark_backward"), *((_compat.ReadRecorder, name) for name in ("__init__", "__getitem__"))]
+"""What runs for the runtime checks of the TRL facts, timed as `fact_checks_s` (within the other phases)."""
 LOGGED_PREFIXES = ("lopti/", "reward")
 """Logged metrics kept per generation batch: TRL's `reward`, `reward_std`, `rewards/*`, and the trainer's `lopti/*`."""
 
@@ -74,7 +77,7 @@ class Probe(TrainerCallback):
     `loss_backward_optimizer_s` for `training_step` (and from its end to the callback's `on_step_end`: clipping,
     optimizer, scheduler, `zero_grad`), within it `scoring_s` for `_generate_and_score_completions`, within that
     `generation_s` for `_generate`, and `probe_s` for the Fig.-3 forwards; `step_s` runs from the end of the previous
-    batch's last optimizer step to the end of this one's.
+    batch's last optimizer step to the end of this one's. `fact_checks_s`, within those, is the time of `FACT_CHECKS`.
 
     Args:
         trainer (`GRPOTrainer` or `RLOOTrainer`):
@@ -104,6 +107,9 @@ class Probe(TrainerCallback):
         self._loss_inputs: dict[str, Any] | None = None
         trainer.remove_callback(PrinterCallback)
         trainer.add_callback(self)
+        self._unpatched = [(owner, name, vars(owner)[name]) for owner, name in FACT_CHECKS]
+        for owner, name, function in self._unpatched:
+            setattr(owner, name, self._timed(function))
         wrappers = {
             "_generate_and_score_completions": self._around_generate_and_score,
             "_generate": self._around_generate,
@@ -122,6 +128,17 @@ class Probe(TrainerCallback):
             self._handles.append(model.register_forward_hook(self._keep_log_prob_gradient, with_kwargs=True))
 
     # clocks -------------------------------------------------------------------------------------------------------
+    def _timed(self, function: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = self._now()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                for clock, now, then in zip(("wall", "cpu"), self._now(), start, strict=True) if self.batches else ():
+                    self.batches[-1][clock]["fact_checks_s"] += now - then
+
+        return functools.wraps(function)(timed)
+
     def _now(self) -> tuple[float, float]:
         if self._cuda:
             torch.cuda.synchronize()
@@ -241,6 +258,8 @@ class Probe(TrainerCallback):
         """Removes the hooks and fills in `step_s` of every batch; returns the batches."""
         for handle in self._handles:
             handle.remove()
+        for owner, name, function in self._unpatched:
+            setattr(owner, name, function)
         previous = self._train_begin
         for batch in self.batches:
             end = batch.pop("end", None)
@@ -351,12 +370,10 @@ def prepare_model(kind: str, work_dir: Path, seed: int = 0, device: str = "cpu",
 
 def addition_prompts(num_prompts: int, seed: int):
     """Two-digit additions as chat prompts with their answers (a cheap reward with a real signal for SmolLM2)."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(num_prompts):
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        prompt = [{"role": "user", "content": f"What is {a} + {b}? Reply with the number only."}]
-        rows.append({"prompt": prompt, "answer": str(a + b)})
+    rng, rows = random.Random(seed), []
+    for a, b in ((rng.randint(10, 99), rng.randint(10, 99)) for _ in range(num_prompts)):
+        rows.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}? Reply with the number only."}]})
+        rows[-1]["answer"] = str(a + b)
     return Dataset.from_list(rows)
 
 

@@ -140,7 +140,7 @@ def cost_markdown(report: dict[str, Any]) -> str:
     memory = "peak CUDA mem (MB)" if on_gpu else "peak RSS (MB)"
     header = (
         "configuration | step (s) | generation (s) | scoring (s) | loss+bwd+opt (s) | fwd grad / no-grad | bwd | "
-        f"opt steps | {memory} | compl. tok/s"
+        f"opt steps | {memory} | compl. tok/s | fact checks (share of step)"
     )
     timed = [("step_s", 2), ("generation_s", 2), ("scoring_s", 3), ("loss_backward_optimizer_s", 2)]
     lines = []
@@ -159,6 +159,7 @@ def cost_markdown(report: dict[str, Any]) -> str:
                     f"{counts['optimizer_steps']:g}",
                     with_ratio(run["peak_memory_mb"], base["peak_memory_mb"] if reference else None, 0),
                     with_ratio(medians["completion_tokens_per_s"], reference.get("completion_tokens_per_s"), 1),
+                    f"{100 * medians.get('fact_checks_s', 0.0) / medians['step_s']:.2f}%",
                 ]
             )
         lines += [f"{title} per generation batch (median):", "", *markdown_table(header, rows), ""]
@@ -197,16 +198,9 @@ def compare_markdown(report: dict[str, Any]) -> str:
         paired = [
             [name, *(interval(s["paired"][key]) for key in keys)] for name, s in summary.items() if "paired" in s
         ]
-        return [
-            f"{title}:",
-            "",
-            *markdown_table(f"method | {header}", rows),
-            "",
-            f"Minus `{BASELINE}`'s on the same seed:",
-            "",
-            *markdown_table(f"method | {header}", [row for row in paired if row[0] != BASELINE]),
-            "",
-        ]
+        differences = markdown_table(f"method | {header}", [row for row in paired if row[0] != BASELINE])
+        table = markdown_table(f"method | {header}", rows)
+        return [f"{title}:", "", *table, "", f"Minus `{BASELINE}`'s on the same seed:", "", *differences, ""]
 
     steps = ", ".join(f"{name} {s['optimizer_steps']} / {s['generation_batches']}" for name, s in summary.items())
     quartiles = "Q1 (lowest) | Q2 | Q3 | Q4 (highest) | all"

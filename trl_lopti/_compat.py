@@ -242,10 +242,17 @@ def check_generation(position: int, cycle: int) -> None:
         raise broken_fact("S1", f"TRL generated at micro-step {position} of a {cycle}-micro-step cycle")
 
 
-def check_micro_step(step: int, global_step: int, accumulation: int, cycle: int, same_prompts: bool) -> None:
+def prompts_of(generation_batch: Any) -> list[Any] | None:
+    """The prompts of a generation batch as TRL's dataloader serves it (a list of rows), for fact S2."""
+    return [row.get("prompt") for row in generation_batch] if isinstance(generation_batch, list) else None
+
+
+def check_micro_step(
+    step: int, global_step: int, accumulation: int, cycle: int, prompts: Any, cycle_prompts: Any
+) -> None:
     """Facts S4 and S2, at the start of training micro-step `step` (TRL's `_step`) after `global_step` optimizer steps
-    of `accumulation` micro-steps, in a `cycle`-micro-step cycle; `same_prompts`: the dataloader served the prompts
-    it served at the cycle's first micro-step."""
+    of `accumulation` micro-steps, in a `cycle`-micro-step cycle: the dataloader served the `prompts` it served at the
+    cycle's first micro-step (`cycle_prompts`)."""
     if cycle % accumulation == 0 and step % accumulation == 0 and (global_step * accumulation - step) % cycle:
         raise broken_fact(
             "S4",
@@ -253,7 +260,7 @@ def check_micro_step(step: int, global_step: int, accumulation: int, cycle: int,
             f"{accumulation} micro-steps per optimizer step put it in a {cycle}-micro-step cycle (a resumed run whose "
             "_load_optimizer_and_scheduler did not run?)",
         )
-    if not same_prompts:
+    if prompts != cycle_prompts:
         raise broken_fact(
             "S2",
             f"at micro-step {step % cycle} of a {cycle}-micro-step cycle the dataloader served other prompts than at "

@@ -82,9 +82,10 @@ class MicroStep:
     backward_reached_logps: bool = False
     gradient_outside_the_mask: torch.Tensor | float = 0.0
 
-    def mark_backward(self, outside_the_mask: torch.Tensor, gradient: torch.Tensor) -> None:  # a tensor hook
+    def mark_backward(self, loss_mask: torch.Tensor, gradient: torch.Tensor) -> None:  # a tensor hook
         self.backward_reached_logps = True
-        self.gradient_outside_the_mask = self.gradient_outside_the_mask + (gradient.abs() * outside_the_mask).sum()
+        outside = gradient.abs() * (1 - loss_mask.to(gradient.dtype))  # no host sync: read after the step
+        self.gradient_outside_the_mask = self.gradient_outside_the_mask + outside.sum()
 
 
 @dataclasses.dataclass
@@ -191,11 +192,11 @@ class LoptiTrainerMixin:
     def training_step(self, model, inputs, num_items_in_batch=None):
         args, step = self.args, self._step
         cycle = args.lopti_cycle_micro_steps
-        prompts = [row.get("prompt") for row in inputs] if isinstance(inputs, list) else None
+        prompts = _compat.prompts_of(inputs)
         if step % cycle == 0 or self._cycle_prompts is None:
             self._cycle_prompts = prompts
-        same_prompts = prompts == self._cycle_prompts
-        _compat.check_micro_step(step, self.state.global_step, args.gradient_accumulation_steps, cycle, same_prompts)
+        accumulation = args.gradient_accumulation_steps
+        _compat.check_micro_step(step, self.state.global_step, accumulation, cycle, prompts, self._cycle_prompts)
         micro_step = MicroStep(position=step % cycle, first_visit=step % cycle < args.steps_per_generation)
         with _compat.temporarily_set(self, _micro_step=micro_step):
             output = super().training_step(model, inputs, num_items_in_batch)
@@ -286,8 +287,8 @@ class LoptiTrainerMixin:
             if aux_loss is not None and not call.trains_aux_loss:
                 aux_loss = aux_loss.detach()
         if call.micro_step is not None and per_token_logps.requires_grad:  # facts S3, S6: checked in the backward
-            outside = 1 - loss_token_mask(call.batch).to(per_token_logps.dtype)
-            per_token_logps.register_hook(functools.partial(call.micro_step.mark_backward, outside))
+            mark = functools.partial(call.micro_step.mark_backward, loss_token_mask(call.batch))
+            per_token_logps.register_hook(mark)
         return per_token_logps, entropies, aux_loss
 
     # ------------------------------------------------------------------------------------------------ split
