@@ -21,9 +21,10 @@ it), G for `GRPOTrainer` (`trl_lopti/grpo_trainer.py`, `trl_lopti/reinforce_plus
   reading `self.num_iterations` when the dataloader is built. Checked: the dataloader serves the same generation batch
   (its prompts) at every micro-step of a cycle (`check_micro_step`).
 - S3. Loss forward. `_compute_loss(model, inputs)` calls `self._get_per_token_logps_and_entropies` once for the policy
-  (taking `batch_size=` and the same arguments in both trainers), and its loss is differentiated through the
-  log-probabilities that call returns. Checked: one forward per loss, and the backward reaches what it returned
-  (`check_loss_call`, `check_backward`).
+  (taking `batch_size=` and the same arguments in both trainers, returning log-probabilities, entropies and an
+  auxiliary loss), and its loss is differentiated through the log-probabilities that call returns. Checked: what every
+  call returned, one forward per loss, and the backward reaches it (`check_forward_output`, `check_loss_call`,
+  `check_backward`).
 - S4. Checkpoints. `_save_checkpoint` and `_load_optimizer_and_scheduler` are the extension points for trainer state
   (TRL's entropy controller uses them); transformers calls the latter on resume after `self.state` is loaded. Checked:
   the state is loaded there, and at each accumulation window `self._step` sits where the optimizer steps put it
@@ -234,6 +235,13 @@ def lopti_paper(trl_trainer_class: type) -> dict[str, str]:
         "id": "2505.12929",
         "citation": LOPTI_PAPER_CITATION + "\n\n" + trl_trainer_class._paper["citation"],
     }
+
+
+def check_forward_output(output: Any) -> None:
+    """Fact S3: TRL's log-prob forward returned (log-probabilities, entropies, auxiliary loss)."""
+    if not isinstance(output, tuple) or len(output) != 3:
+        saw = f"{len(output)} values" if isinstance(output, tuple) else type(output).__name__
+        raise broken_fact("S3", f"_get_per_token_logps_and_entropies returned {saw}, not (logps, entropies, aux_loss)")
 
 
 def check_generation(position: int, cycle: int) -> None:

@@ -266,9 +266,11 @@ class LoptiTrainerMixin:
         return loss
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        per_token_logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+        output = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
+        _compat.check_forward_output(output)
+        per_token_logps, entropies, aux_loss = output
         call = self._loss_call
         if call is None:  # a forward outside the loss: pi_old or the reference model's log-probs
             if self._generation_logps is not None:
