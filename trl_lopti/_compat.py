@@ -1,7 +1,8 @@
-"""What trl_lopti relies on in TRL: the supported releases, checked at import, and the TRL facts, checked while training.
+"""What trl_lopti relies on in TRL: the releases it was tested with, the TRL facts, checked while training, the gate of
+an untested release, and the few adapters to TRL's private interface.
 
-`trl_lopti.config` and the trainer modules import this module before they import TRL, so that an unsupported TRL fails
-with the message below rather than somewhere inside TRL; `trl_lopti.tasks` does not import TRL at all.
+`trl_lopti.config` and the trainer modules import this module before they import TRL; `trl_lopti.tasks` does not import
+TRL at all.
 
 The trainers rely on the TRL facts below (`TRL_FACTS`), which hold unchanged from 1.10 to 1.16: `.ci/run` runs the
 contract, exactness, schedule and split tests against the newest patch of each minor release. Each fact is also checked
@@ -57,8 +58,8 @@ it), G for `GRPOTrainer` (`trl_lopti/grpo_trainer.py`, `trl_lopti/reinforce_plus
   (the Trainer divides it by the gradient accumulation). Checked at every generation batch (no `tool_mask`) and,
   through S3, at every loss.
 
-TRL 1.15 is left out: its fused log-prob head needs Triton on every device (1.16 made it optional), so no test of
-ours can run it on a CPU, and a release we cannot test is refused. A release above the range is refused too.
+No release is refused at import: on one outside `TESTED_TRL_RELEASES` the import warns once, and the trainers train
+only once `trl-lopti check` has passed on the machine for that stack (`require_verified_contract`; docs/releases.md).
 """
 
 from __future__ import annotations
@@ -66,19 +67,28 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import json
 import os
+import subprocess
+import sys
 import textwrap
 import warnings
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 
-SUPPORTED_TRL_SPEC = ">=1.10.0,<1.17,!=1.15.*"
-"""The supported TRL releases, as `setup.cfg` declares them."""
-SUPPORTED_TRL = SpecifierSet(SUPPORTED_TRL_SPEC)
+MINIMUM_TRL = "1.10.0"
+"""The oldest TRL release `setup.cfg` admits (no upper bound): the oldest on which the contract holds."""
+TESTED_TRL_RELEASES = ("1.10.0", "1.11.0", "1.12.0", "1.13.0", "1.14.2", "1.16.0")
+"""The releases `.ci/run` tests (the newest patch of each minor release it passes on); on any other, the trainers train
+once `trl-lopti check` has passed on the machine (`require_verified_contract`)."""
+CHECK_COMMAND = "trl-lopti check"
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                      "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")  # fmt: skip
+"""What a launcher sets in each process it starts: not passed to the check's own process."""
 
 TRL_FACTS = {
     "S1": "schedule: _prepare_inputs generates every steps_per_generation * self.num_iterations micro-steps (_step), "
@@ -103,54 +113,8 @@ TRL_FACTS = {
 """The TRL facts the trainers rely on, by number (stated in this module's docstring), each checked while training and
 pinned by `tests/test_trl_contract.py`."""
 
-TESTED_TRL_RELEASES = ("1.10.0", "1.11.0", "1.12.0", "1.13.0", "1.14.2", "1.16.0")
-"""The newest patch of each supported minor release: what `.ci/run` tests."""
-
-ALLOW_UNTESTED_TRL = "TRL_LOPTI_ALLOW_UNTESTED_TRL"
-"""Set to 1 to import with a TRL outside the range anyway (with a warning), e.g. to run the contract tests on it."""
-
 LIGER_MINIMUM_TRL = Version("1.14.0")
 """Below it, `use_liger_kernel=True` computes GRPO's loss in `compute_liger_loss`, which AR and Lopti cannot reach."""
-
-_CONTRACT_TESTS = (
-    "tests/test_trl_contract.py tests/test_exactness.py tests/test_schedule.py tests/test_lopti_split.py "
-    "tests/test_rloo.py"
-)
-
-
-def unsupported_trl_message(installed: str) -> str:
-    """What a user with TRL `installed` (outside `SUPPORTED_TRL`) is told: the range and what to do."""
-    supported = f"trl_lopti supports TRL {SUPPORTED_TRL_SPEC} (tested: {', '.join(TESTED_TRL_RELEASES)})"
-    if Version(installed) < Version("1.10.0"):
-        return (
-            f"{supported}, but TRL {installed} is installed: its GRPO losses differ from the ones trl_lopti is "
-            f"exact for. Upgrade: pip install 'trl{SUPPORTED_TRL_SPEC}'"
-        )
-    untested = "this release was not tested"
-    if installed.startswith("1.15."):
-        untested = "its fused log-prob head needs Triton, so no CPU test runs it"
-    return (
-        f"{supported}, but TRL {installed} is installed: trl_lopti relies on GRPOTrainer and RLOOTrainer internals "
-        f"(trl_lopti._compat.TRL_FACTS) and {untested}. Install a supported release (pip install "
-        f"'trl{SUPPORTED_TRL_SPEC}'), or check this one: in a checkout of trl_lopti run {ALLOW_UNTESTED_TRL}=1 "
-        f"python -m pytest {_CONTRACT_TESTS}; if they pass, {ALLOW_UNTESTED_TRL}=1 lets you train with it"
-    )
-
-
-def check_trl_version() -> str:
-    """The installed TRL version; `ImportError` with a clear message when it is not a supported release."""
-    try:
-        installed = version("trl")
-    except PackageNotFoundError as error:
-        raise ImportError(f"trl_lopti needs TRL: pip install 'trl{SUPPORTED_TRL_SPEC}'") from error
-    if Version(installed) in SUPPORTED_TRL:
-        return installed
-    if os.environ.get(ALLOW_UNTESTED_TRL) == "1":
-        warnings.warn(
-            unsupported_trl_message(installed) + f" ({ALLOW_UNTESTED_TRL}=1: importing anyway)", stacklevel=2
-        )
-        return installed
-    raise ImportError(unsupported_trl_message(installed))
 
 
 def broken_fact(number: str, saw: str) -> RuntimeError:
@@ -348,5 +312,91 @@ def check_features(config) -> None:
         )
 
 
+def stack_versions() -> dict[str, str]:
+    """The versions a verdict of `trl-lopti check` holds for: TRL, transformers, trl_lopti (and torch, recorded)."""
+    return {package: version(package) for package in ("trl", "transformers", "trl_lopti", "torch")}
+
+
+def verdict_path() -> Path:
+    """Where `trl-lopti check` caches its verdict for this TRL, transformers and trl_lopti: in the Hugging Face cache
+    folder (`HF_HOME`, else `$XDG_CACHE_HOME/huggingface`, else `~/.cache/huggingface`)."""
+    cache = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    versions = stack_versions()
+    name = f"trl-{versions['trl']}_transformers-{versions['transformers']}_trl_lopti-{versions['trl_lopti']}.json"
+    return Path(cache).expanduser() / "trl_lopti" / "contract" / name
+
+
+def read_verdict() -> dict[str, Any] | None:
+    """The cached verdict of `trl-lopti check` for this stack, `None` where it never ran."""
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(verdict_path().read_text())
+    return None
+
+
+_verifying_contract = False  # while `trl-lopti check` runs its own trainers
+
+
+@contextlib.contextmanager
+def verifying_contract():
+    """The block runs the contract's own training runs: the trainers' gate lets them train."""
+    global _verifying_contract
+    _verifying_contract, before = True, _verifying_contract
+    try:
+        yield
+    finally:
+        _verifying_contract = before
+
+
+def require_verified_contract() -> None:
+    """
+    The gate of an untested TRL release (outside `TESTED_TRL_RELEASES`): a Lopti trainer trains only once `trl-lopti
+    check` has passed on this machine for this stack (`verdict_path`). Where it never ran, the first process of each
+    machine runs it once, in a process of its own (without the launcher's settings), while the others wait (accelerate's
+    `local_main_process_first`), and caches its verdict; a failed verdict refuses to train, naming the broken facts.
+    """
+    if TRL_VERSION in TESTED_TRL_RELEASES or _verifying_contract:
+        return
+    verdict = read_verdict()
+    if verdict is None:
+        from accelerate import PartialState
+
+        with PartialState().local_main_process_first():
+            verdict = read_verdict()
+            if verdict is None:  # the first process here: it runs the check (the others read its verdict)
+                environment = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+                environment = {
+                    k: v for k, v in environment.items() if not k.startswith(("ACCELERATE_", "TORCHELASTIC"))
+                }
+                sys.stderr.write(f"trl_lopti: TRL {TRL_VERSION} is untested: running `{CHECK_COMMAND}` once\n")
+                subprocess.run([sys.executable, "-m", "trl_lopti", "check"], env=environment, check=False)
+                verdict = read_verdict()
+    if verdict is None:
+        raise RuntimeError(f"TRL {TRL_VERSION}: `{CHECK_COMMAND}` gave no verdict; run it and read what it says")
+    if not verdict["passed"]:
+        raise RuntimeError(
+            f"TRL {TRL_VERSION} failed trl_lopti's contract on this machine ({CHECK_COMMAND}, cached in "
+            f"{verdict_path()}): broken facts {', '.join(verdict['broken_facts']) or 'none named'}. "
+            + " ".join(verdict["failed"])[:1500]
+            + f" Install a tested release (pip install 'trl=={TESTED_TRL_RELEASES[-1]}'), or see docs/releases.md."
+        )
+
+
+def check_trl_version() -> str:
+    """The installed TRL version; a warning naming it where it is not among `TESTED_TRL_RELEASES`."""
+    try:
+        installed = version("trl")
+    except PackageNotFoundError as error:
+        raise ImportError(f"trl_lopti needs TRL: pip install 'trl>={MINIMUM_TRL}'") from error
+    if installed not in TESTED_TRL_RELEASES:
+        warnings.warn(
+            f"trl_lopti was tested with TRL {', '.join(TESTED_TRL_RELEASES)}, not with the installed TRL {installed}: "
+            f"its trainers train once `{CHECK_COMMAND}` has passed on this machine for it (they run it once, about a "
+            "minute, and cache the verdict); a failed check names the TRL facts that broke",
+            UserWarning,
+            stacklevel=2,
+        )
+    return installed
+
+
 TRL_VERSION = check_trl_version()
-"""The installed TRL version (checked)."""
+"""The installed TRL version."""

@@ -128,6 +128,7 @@ class LoptiTrainerMixin:
 
     def __init__(self, model, reward_funcs=None, args=None, *extra_args, **kwargs):
         args = as_lopti_config(args, model, self.config_class)
+        _compat.require_verified_contract()  # an untested TRL release trains once `trl-lopti check` passed here
         super().__init__(model, reward_funcs, args, *extra_args, **kwargs)
         # Facts S1, S2: TRL trains each generation batch `self.num_iterations` times, once per pass here
         self.num_iterations = args.num_iterations * args.lopti_num_passes

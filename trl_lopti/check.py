@@ -1,0 +1,439 @@
+"""`trl-lopti check`: trl_lopti's contract with TRL, verified on this machine's own stack (TRL, transformers, torch, device).
+
+It builds a tiny random model here ([`~trl_lopti.models.build_tiny_model`]: nothing is downloaded) and checks
+`LoptiGRPOTrainer` and `LoptiRLOOTrainer` by relations against TRL's own trainers and losses:
+
+- `off`: with both methods off, a generation batch trains as TRL's trainer trains it (losses, gradient norms, parameters);
+- `cycle`: a Lopti cycle makes twice TRL's forwards with gradient, backward passes and optimizer steps, no other forward;
+- `resume`: a checkpoint taken between the two passes resumes to the parameters of the uninterrupted run;
+- `isolation`, `ar`: at equal parameters, for every loss type and importance-sampling level the installed TRL offers
+  (clipping active): in each Lopti pass the gradient through an inactive token's log-probability is exactly zero, an
+  active token's is the whole loss's, and low + high is the whole loss's gradient; AR's gradient through each token's
+  log-probability is `w(t)` times plain TRL's;
+- `upgrade`: a plain TRL config handed to a Lopti trainer becomes the Lopti config built from the same arguments, field
+  by field (the upgrade re-runs TRL's and transformers' `__post_init__` on values they derived).
+
+Every training run above runs the runtime checks of the TRL facts (`trl_lopti._compat`), so a broken fact fails its
+check with the fact's number. Tolerances, relative to the largest value compared: 1e-6 with float64 weights on a CPU
+(TRL's fused log-prob head computes in float32), 1e-4 in float32 (CUDA's default), 2e-2 under bf16 autocast; zeros
+must be exact in every precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import re
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import _compat
+
+
+TOLERANCES = {"fp64": 1e-6, "fp32": 1e-4, "bf16": 2e-2}
+"""The relative tolerance of a relation, by precision."""
+KNOWN_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
+"""GRPO's loss types in TRL 1.16: checked where the installed `GRPOConfig`'s help names none."""
+
+
+@dataclasses.dataclass
+class CheckResult:
+    """One check: its `name`, the TRL `facts` it relies on, whether it `passed`, what it measured or why it failed
+    (`detail`), the facts found broken (`broken`), its `seconds`."""
+
+    name: str
+    facts: tuple[str, ...]
+    passed: bool
+    detail: str
+    seconds: float
+    broken: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        return f"{'PASS' if self.passed else 'FAIL'}  {' '.join(self.facts) or '-':<20} {self.name}: {self.detail}"
+
+
+class Relation(AssertionError):
+    """A relation of the contract that does not hold."""
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float, what: str) -> float:
+    """The largest `|actual - expected|` relative to the largest `|expected|`; raises `Relation` above `tolerance`."""
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    difference = float((actual.double() - expected.double()).abs().max()) / (scale or 1.0) if expected.numel() else 0.0
+    if not difference <= tolerance:  # NaN fails too
+        raise Relation(f"{what}: relative difference {difference:.3g} > {tolerance:g}")
+    return difference
+
+
+def exactly_zero(values: torch.Tensor, what: str) -> None:
+    if torch.count_nonzero(values):
+        raise Relation(
+            f"{what}: {int(torch.count_nonzero(values))} non-zero values, largest {float(values.abs().max()):.3g}"
+        )
+
+
+@contextlib.contextmanager
+def retained_policy_logps(trl_class: type) -> Iterator[list[torch.Tensor]]:
+    """Keeps, with their gradients, the log-probabilities TRL's own forward returns with gradient in the block."""
+    kept, name = [], "_get_per_token_logps_and_entropies"
+    forward = trl_class.__dict__[name]
+
+    def keeping(self, *args, **kwargs):
+        output = forward(self, *args, **kwargs)
+        if output[0].requires_grad:
+            output[0].retain_grad()
+            kept.append(output[0])
+        return output
+
+    setattr(trl_class, name, keeping)
+    try:
+        yield kept
+    finally:
+        setattr(trl_class, name, forward)
+
+
+class PassCounter:
+    """Counts a model's forwards outside `generate` (with and without gradient) and its backward passes."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.counts, self._generating, generate = [0, 0, 0], 0, model.generate
+
+        def counted(*args, **kwargs):
+            self._generating += 1
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                self._generating -= 1
+
+        model.generate = counted
+        model.register_forward_pre_hook(lambda module, args: self._count(1 - torch.is_grad_enabled()))
+        model.get_input_embeddings().weight.register_post_accumulate_grad_hook(lambda parameter: self._count(2))
+
+    def _count(self, kind: int) -> None:  # 0: forward with gradient, 1: without, 2: backward
+        if kind == 2 or not self._generating:
+            self.counts[kind] += 1
+
+
+def offered_loss_types() -> tuple[str, ...]:
+    """The loss types the installed `GRPOConfig` names in its help ("Supported values are ..."), else TRL 1.16's."""
+    from trl import GRPOConfig
+
+    found = re.search(r"Supported values are (.+?)\.\s", GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"])
+    return tuple(re.findall(r"'(\w+)'", found.group(1))) if found else KNOWN_LOSS_TYPES
+
+
+class Contract:
+    """The runs and relations of `trl-lopti check` on one device and precision, in a folder of its own."""
+
+    def __init__(self, folder: Path, device: str, precision: str):
+        from transformers import AutoModelForCausalLM
+
+        from .models import PEAKED_TINY_MODEL, build_tiny_model
+
+        self.folder, self.device, self.precision, self.tolerance = folder, device, precision, TOLERANCES[precision]
+        # sampled tokens lie on both sides of eta 0.5, so that both Lopti passes train
+        self.model_path = build_tiny_model(folder / "model", seed=0, device=device, **PEAKED_TINY_MODEL)
+        model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=torch.float64 if precision == "fp64" else None
+        )
+        model.save_pretrained(self.model_path)
+        self.initial = {name: p.detach().to(device) for name, p in model.named_parameters()}
+        self.trl_counts: dict[str, list[int]] = {}
+
+    def classes(self, trainer: str) -> tuple[type, type, type, type]:
+        """TRL's config and trainer, and the Lopti config and trainer, of `trainer` ("grpo" or "rloo")."""
+        from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+        from . import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer
+
+        if trainer == "grpo":
+            return GRPOConfig, GRPOTrainer, LoptiGRPOConfig, LoptiGRPOTrainer
+        return RLOOConfig, RLOOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer
+
+    def fields(self, name: str, **overrides: Any) -> dict[str, Any]:
+        """A run's config fields: a generation batch of 8 completions trained in 2 optimizer steps of plain SGD per pass
+        (TRL computes pi_old: the batch is trained off-policy), on this device and precision."""
+        return {
+            **dict(output_dir=str(self.folder / name), per_device_train_batch_size=4, num_generations=4),
+            **dict(steps_per_generation=2, gradient_accumulation_steps=1, max_completion_length=6, beta=0.0, seed=0),
+            **dict(optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1),
+            **dict(report_to="none", save_strategy="no", disable_tqdm=True, model_init_kwargs={"dtype": "auto"}),
+            **dict(num_train_epochs=1),
+            **dict(use_cpu=self.device == "cpu", bf16=self.precision == "bf16"),
+            **overrides,
+        }
+
+    def trainer(self, trainer_class: type, args: Any):
+        from datasets import Dataset
+
+        from .tasks import token_parity_reward
+
+        prompts = Dataset.from_dict({"prompt": [f"Count to {number}:" for number in range(2)]})
+        return trainer_class(self.model_path, token_parity_reward, args, prompts)
+
+    def train(self, trainer_class: type, args: Any, checkpoint: str | None = None) -> tuple[Any, list[int]]:
+        """Trains a run (from `checkpoint`); returns the trainer and its passes: forwards with gradient, without,
+        backward passes, optimizer steps."""
+        trainer = self.trainer(trainer_class, args)
+        counter = PassCounter(trainer.model)
+        trainer.train(resume_from_checkpoint=checkpoint)
+        return trainer, [*counter.counts, trainer.state.global_step]
+
+    def moves(self, trainer) -> dict[str, torch.Tensor]:
+        return {name: p.detach() - self.initial[name] for name, p in trainer.model.named_parameters()}
+
+    # ---------------------------------------------------------------------------------------------------- the checks
+    def off(self, trainer: str) -> str:
+        trl_config, trl_trainer, lopti_config, lopti_trainer = self.classes(trainer)
+        plain, self.trl_counts[trainer] = self.train(trl_trainer, trl_config(**self.fields(f"{trainer}-trl")))
+        fields = self.fields(f"{trainer}-off", advantage_reweighting_alpha=0.0, lopti_threshold=None)
+        lopti, counts = self.train(lopti_trainer, lopti_config(**fields))
+        expected, actual = self.moves(plain), self.moves(lopti)
+        if counts != self.trl_counts[trainer] or not any(move.any() for move in expected.values()):
+            raise Relation(f"passes {counts}, TRL's {self.trl_counts[trainer]}; or no parameter moved")
+        differences = [close(actual[name], expected[name], self.tolerance, name) for name in expected]
+        for key in ("loss", "grad_norm"):
+            logged = [torch.tensor([e[key] for e in t.state.log_history if key in e]) for t in (lopti, plain)]
+            differences.append(close(*logged, self.tolerance, key))
+        return f"losses, gradient norms, parameters: {trl_trainer.__name__}'s to {max(differences):.2g}"
+
+    def cycle(self, trainer: str) -> str:
+        _, _, lopti_config, lopti_trainer = self.classes(trainer)
+        estimator = {"advantage_estimator": "reinforce_plus_plus"} if trainer == "grpo" else {}  # facts G3, G4
+        fields = self.fields(
+            f"{trainer}-cycle", log_completions=True, save_strategy="steps", save_steps=1, **estimator
+        )
+        self.cycle_trainer, counts = self.train(lopti_trainer, lopti_config(**fields))
+        forwards, no_grad, backward, steps = self.trl_counts[trainer]
+        if counts != [2 * forwards, no_grad, 2 * backward, 2 * steps]:
+            raise Relation(
+                f"passes {counts}, TRL's {self.trl_counts[trainer]}: expected twice, no extra no-grad forward"
+            )
+        shares = [
+            e["lopti/low_token_share"] for e in self.cycle_trainer.state.log_history if "lopti/low_token_share" in e
+        ]
+        if not shares or not 0 < shares[0] < 1:
+            raise Relation(f"the split left a pass without tokens (low-token share {shares})")
+        return (
+            f"forwards with gradient / without / backward / optimizer steps {'/'.join(map(str, counts))}, TRL's "
+            f"{forwards}/{no_grad}/{backward}/{steps}; low-token share {shares[0]:.2f}"
+        )
+
+    def resume(self, trainer: str) -> str:
+        _, _, lopti_config, lopti_trainer = self.classes(trainer)
+        between = self.cycle_trainer.args.lopti_pass_micro_steps // self.cycle_trainer.args.gradient_accumulation_steps
+        checkpoint = Path(self.cycle_trainer.args.output_dir) / f"checkpoint-{between}"
+        fields = self.fields(f"{trainer}-resumed", log_completions=True)
+        if trainer == "grpo":
+            fields["advantage_estimator"] = "reinforce_plus_plus"
+        resumed, _ = self.train(lopti_trainer, lopti_config(**fields), str(checkpoint))
+        expected, actual = self.moves(self.cycle_trainer), self.moves(resumed)
+        difference = max(close(actual[name], expected[name], self.tolerance, name) for name in expected)
+        return f"from {checkpoint.name}, between the passes: the uninterrupted parameters to {difference:.2g}"
+
+    def losses(self, trainer: str) -> dict[str, str | Relation]:
+        """The `isolation` and `ar` relations at equal parameters, over every loss configuration: a detail or the first
+        relation that failed, for each."""
+        _, trl_trainer, lopti_config, lopti_trainer = self.classes(trainer)
+        configurations = [{}]
+        if trainer == "grpo":  # with a KL term at token level (AR refuses one with a sequence's shared ratio)
+            configurations = [
+                dict(loss_type=loss, importance_sampling_level=level, beta=0.04 if level == "token" else 0.0)
+                for loss in offered_loss_types()
+                for level in ("token", "sequence")
+            ]
+        generator = self.trainer(lopti_trainer, lopti_config(**self.fields("batch", beta=0.04 * (trainer == "grpo"))))
+        batch, eta = generation_batch_off_policy(generator)
+        mask = batch["completion_mask"].bool()
+        low_mask = (batch["old_per_token_logps"].exp() < eta) & mask
+        weights = 0.3 * batch["old_per_token_logps"].exp() + 0.7
+        worst, failures = {"isolation": 0.0, "ar": 0.0}, {}
+        for configuration in configurations:
+            fields = self.fields(f"{trainer}-loss", **configuration, advantage_reweighting_alpha=0.3)
+            whole = lopti_config(**fields | {"lopti_threshold": None})  # the configs first: building one resets
+            plain = lopti_config(
+                **fields | {"lopti_threshold": None, "advantage_reweighting_alpha": 0.0}
+            )  # accelerate
+            lopti = self.trainer(lopti_trainer, lopti_config(**fields, lopti_threshold=eta))
+            what = f"{trainer} {' '.join(map(str, configuration.values()))}".strip()
+            with self.failure(failures, "isolation"):
+                low, high = (self.gradients(lopti, trl_trainer, batch, lopti.args, index) for index in (0, 1))
+                expected = self.gradients(lopti, trl_trainer, batch, whole)
+                for group, gradient, active in (("low", low, low_mask), ("high", high, mask & ~low_mask)):
+                    exactly_zero(gradient[~active], f"{what}: the {group} pass's inactive tokens")
+                    difference = close(gradient[active], expected[active], self.tolerance, f"{what}: {group} pass")
+                    worst["isolation"] = max(worst["isolation"], difference)
+                difference = close(low + high, expected, self.tolerance, f"{what}: low + high")
+                worst["isolation"] = max(worst["isolation"], difference)
+            with self.failure(failures, "ar"):
+                reweighted = self.gradients(lopti, trl_trainer, batch, whole, kl=False)
+                unweighted = self.gradients(lopti, trl_trainer, batch, plain, kl=False)
+                exactly_zero(reweighted[unweighted == 0], f"{what}: AR where plain TRL has no gradient")
+                worst["ar"] = max(worst["ar"], close(reweighted, weights * unweighted, self.tolerance, f"{what}: AR"))
+        names = ", ".join(dict.fromkeys(c.get("loss_type", "rloo") for c in configurations))
+        count = f"{len(configurations)} configurations ({names}; token, sequence)" if trainer == "grpo" else "its loss"
+        return {
+            "isolation": failures.get("isolation")
+            or f"{count}: inactive tokens exactly 0, low + high = the whole to {worst['isolation']:.2g}",
+            "ar": failures.get("ar") or f"{count}: each token's gradient = w(t) x plain TRL's to {worst['ar']:.2g}",
+        }
+
+    @staticmethod
+    @contextlib.contextmanager
+    def failure(failures: dict[str, Relation], relation: str) -> Iterator[None]:
+        """Records the first `Relation` of kind `relation` that fails in a block as `failures[relation]`."""
+        try:
+            yield
+        except Relation as error:
+            failures.setdefault(relation, error)
+
+    @staticmethod
+    def gradients(trainer, trl_class: type, batch: dict, args, pass_index: int = 0, kl: bool = True) -> torch.Tensor:
+        """The gradient of the trainer's loss with `args`, in pass `pass_index`, through each log-probability TRL's own
+        forward returned (`kl=False`: without the KL term, at `beta` 0)."""
+        values = dict(args=args, _step=pass_index * args.lopti_pass_micro_steps, beta=trainer.beta if kl else 0.0)
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.model.train()
+        with _compat.temporarily_set(trainer, **values), retained_policy_logps(trl_class) as kept:
+            trainer.compute_loss(trainer.model, dict(batch)).backward()
+        trainer.model.zero_grad(set_to_none=True)
+        return kept[-1].grad
+
+    def upgrade(self, trainer: str) -> str:
+        from .config import as_lopti_config
+
+        trl_config, _, lopti_config, _ = self.classes(trainer)
+        fields = self.fields("upgrade", learning_rate=3e-6, max_steps=6, temperature=0.7, beta=0.02, epsilon_high=0.3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            upgraded, direct = (
+                as_lopti_config(trl_config(**fields), self.model_path, lopti_config),
+                lopti_config(**fields),
+            )
+        differ = [
+            f.name
+            for f in dataclasses.fields(direct)
+            if repr(getattr(upgraded, f.name)) != repr(getattr(direct, f.name))
+        ]
+        if differ:
+            raise Relation(f"fields that differ: {', '.join(differ)}")
+        return f"{type(direct).__name__} from a plain {trl_config.__name__}: {len(dataclasses.fields(direct))} fields equal"
+
+
+def generation_batch_off_policy(trainer) -> tuple[dict[str, Any], float]:
+    """A generation batch of `trainer` (its TRL keys, pi_old included) moved off-policy so that ratios clip on some
+    tokens and sequences, and an eta half-way in the widest gap of its pi_old near the median."""
+    from .lopti_mixin import LOPTI_BATCH_KEYS
+
+    trainer.model.train()
+    rows = [{"prompt": prompt} for prompt in trainer.train_dataset["prompt"] for _ in range(trainer.num_generations)]
+    batch = {k: v for k, v in trainer._generate_and_score_completions(rows).items() if k not in LOPTI_BATCH_KEYS}
+    generator = torch.Generator().manual_seed(0)
+    old = batch["old_per_token_logps"]
+    noise = 0.3 * torch.randn(old.shape, generator=generator, dtype=torch.float64).to(old)
+    old = old + noise
+    old[0], old[-1] = old[0] + 0.5, old[-1] - 0.5  # two sequences whose ratios leave the clip range...
+    advantages = batch["advantages"].clone()
+    advantages[0], advantages[-1] = -advantages[0].abs() - 0.1, advantages[-1].abs() + 0.1  # ...on their clipped side
+    batch.update(old_per_token_logps=old.clamp(max=-1e-6), advantages=advantages)
+    if "old_logps" in batch:  # RLOO's: the masked sum
+        batch["old_logps"] = (batch["old_per_token_logps"] * batch["completion_mask"]).sum(1)
+    probabilities = torch.sort(batch["old_per_token_logps"].exp()[batch["completion_mask"].bool()].double()).values
+    middle = probabilities[len(probabilities) // 4 : max(len(probabilities) * 3 // 4, len(probabilities) // 4 + 2)]
+    widest = int(torch.argmax(middle[1:] - middle[:-1]))
+    return batch, float(middle[widest] + middle[widest + 1]) / 2
+
+
+CHECKS: dict[str, tuple[str, ...]] = {
+    "off": ("S1", "S2", "S3", "S5", "S6"),
+    "cycle": ("S1", "S2", "S3", "S5", "S6"),
+    "resume": ("S4",),
+    "isolation": ("S3", "S6"),
+    "ar": ("S3", "S6"),
+    "upgrade": (),
+}
+"""The checks, in order, and the TRL facts each relies on besides its trainer's own (`TRAINER_FACTS`)."""
+TRAINER_FACTS = {"grpo": {"off": ("G2",), "cycle": ("G2", "G3", "G4"), "isolation": ("G1",), "ar": ("G1",)},
+                 "rloo": {"off": ("R1", "R2"), "cycle": ("R1", "R2"), "isolation": ("R2",), "ar": ("R2",)}}  # fmt: skip
+
+
+def run_checks(
+    device: str | None = None, precision: str | None = None, trainers: tuple[str, ...] = ("grpo", "rloo"),
+    report: Callable[[CheckResult], None] = lambda result: None,
+) -> list[CheckResult]:  # fmt: skip
+    """
+    Runs every check of the contract for `trainers` on `device` (default: CUDA where present, else the CPU) in
+    `precision` (`"fp64"`, the CPU's default; `"fp32"`, CUDA's; `"bf16"`: autocast over float32 weights); each result
+    goes to `report` as soon as it is known. A check that fails, for any reason, fails alone, and the others still run.
+    """
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    precision = precision or ("fp64" if device == "cpu" else "fp32")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="trl-lopti-check-") as folder, _compat.verifying_contract():
+        with quiet():
+            contract = Contract(Path(folder), device, precision)
+        for trainer in trainers:
+            computed: dict[str, str | Relation] = {}
+            for check, facts in CHECKS.items():
+                facts = (*facts, *TRAINER_FACTS[trainer].get(check, ()))
+                start = time.perf_counter()
+                try:
+                    with quiet():
+                        if check in ("isolation", "ar") and not computed:
+                            computed = contract.losses(trainer)
+                        detail = computed[check] if check in ("isolation", "ar") else getattr(contract, check)(trainer)
+                    if isinstance(detail, Relation):
+                        raise detail
+                    result = CheckResult(f"{trainer} {check}", facts, True, detail, 0.0)
+                except Exception as error:  # noqa: BLE001 - a verdict for every check, whatever breaks
+                    broken = tuple(re.findall(r"broke fact ([SGR]\d) of trl_lopti", str(error))) or facts
+                    detail = str(error) if isinstance(error, Relation) else f"{type(error).__name__}: {error}"
+                    result = CheckResult(f"{trainer} {check}", facts, False, detail[:600], 0.0, broken)
+                result.seconds = time.perf_counter() - start
+                results.append(result)
+                report(result)
+    return results
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Keeps what TRL, transformers and the trainers print (warnings, progress bars, completion tables, logs) out of
+    the check's own lines, which `report` writes."""
+    from transformers.utils import logging
+
+    verbosity, sink = logging.get_verbosity(), io.StringIO()
+    logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.set_verbosity(verbosity)
+
+
+def write_verdict(results: list[CheckResult], device: str, precision: str, seconds: float) -> Path:
+    """Caches the verdict of `results` for this stack (`_compat.verdict_path`), for the trainers' gate."""
+    path = _compat.verdict_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    verdict = {
+        "passed": all(result.passed for result in results),
+        "broken_facts": sorted({fact for result in results for fact in result.broken}),
+        "failed": [result.line() for result in results if not result.passed],
+        "stack": _compat.stack_versions(),
+        "device": device,
+        "precision": precision,
+        "seconds": round(seconds, 1),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(verdict, indent=1) + "\n")
+    partial.replace(path)  # atomic: processes of other nodes may read it
+    return path
