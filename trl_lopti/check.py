@@ -41,13 +41,13 @@ from . import _compat
 TOLERANCES = {"fp64": 1e-6, "fp32": 1e-4, "bf16": 2e-2}
 """The relative tolerance of a relation, by precision."""
 KNOWN_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
-"""GRPO's loss types in TRL 1.16: checked where the installed `GRPOConfig`'s help names none."""
+"""GRPO's loss types in TRL 1.16, tried beside those the installed `GRPOConfig`'s help names."""
 
 
 @dataclasses.dataclass
 class CheckResult:
     """One check: its `name`, the TRL `facts` it relies on, whether it `passed`, what it measured or why it failed
-    (`detail`), the facts found broken (`broken`), its `seconds`."""
+    (`detail`), the facts found broken (`broken`), its `seconds`, and the `error` of a failed one."""
 
     name: str
     facts: tuple[str, ...]
@@ -55,13 +55,19 @@ class CheckResult:
     detail: str
     seconds: float
     broken: tuple[str, ...] = ()
+    error: Exception | None = None
 
     def line(self) -> str:
-        return f"{'PASS' if self.passed else 'FAIL'}  {' '.join(self.facts) or '-':<20} {self.name}: {self.detail}"
+        facts = " ".join(self.facts) or "-"
+        return f"{'PASS' if self.passed else 'FAIL'}  {facts:<20} {self.name}: {self.detail} ({self.seconds:.1f} s)"
 
 
 class Relation(AssertionError):
-    """A relation of the contract that does not hold."""
+    """A relation of the contract that does not hold (`facts`: the TRL facts it shows broken, where it tells)."""
+
+    def __init__(self, message: str, facts: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.facts = facts
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float, what: str) -> float:
@@ -73,11 +79,11 @@ def close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float, what: 
     return difference
 
 
-def exactly_zero(values: torch.Tensor, what: str) -> None:
+def exactly_zero(values: torch.Tensor, what: str, facts: tuple[str, ...] = ()) -> None:
+    """Raises `Relation` (showing `facts` broken) unless every one of `values` is exactly zero."""
     if torch.count_nonzero(values):
-        raise Relation(
-            f"{what}: {int(torch.count_nonzero(values))} non-zero values, largest {float(values.abs().max()):.3g}"
-        )
+        nonzero, largest = int(torch.count_nonzero(values)), float(values.abs().max())
+        raise Relation(f"{what}: {nonzero} non-zero values, the largest {largest:.3g}", facts)
 
 
 @contextlib.contextmanager
@@ -122,12 +128,17 @@ class PassCounter:
             self.counts[kind] += 1
 
 
-def offered_loss_types() -> tuple[str, ...]:
-    """The loss types the installed `GRPOConfig` names in its help ("Supported values are ..."), else TRL 1.16's."""
+def candidate_loss_types() -> tuple[str, ...]:
+    """The loss types to try: TRL 1.16's and those the installed `GRPOConfig` names in its help; a type the installed
+    TRL does not know is skipped (its `_compute_loss` raises "Unknown loss type")."""
     from trl import GRPOConfig
 
-    found = re.search(r"Supported values are (.+?)\.\s", GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"])
-    return tuple(re.findall(r"'(\w+)'", found.group(1))) if found else KNOWN_LOSS_TYPES
+    named = re.search(r"Supported values are (.+?)\.\s", GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"])
+    return tuple(dict.fromkeys((*KNOWN_LOSS_TYPES, *re.findall(r"'(\w+)'", named.group(1) if named else ""))))
+
+
+class TRLFails(Relation):
+    """TRL's own trainer fails on this machine: no relation to it can be checked (no fact of trl_lopti is shown broken)."""
 
 
 class Contract:
@@ -176,7 +187,7 @@ class Contract:
 
         from .tasks import token_parity_reward
 
-        prompts = Dataset.from_dict({"prompt": [f"Count to {number}:" for number in range(2)]})
+        prompts = Dataset.from_dict({"prompt": [f"Count to {number}:" for number in range(4)]})  # 2 generation batches
         return trainer_class(self.model_path, token_parity_reward, args, prompts)
 
     def train(self, trainer_class: type, args: Any, checkpoint: str | None = None) -> tuple[Any, list[int]]:
@@ -193,7 +204,12 @@ class Contract:
     # ---------------------------------------------------------------------------------------------------- the checks
     def off(self, trainer: str) -> str:
         trl_config, trl_trainer, lopti_config, lopti_trainer = self.classes(trainer)
-        plain, self.trl_counts[trainer] = self.train(trl_trainer, trl_config(**self.fields(f"{trainer}-trl")))
+        try:
+            plain, self.trl_counts[trainer] = self.train(trl_trainer, trl_config(**self.fields(f"{trainer}-trl")))
+        except Exception as error:  # noqa: BLE001
+            raise TRLFails(
+                f"TRL's own {trl_trainer.__name__} fails on this machine: {type(error).__name__}: {error}"
+            ) from error
         fields = self.fields(f"{trainer}-off", advantage_reweighting_alpha=0.0, lopti_threshold=None)
         lopti, counts = self.train(lopti_trainer, lopti_config(**fields))
         expected, actual = self.moves(plain), self.moves(lopti)
@@ -247,7 +263,7 @@ class Contract:
         if trainer == "grpo":  # with a KL term at token level (AR refuses one with a sequence's shared ratio)
             configurations = [
                 dict(loss_type=loss, importance_sampling_level=level, beta=0.04 if level == "token" else 0.0)
-                for loss in offered_loss_types()
+                for loss in candidate_loss_types()
                 for level in ("token", "sequence")
             ]
         generator = self.trainer(lopti_trainer, lopti_config(**self.fields("batch", beta=0.04 * (trainer == "grpo"))))
@@ -255,7 +271,7 @@ class Contract:
         mask = batch["completion_mask"].bool()
         low_mask = (batch["old_per_token_logps"].exp() < eta) & mask
         weights = 0.3 * batch["old_per_token_logps"].exp() + 0.7
-        worst, failures = {"isolation": 0.0, "ar": 0.0}, {}
+        worst, failures, checked = {"isolation": 0.0, "ar": 0.0}, {}, []
         for configuration in configurations:
             fields = self.fields(f"{trainer}-loss", **configuration, advantage_reweighting_alpha=0.3)
             whole = lopti_config(**fields | {"lopti_threshold": None})  # the configs first: building one resets
@@ -264,9 +280,17 @@ class Contract:
             )  # accelerate
             lopti = self.trainer(lopti_trainer, lopti_config(**fields, lopti_threshold=eta))
             what = f"{trainer} {' '.join(map(str, configuration.values()))}".strip()
+            try:
+                self.gradients(lopti, trl_trainer, batch, plain)
+            except ValueError as error:  # a loss type this TRL does not know
+                if "loss type" in str(error).lower():
+                    continue
+                raise
+            checked.append(configuration)
             with self.failure(failures, "isolation"):
                 low, high = (self.gradients(lopti, trl_trainer, batch, lopti.args, index) for index in (0, 1))
                 expected = self.gradients(lopti, trl_trainer, batch, whole)
+                exactly_zero(expected[~mask], f"{what}: the whole loss's padding tokens", ("S6",))
                 for group, gradient, active in (("low", low, low_mask), ("high", high, mask & ~low_mask)):
                     exactly_zero(gradient[~active], f"{what}: the {group} pass's inactive tokens")
                     difference = close(gradient[active], expected[active], self.tolerance, f"{what}: {group} pass")
@@ -278,8 +302,8 @@ class Contract:
                 unweighted = self.gradients(lopti, trl_trainer, batch, plain, kl=False)
                 exactly_zero(reweighted[unweighted == 0], f"{what}: AR where plain TRL has no gradient")
                 worst["ar"] = max(worst["ar"], close(reweighted, weights * unweighted, self.tolerance, f"{what}: AR"))
-        names = ", ".join(dict.fromkeys(c.get("loss_type", "rloo") for c in configurations))
-        count = f"{len(configurations)} configurations ({names}; token, sequence)" if trainer == "grpo" else "its loss"
+        names = ", ".join(dict.fromkeys(c.get("loss_type", "rloo") for c in checked))
+        count = f"{len(checked)} configurations ({names}; token, sequence)" if trainer == "grpo" else "its loss"
         return {
             "isolation": failures.get("isolation")
             or f"{count}: inactive tokens exactly 0, low + high = the whole to {worst['isolation']:.2g}",
@@ -334,7 +358,8 @@ def generation_batch_off_policy(trainer) -> tuple[dict[str, Any], float]:
     from .lopti_mixin import LOPTI_BATCH_KEYS
 
     trainer.model.train()
-    rows = [{"prompt": prompt} for prompt in trainer.train_dataset["prompt"] for _ in range(trainer.num_generations)]
+    prompts = trainer.train_dataset["prompt"][:2]
+    rows = [{"prompt": prompt} for prompt in prompts for _ in range(trainer.num_generations)]
     batch = {k: v for k, v in trainer._generate_and_score_completions(rows).items() if k not in LOPTI_BATCH_KEYS}
     generator = torch.Generator().manual_seed(0)
     old = batch["old_per_token_logps"]
@@ -343,7 +368,11 @@ def generation_batch_off_policy(trainer) -> tuple[dict[str, Any], float]:
     old[0], old[-1] = old[0] + 0.5, old[-1] - 0.5  # two sequences whose ratios leave the clip range...
     advantages = batch["advantages"].clone()
     advantages[0], advantages[-1] = -advantages[0].abs() - 0.1, advantages[-1].abs() + 0.1  # ...on their clipped side
-    batch.update(old_per_token_logps=old.clamp(max=-1e-6), advantages=advantages)
+    completion_mask = batch["completion_mask"].clone()
+    completion_mask[1, -2:] = 0  # two completions end early: padding, which no loss may count (fact S6)
+    completion_mask[2, -1:] = 0
+    batch.update(old_per_token_logps=old.clamp(max=-1e-6), advantages=advantages, completion_mask=completion_mask)
+    batch["num_items_in_batch"] = completion_mask.sum()
     if "old_logps" in batch:  # RLOO's: the masked sum
         batch["old_logps"] = (batch["old_per_token_logps"] * batch["completion_mask"]).sum(1)
     probabilities = torch.sort(batch["old_per_token_logps"].exp()[batch["completion_mask"].bool()].double()).values
@@ -352,17 +381,24 @@ def generation_batch_off_policy(trainer) -> tuple[dict[str, Any], float]:
     return batch, float(middle[widest] + middle[widest + 1]) / 2
 
 
-CHECKS: dict[str, tuple[str, ...]] = {
-    "off": ("S1", "S2", "S3", "S5", "S6"),
-    "cycle": ("S1", "S2", "S3", "S5", "S6"),
-    "resume": ("S4",),
-    "isolation": ("S3", "S6"),
-    "ar": ("S3", "S6"),
-    "upgrade": (),
+CHECKS: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "off": (("S1", "S2", "S3", "S5", "S6"), None),
+    "cycle": (("S1", "S2", "S3", "S5", "S6"), "off"),
+    "resume": (("S4",), "cycle"),
+    "isolation": (("S3", "S6"), "off"),
+    "ar": (("S3", "S6"), "off"),
+    "upgrade": ((), None),
 }
-"""The checks, in order, and the TRL facts each relies on besides its trainer's own (`TRAINER_FACTS`)."""
+"""The checks, in order: the TRL facts each relies on besides its trainer's own (`TRAINER_FACTS`), and the check whose
+run it needs."""
 TRAINER_FACTS = {"grpo": {"off": ("G2",), "cycle": ("G2", "G3", "G4"), "isolation": ("G1",), "ar": ("G1",)},
                  "rloo": {"off": ("R1", "R2"), "cycle": ("R1", "R2"), "isolation": ("R2",), "ar": ("R2",)}}  # fmt: skip
+
+
+def default_device_and_precision(device: str | None, precision: str | None) -> tuple[str, str]:
+    """`device` (default: CUDA where torch sees it, else the CPU) and `precision` (default: fp64 on CPU, else fp32)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return device, precision or ("fp64" if device == "cpu" else "fp32")
 
 
 def run_checks(
@@ -374,18 +410,23 @@ def run_checks(
     `precision` (`"fp64"`, the CPU's default; `"fp32"`, CUDA's; `"bf16"`: autocast over float32 weights); each result
     goes to `report` as soon as it is known. A check that fails, for any reason, fails alone, and the others still run.
     """
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    precision = precision or ("fp64" if device == "cpu" else "fp32")
-    results = []
+    device, precision = default_device_and_precision(device, precision)
+    results, threads = [], torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is fastest, and stays fast beside other work
     with tempfile.TemporaryDirectory(prefix="trl-lopti-check-") as folder, _compat.verifying_contract():
         with quiet():
             contract = Contract(Path(folder), device, precision)
         for trainer in trainers:
             computed: dict[str, str | Relation] = {}
-            for check, facts in CHECKS.items():
-                facts = (*facts, *TRAINER_FACTS[trainer].get(check, ()))
-                start = time.perf_counter()
+            failed: dict[str, CheckResult] = {}
+            for check, (facts, needs) in CHECKS.items():
+                facts, start = (*facts, *TRAINER_FACTS[trainer].get(check, ())), time.perf_counter()
                 try:
+                    if needs in failed:  # blames no fact: the check it needs said what broke
+                        cause = (
+                            failed[needs].detail if isinstance(failed[needs].error, TRLFails) else f"the {needs} check"
+                        )
+                        raise Relation(f"not run: it needs {cause}")
                     with quiet():
                         if check in ("isolation", "ar") and not computed:
                             computed = contract.losses(trainer)
@@ -394,12 +435,15 @@ def run_checks(
                         raise detail
                     result = CheckResult(f"{trainer} {check}", facts, True, detail, 0.0)
                 except Exception as error:  # noqa: BLE001 - a verdict for every check, whatever breaks
-                    broken = tuple(re.findall(r"broke fact ([SGR]\d) of trl_lopti", str(error))) or facts
+                    named = tuple(re.findall(r"broke fact ([SGR]\d) of trl_lopti", str(error)))
+                    broken = named or (error.facts if isinstance(error, Relation) else facts)
                     detail = str(error) if isinstance(error, Relation) else f"{type(error).__name__}: {error}"
-                    result = CheckResult(f"{trainer} {check}", facts, False, detail[:600], 0.0, broken)
+                    result = failed[check] = CheckResult(f"{trainer} {check}", facts, False, detail[:600], 0.0, broken)
+                    result.error = error
                 result.seconds = time.perf_counter() - start
                 results.append(result)
                 report(result)
+    torch.set_num_threads(threads)
     return results
 
 

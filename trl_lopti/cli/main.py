@@ -21,7 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     formatter = argparse.RawTextHelpFormatter
     parser = argparse.ArgumentParser(prog="trl-lopti", description=__doc__, formatter_class=formatter)
     parser.add_argument("--version", action="version", version=f"trl-lopti {__version__}")
-    parser.add_argument("command", choices=("train", "demo", "diagnose"))
+    parser.add_argument("command", choices=("train", "demo", "diagnose", "check"))
     parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     try:
         args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
