@@ -206,7 +206,7 @@ class Contract:
         trl_config, trl_trainer, lopti_config, lopti_trainer = self.classes(trainer)
         try:
             plain, self.trl_counts[trainer] = self.train(trl_trainer, trl_config(**self.fields(f"{trainer}-trl")))
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             raise TRLFails(
                 f"TRL's own {trl_trainer.__name__} fails on this machine: {type(error).__name__}: {error}"
             ) from error
