@@ -1,0 +1,34 @@
+"""Run by tests/test_check.py under torchrun (2 gloo processes): the first training run on an untested TRL release,
+with an empty Hugging Face cache. Writes, per process, the optimizer steps it trained and whether it ran the check."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def main(model_path: str, folder: str) -> None:
+    os.environ["HF_HOME"] = os.path.join(folder, "hf")
+    import trl_lopti._compat as compat
+
+    compat.TESTED_TRL_RELEASES = ("0.0.0",)  # the installed TRL, as if it were untested
+    ran, run = [], compat.subprocess.run
+
+    def recorded(*args, **kwargs):
+        ran.append(args[0])
+        return run(*args, **kwargs)
+
+    compat.subprocess.run = recorded
+    from testing_utils import conversational_dataset, length_reward, small_config
+
+    from trl_lopti import LoptiGRPOTrainer
+
+    config = small_config(Path(folder) / "out", max_steps=2)
+    trainer = LoptiGRPOTrainer(model_path, length_reward, config, conversational_dataset())
+    trainer.train()
+    report = {"trained_steps": trainer.state.global_step, "ran_check": len(ran)}
+    (Path(folder) / f"rank{trainer.accelerator.process_index}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
