@@ -246,8 +246,7 @@ def as_lopti_config(args: Any, model: Any, config_class: type = LoptiGRPOConfig)
 
 
 def lopti_schedule_error(config: LoptiArguments, without_lopti: str) -> str:
-    """The message for a schedule in which a Lopti pass would not end on an optimizer step, with a fix that works and
-    `without_lopti`, how to train without Lopti instead."""
+    """The error of a schedule whose Lopti pass would not end on an optimizer step: a fix, or `without_lopti`."""
     steps, iterations = config.steps_per_generation, config.num_iterations
     accumulation = config.gradient_accumulation_steps
     fitting = accumulation // math.gcd(accumulation, iterations)

@@ -369,15 +369,13 @@ class LoptiTrainerMixin:
                     stacklevel=2,
                 )
 
-    def _log_pass_loss(self, token_group: str, loss: torch.Tensor) -> None:
-        # TRL's loss of a micro-step, on its optimizer step's scale (GRPO returns the micro-step's share of it)
+    def _log_pass_loss(self, token_group: str, loss: torch.Tensor) -> None:  # on its optimizer step's scale
         scale = self.current_gradient_accumulation_steps if self.loss_is_scaled_for_accumulation else 1
         value = self.accelerator.gather((loss * scale).reshape(1)).mean().item()
         self._metrics["train"][f"lopti/loss_{token_group}_pass"].append(value)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # Fact S5: TRL writes the completions table at every log; a generation batch trained over several optimizer
-        # steps (Lopti's passes, steps_per_generation > gradient_accumulation_steps) is written once.
+        # TRL writes the completions table at every log (S5); a generation batch's once, however many steps it trains
         mode = "train" if self.model.training else "eval"
         batch_index = (self._step - 1) // self.args.lopti_cycle_micro_steps if mode == "train" else None
         suppressed = self.log_completions and batch_index is not None and batch_index == self._completions_logged_for
@@ -444,8 +442,8 @@ def resume_error(checkpoint: str, saved: dict[str, Any], current: dict[str, Any]
 def describe_method(config: LoptiArguments) -> str:
     """The method of a configuration in words, the model card's "trained with", e.g. `"GRPO with Advantage
     Reweighting (alpha=0.3) and Low-Probability Token Isolation (Lopti, eta=0.5, low tokens first)"`."""
-    base = getattr(config, "advantage_estimator", "rloo")
-    base = {"grpo": "GRPO", "reinforce_plus_plus": "REINFORCE++", "rloo": "RLOO"}[base]
+    base = type(config).__name__.removeprefix("Lopti").removesuffix("Config")  # GRPO, RLOO
+    base = "REINFORCE++" if getattr(config, "advantage_estimator", None) == "reinforce_plus_plus" else base
     parts = []
     if config.advantage_reweighting_enabled:
         parts.append(f"Advantage Reweighting (alpha={config.advantage_reweighting_alpha:g})")
