@@ -69,6 +69,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -90,28 +91,9 @@ LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
                       "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")  # fmt: skip
 """What a launcher sets in each process it starts: not passed to the check's own process."""
 
-TRL_FACTS = {
-    "S1": "schedule: _prepare_inputs generates every steps_per_generation * self.num_iterations micro-steps (_step), "
-    "buffers the micro-batches in _buffered_inputs and serves the same dicts until the next generation",
-    "S2": "dataloader: the train sampler repeats each generation batch self.num_iterations * steps_per_generation "
-    "times (read when built)",
-    "S3": "loss forward: _compute_loss runs _get_per_token_logps_and_entropies once for the policy and differentiates "
-    "its loss through the log-probabilities it returns",
-    "S4": "checkpoints: _save_checkpoint, and _load_optimizer_and_scheduler on resume after self.state is loaded",
-    "S5": "logging: log averages and clears self._metrics[mode], and reads self._logs for the completions table only "
-    "while self.log_completions is true",
-    "S6": "loss mask: the loss counts a token only under completion_mask (times tool_mask): no gradient reaches the "
-    "log-probability of any other",
-    "G1": "GRPO loss: reads advantages ((B, T) accepted) after its policy forward",
-    "G2": "GRPO generation: returns old_per_token_logps whenever the policy moves before the batch is trained "
-    "(deciding by self.num_iterations) or vLLM importance sampling needs it",
-    "G3": "GRPO rewards: _calculate_rewards once per generation batch, every process's rewards in process order",
-    "G4": "GRPO logs: the batch's advantages (every process) appended to self._logs['advantages']",
-    "R1": "RLOO generation: pi_old is its first log-prob forward, kept only as the masked sum old_logps",
-    "R2": "RLOO loss: sums its policy forward's log-probs over completion_mask, reads old_logps and advantages",
-}
-"""The TRL facts the trainers rely on, by number (stated in this module's docstring), each checked while training and
-pinned by `tests/test_trl_contract.py`."""
+TRL_FACTS = dict(re.findall(r"^- ([SGR]\d)\. ([^.]+)\.", __doc__, re.MULTILINE))
+"""The TRL facts the trainers rely on, by number, each stated in this module's docstring (its heading here), checked
+while training and pinned by `tests/test_trl_contract.py`."""
 
 LIGER_MINIMUM_TRL = Version("1.14.0")
 """Below it, `use_liger_kernel=True` computes GRPO's loss in `compute_liger_loss`, which AR and Lopti cannot reach."""
@@ -121,8 +103,8 @@ def broken_fact(number: str, saw: str) -> RuntimeError:
     """The error of a runtime check: the installed TRL no longer behaves as fact `number` of `TRL_FACTS` states, and
     `saw` says what the check saw. Training stops at the first step where it happens."""
     return RuntimeError(
-        f"TRL {TRL_VERSION} broke fact {number} of trl_lopti ({TRL_FACTS[number]}): {saw}. Training stops here rather "
-        "than train an update other than the method's (docs/releases.md)"
+        f"TRL {TRL_VERSION} broke fact {number} of trl_lopti ({TRL_FACTS[number]}, docs/releases.md): {saw}. Training "
+        "stops here rather than train an update other than the method's"
     )
 
 
