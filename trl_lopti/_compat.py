@@ -372,8 +372,8 @@ def check_trl_version() -> str:
     if installed not in TESTED_TRL_RELEASES:
         warnings.warn(
             f"trl_lopti was tested with TRL {', '.join(TESTED_TRL_RELEASES)}, not with the installed TRL {installed}: "
-            f"its trainers train once `{CHECK_COMMAND}` has passed on this machine for it (they run it once, about a "
-            "minute, and cache the verdict); a failed check names the TRL facts that broke",
+            f"its trainers train once `{CHECK_COMMAND}` has passed on this machine for it (they run it once, about 10 "
+            "seconds on a CPU, and cache the verdict); a failed check names the TRL facts that broke",
             UserWarning,
             stacklevel=2,
         )
