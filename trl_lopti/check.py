@@ -1,22 +1,13 @@
 """`trl-lopti check`: trl_lopti's contract with TRL, verified on this machine's own stack (TRL, transformers, torch, device).
 
-It builds a tiny random model here ([`~trl_lopti.models.build_tiny_model`]: nothing is downloaded) and checks
-`LoptiGRPOTrainer` and `LoptiRLOOTrainer` by relations against TRL's own trainers and losses:
-
-- `off`: with both methods off, a generation batch trains as TRL's trainer trains it (losses, gradient norms, parameters);
-- `cycle`: a Lopti cycle makes twice TRL's forwards with gradient, backward passes and optimizer steps, no other forward;
-- `resume`: a checkpoint taken between the two passes resumes to the parameters of the uninterrupted run;
-- `isolation`, `ar`: at equal parameters, for every loss type and importance-sampling level the installed TRL offers
-  (clipping active): in each Lopti pass the gradient through an inactive token's log-probability is exactly zero, an
-  active token's is the whole loss's, and low + high is the whole loss's gradient; AR's gradient through each token's
-  log-probability is `w(t)` times plain TRL's;
-- `upgrade`: a plain TRL config handed to a Lopti trainer becomes the Lopti config built from the same arguments, field
-  by field (the upgrade re-runs TRL's and transformers' `__post_init__` on values they derived).
-
-Every training run above runs the runtime checks of the TRL facts (`trl_lopti._compat`), so a broken fact fails its
-check with the fact's number. Tolerances, relative to the largest value compared: 1e-6 with float64 weights on a CPU
-(TRL's fused log-prob head computes in float32), 1e-4 in float32 (CUDA's default), 2e-2 under bf16 autocast; zeros
-must be exact in every precision.
+On a tiny random model built here ([`~trl_lopti.models.build_tiny_model`]: nothing is downloaded), `LoptiGRPOTrainer`
+and `LoptiRLOOTrainer` are checked by relations against TRL's own trainers and losses (`CHECKS`; docs/releases.md
+says what each one asserts): `off` (both methods off = TRL's trainer), `cycle` (the passes of a Lopti cycle), `resume`
+(a checkpoint between the passes), `isolation` and `ar` (every loss type and level the installed TRL knows, at equal
+parameters), `upgrade` (a plain TRL config becomes the Lopti config, field by field). Every training run in them runs
+the runtime checks of the TRL facts (`trl_lopti._compat`), so a broken fact fails its check with the fact's number.
+Tolerances, relative to the largest value compared: `TOLERANCES` (TRL's fused log-prob head computes in float32 under
+float64 weights); zeros must be exact in every precision.
 """
 
 from __future__ import annotations
@@ -238,9 +229,9 @@ class Contract:
         ]
         if not shares or not 0 < shares[0] < 1:
             raise Relation(f"the split left a pass without tokens (low-token share {shares})")
+        passes = f"{'/'.join(map(str, counts))}, TRL's {forwards}/{no_grad}/{backward}/{steps}"
         return (
-            f"forwards with gradient / without / backward / optimizer steps {'/'.join(map(str, counts))}, TRL's "
-            f"{forwards}/{no_grad}/{backward}/{steps}; low-token share {shares[0]:.2f}"
+            f"forwards with gradient / without / backward / optimizer steps {passes}; low-token share {shares[0]:.2f}"
         )
 
     def resume(self, trainer: str) -> str:
@@ -336,20 +327,11 @@ class Contract:
 
         trl_config, _, lopti_config, _ = self.classes(trainer)
         fields = self.fields("upgrade", learning_rate=3e-6, max_steps=6, temperature=0.7, beta=0.02, epsilon_high=0.3)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            upgraded, direct = (
-                as_lopti_config(trl_config(**fields), self.model_path, lopti_config),
-                lopti_config(**fields),
-            )
-        differ = [
-            f.name
-            for f in dataclasses.fields(direct)
-            if repr(getattr(upgraded, f.name)) != repr(getattr(direct, f.name))
-        ]
-        if differ:
+        upgraded = as_lopti_config(trl_config(**fields), self.model_path, lopti_config)  # (warnings: quiet)
+        direct, names = lopti_config(**fields), [field.name for field in dataclasses.fields(lopti_config)]
+        if differ := [name for name in names if repr(getattr(upgraded, name)) != repr(getattr(direct, name))]:
             raise Relation(f"fields that differ: {', '.join(differ)}")
-        return f"{type(direct).__name__} from a plain {trl_config.__name__}: {len(dataclasses.fields(direct))} fields equal"
+        return f"{lopti_config.__name__} from a plain {trl_config.__name__}: {len(names)} fields equal"
 
 
 def generation_batch_off_policy(trainer) -> tuple[dict[str, Any], float]:
@@ -423,10 +405,8 @@ def run_checks(
                 facts, start = (*facts, *TRAINER_FACTS[trainer].get(check, ())), time.perf_counter()
                 try:
                     if needs in failed:  # blames no fact: the check it needs said what broke
-                        cause = (
-                            failed[needs].detail if isinstance(failed[needs].error, TRLFails) else f"the {needs} check"
-                        )
-                        raise Relation(f"not run: it needs {cause}")
+                        trl_fails = isinstance(failed[needs].error, TRLFails)
+                        raise Relation(f"not run: {'TRL fails here' if trl_fails else 'it needs'} (the {needs} check)")
                     with quiet():
                         if check in ("isolation", "ar") and not computed:
                             computed = contract.losses(trainer)
