@@ -31,12 +31,21 @@ def base(tmp_path, tiny_model_path):
 def test_usage_version_and_unknown_command(run_cli):
     from trl_lopti import __version__
 
-    assert run_cli([])[0] == 2
+    code, out, _ = run_cli([])  # `trl-lopti` alone lists the commands
+    assert code == 0 and all(f"\n  {command} " in out for command in ("train", "demo", "diagnose"))
     code, _, err = run_cli(["trian"])
     assert code == 2 and "'trian'" in err
     assert run_cli(["--version"])[:2] == (0, f"trl-lopti {__version__}\n")
     code, out, _ = run_cli(["train", "--help"])
     assert code == 0 and "--lopti_threshold" in out and "--kk_source" in out
+
+
+@pytest.mark.parametrize("command", ["train", "diagnose"])
+def test_a_command_without_arguments_says_what_it_needs_with_an_example(run_cli, command):
+    """What `make demo` does to `demo` (tests/test_demo.py): the command with an empty argument list."""
+    code, out, err = run_cli([command])
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.startswith(f"trl-lopti {command}: error: needs ") and f"\n  trl-lopti {command} --" in err, err
 
 
 def test_python_dash_m_runs_the_cli(tmp_path, base):

@@ -167,6 +167,18 @@ def test_demo_runs_on_a_local_model_folder(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
+def test_demo_without_arguments_runs_the_demo(tmp_path, tiny_model_path, run_cli, monkeypatch):
+    """`make demo` runs `trl-lopti demo` with an empty argument list: the demo's own defaults, on the tiny model in place
+    of SmolLM2 (the download and conversion are tested below)."""
+    monkeypatch.chdir(tmp_path)  # the default output_dir is relative
+    monkeypatch.setattr(demo, "get_smollm2", lambda: tiny_model_path)
+    code, printed, err = run_cli(["demo"])
+    assert code == 0, err
+    results = json.loads((tmp_path / "outputs" / "demo" / "results.json").read_text())
+    assert results["model"] == tiny_model_path and results["rollouts"] == 6 * 32 and results["optimizer_steps"] == 12
+    assert results["table"] in printed and results["before"]["num_prompts"] == 30
+
+
 def test_demo_parses_the_trainer_config_with_its_own_defaults(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default output_dir is relative
     demo_args, training_args, model_args = demo.make_parser().parse_args_and_config(

@@ -75,6 +75,11 @@ def parse_args(argv: Sequence[str]) -> tuple:
 
 def main(argv: Sequence[str]) -> int:
     """`trl-lopti diagnose`: sample a generation batch of the run and write its token diagnostics."""
+    if not argv:
+        raise CliError(
+            "needs a model (--model_name_or_path: a folder, a hub id, or smollm2 for the demo's model), e.g.\n"
+            "  trl-lopti diagnose --model_name_or_path smollm2 --kk_num_samples 8 --num_iterations 2 --output_dir diag"
+        )
     diagnose_args, script_args, training_args, model_args = parse_args(argv)
     if model_args.model_name_or_path.lower() == "smollm2" and not Path(model_args.model_name_or_path).exists():
         model_args.model_name_or_path = get_smollm2()  # the demo's model

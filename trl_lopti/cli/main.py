@@ -23,8 +23,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"trl-lopti {__version__}")
     parser.add_argument("command", choices=("train", "demo", "diagnose"))
     parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:  # the commands, as `trl` alone lists its own
+        parser.print_help()
+        return 0
     try:
-        args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+        args = parser.parse_args(argv)
         return int(importlib.import_module(f".{args.command}", __package__).main(args.args) or 0)
     except CliError as error:
         print(f"trl-lopti {args.command}: error: {error}", file=sys.stderr)

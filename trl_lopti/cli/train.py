@@ -114,7 +114,7 @@ def trainer_of(argv: Sequence[str], grpo_only: str | None = None) -> str:
     with contextlib.suppress(OSError, yaml.YAMLError, ValueError, IndexError):  # no --config, or a bad file
         config = yaml.safe_load(Path(args[args.index("--config") + 1]).read_text())
         given.update(config if isinstance(config, dict) else {})
-    for arg, following in zip(args, [*args[1:], "--"], strict=True):  # flags override the file: `--key value`, `=`
+    for arg, following in zip(args, [*args[1:], "--"], strict=False):  # flags override the file: `--key value`, `=`
         if arg.startswith("--") and arg != "--config":
             name, equals, value = arg[2:].partition("=")
             given[name.replace("-", "_")] = value if equals else None if following.startswith("--") else following
@@ -281,8 +281,16 @@ def run_training(script_args, training_args, model_args, end: bool = True, prepa
     return trainer
 
 
+USAGE = """needs a config file or flags, e.g. a preset of configs/ (`--dry_run`: check it and print it, load no model):
+  trl-lopti train --config configs/kk/qwen2.5-3b-instruct_ar_lopti.yaml --dry_run
+or a model, a task and training fields as flags (`trl-lopti train --help`: every field), e.g.
+  trl-lopti train --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --task knights_knaves --output_dir out"""
+
+
 def main(argv: Sequence[str]) -> int:
     """`trl-lopti train`: parse, check, then print the resolved configuration (`--dry_run`), rehearse or train."""
+    if not argv:
+        raise CliError(USAGE)
     if any(arg.startswith("--rehearse") for arg in argv):  # before parsing: it sets up the launcher's backend first
         return importlib.import_module(".rehearse", __package__).main(list(argv))
     script_args, training_args, model_args = parse_train_args(argv)
