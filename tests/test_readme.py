@@ -1,4 +1,5 @@
-"""The READMEs' and the documentation pages' commands name files that exist (a user copies them as they are)."""
+"""The READMEs' and the documentation pages' commands name files that exist (a user copies them as they are), and
+`.ci/run` runs every command of the README (the site's home page) as the README writes it."""
 
 import re
 from pathlib import Path
@@ -39,3 +40,46 @@ def test_the_readme_links_the_documentation_pages_and_the_site_has_them():
     linked = {path for path in named_paths("README.md") if path.startswith("docs/")}
     assert {"docs/method.md", "docs/benchmarks.md", "docs/cpu.md"} <= linked
     assert (ROOT / "docs" / "index.md").read_text().strip() == "<!-- README.md -->"  # the home page is the README
+
+
+NOT_RUN_BY_CI = {  # commands of the README that .ci/run does not run as written, and why
+    'pip install -e ".[docs]" && mkdocs serve': "it serves until stopped; .ci/run builds the same site, --strict",
+}
+
+
+def readme_commands(text: str) -> list[str]:
+    """The commands of the ```bash blocks of a README, in order, without their comments."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    lines = [line.split(" #")[0].strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def runs_as_written(command: str, script: str) -> bool:
+    """Whether a line of `script` runs `command` as written: alone, or with only its output redirected or piped, or a
+    failure handled (`make demo 2>&1 | tee LOG`, `... || { ...; exit 1; }`)."""
+    lines = [line.strip() for line in script.splitlines()]
+    return any(line == command or re.match(re.escape(command) + r" (\||>|2>)", line) for line in lines)
+
+
+def test_ci_runs_every_command_of_the_readme_as_written():
+    """The README's first command (`make demo`) and the test command lead; .ci/run runs each command, the first-run ones
+    of the command-line section included, as written (a changed command here or there fails)."""
+    commands = readme_commands((ROOT / "README.md").read_text())
+    assert commands[:2] == ["make demo", 'pip install "torch==2.13.0" -e ".[test]" && python -m pytest -q']
+    assert {"trl-lopti --help", "make presets"} <= set(commands) and set(NOT_RUN_BY_CI) <= set(commands)
+    assert any("--dry_run" in command for command in commands) and any("--rehearse" in command for command in commands)
+    script = (ROOT / ".ci" / "run").read_text()
+    missing = [
+        command for command in commands if command not in NOT_RUN_BY_CI and not runs_as_written(command, script)
+    ]
+    assert missing == [], f".ci/run does not run these README commands as written: {missing}"
+
+
+def test_the_as_written_check_takes_redirections_only():
+    script = (
+        'make demo 2>&1 | tee "$workdir/demo.log"\n    trl-lopti --help > /dev/null\nmake presets PYTHON=python3\n'
+    )
+    assert runs_as_written("make demo", script) and runs_as_written("trl-lopti --help", script)
+    assert not runs_as_written("make presets", script) and not runs_as_written("make", script)
+    text = "```bash\nmake demo   # main job\n# a comment\n\npip install -e .\n```\n```python\nimport x\n```\n"
+    assert readme_commands(text) == ["make demo", "pip install -e ."]
