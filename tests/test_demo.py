@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_lopti.cli import demo, demo_model
+from trl_lopti import models as demo_model
+from trl_lopti.cli import demo
 from trl_lopti.tasks import arithmetic
 
 

@@ -29,7 +29,7 @@ def test_every_path_a_readme_names_exists(doc):
 
 
 def test_the_pattern_finds_the_paths_in_commands():
-    text = "accelerate launch --config_file configs/accelerate/multi_gpu.yaml -m trl_lopti train --config x.yaml"
+    text = "accelerate launch --config_file configs/accelerate/multi_gpu.yaml -m trl_lopti grpo --config x.yaml"
     assert PATH_PATTERN.findall(text) == ["configs/accelerate/multi_gpu.yaml"]
     assert PATH_PATTERN.findall("see [`notebooks/a_b.ipynb`](notebooks/a_b.ipynb).") == ["notebooks/a_b.ipynb"] * 2
     assert PATH_PATTERN.findall("[Benchmarks](docs/benchmarks.md)") == ["docs/benchmarks.md"]

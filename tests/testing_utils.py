@@ -538,7 +538,7 @@ def accelerate_launch(launcher_file: Path, *arguments: str, flags: tuple[str, ..
         str(free_port()),
         "-m",
         "trl_lopti",
-        "train",
+        "grpo",
         *arguments,
         "--rehearse",
     ]
