@@ -137,10 +137,11 @@ def rehearse(setup: dict, name: str, launcher_file: Path | None) -> tuple[Path, 
     (probe := setup["folder"] / f"{name}-probe").mkdir()
     config = setup["folder"] / f"{name}.yaml"
     config.write_text(yaml.safe_dump({**setup["config"], "output_dir": str(output)}))
+    trainer = setup["config"].get("trainer", "grpo")  # the command the config is for
     if launcher_file is None:
-        command = [sys.executable, "-m", "trl_lopti", "grpo", "--config", str(config), "--rehearse"]
+        command = [sys.executable, "-m", "trl_lopti", trainer, "--config", str(config), "--rehearse"]
     else:
-        command = accelerate_launch(launcher_file, "--config", str(config), flags=tuple(LAUNCH_FLAGS))
+        command = accelerate_launch(launcher_file, "--config", str(config), flags=tuple(LAUNCH_FLAGS), command=trainer)
     seconds = run(
         command, setup["folder"], LAUNCHER_PROBE_BATCH=str(setup["folder"] / "batch.pt"), LAUNCHER_PROBE_OUT=str(probe)
     )
