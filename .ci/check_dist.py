@@ -2,8 +2,8 @@
 
     python .ci/check_dist.py DIST_FOLDER
 
-- the wheel holds every file of the package folder (every subpackage, py.typed), nothing else but its .dist-info,
-  and no tests, configs or caches;
+- the wheel holds every file of the package folder (every subpackage, py.typed) and the presets of configs/ under
+  trl_lopti/presets, nothing else but its .dist-info, and no tests or caches;
 - the sdist holds the same package files and what the wheel is built from (setup.cfg, pyproject.toml, README.md);
 - the wheel's metadata: Requires-Python as setup.cfg says, a `Programming Language :: Python :: 3.X` classifier for
   each tested version and `Typing :: Typed`, the `trl-lopti` console script.
@@ -25,12 +25,14 @@ PACKAGE = "trl_lopti"
 
 
 def package_files() -> set[str]:
-    """The package's files in the checkout (what a user's import may need), as paths relative to the checkout."""
+    """The package's files in the checkout (what a user's import may need), as paths relative to the checkout: its
+    modules and the presets, which `trl_lopti/presets` (a link to `configs/`) makes package data."""
+    presets = [ROOT / "configs" / "README.md", *(ROOT / "configs").glob("*/*.yaml")]
     return {
         path.relative_to(ROOT).as_posix()
         for path in (ROOT / PACKAGE).rglob("*")
         if path.is_file() and "__pycache__" not in path.parts and path.suffix not in {".pyc", ".pyo"}
-    }
+    } | {f"{PACKAGE}/presets/{path.relative_to(ROOT / 'configs').as_posix()}" for path in presets}
 
 
 def specifiers(text: str) -> list[str]:

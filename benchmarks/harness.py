@@ -33,10 +33,9 @@ from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer, _compat
 from trl_lopti._compat import trl_completion_logps
-from trl_lopti.cli.demo_model import get_smollm2
 from trl_lopti.diagnostics import completion_log_probs, probability_quartiles, probability_shift
 from trl_lopti.lopti_mixin import MicroStep, describe_method
-from trl_lopti.models import build_tiny_model
+from trl_lopti.models import build_tiny_model, get_smollm2
 from trl_lopti.tasks import completion_to_text
 
 
@@ -362,7 +361,7 @@ def _peak_memory_mb(cuda: bool) -> float:
 
 # Models, prompts, rewards, records -----------------------------------------------------------------------------------
 def prepare_model(kind: str, work_dir: Path, seed: int = 0, device: str = "cpu", **model_config: Any) -> str:
-    """A local model folder: `"smollm2"` (offline, `trl_lopti.cli.demo_model.get_smollm2`), else a random Qwen2."""
+    """A local model folder: `"smollm2"` (offline, `trl_lopti.models.get_smollm2`), else a random Qwen2."""
     if kind == "smollm2":
         return get_smollm2()
     return build_tiny_model(work_dir / "random-qwen2", seed=seed, device=device, **model_config)

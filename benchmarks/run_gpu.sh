@@ -14,7 +14,7 @@
 # with pip --no-index into /tmp/site first.
 #
 # Then, inside the same budget, the launch of the 3B AR + Lopti preset and of its RLOO twin under the shipped fsdp2.yaml
-# is rehearsed on one CUDA process each (`trl-lopti train --rehearse`: tiny model, one Lopti cycle, a checkpoint and a
+# is rehearsed on one CUDA process each (`trl-lopti grpo --rehearse`: tiny model, one Lopti cycle, a checkpoint and a
 # resume, on CUDA with NCCL and bf16 mixed precision instead of the CPU tests' gloo); their output goes to
 # $OUT/gpu_rehearsal.txt. A failure of either leaves the benchmark's files in place.
 #
@@ -51,9 +51,10 @@ transformers.__version__, 'trl', trl.__version__, 'datasets', datasets.__version
 timeout 300 "$PYTHON" benchmarks/experiments.py cost --size gpu --time_budget_s 210 --output-dir "$OUT_DIR" "$@" \
     2>&1 | grep -v -i -E "warn|Loading weights|Writing model" | tee "$OUT_DIR/gpu_log.txt" || true
 
-for preset in qwen2.5-3b-instruct_ar_lopti qwen2.5-3b-instruct_rloo_ar_lopti; do
+for run in grpo:qwen2.5-3b-instruct_ar_lopti rloo:qwen2.5-3b-instruct_rloo_ar_lopti; do  # command:preset
+    preset=${run#*:}
     timeout 100 "$PYTHON" -m accelerate.commands.launch --config_file configs/accelerate/fsdp2.yaml --num_processes 1 \
-        -m trl_lopti train --config "configs/kk/$preset.yaml" --rehearse --output_dir "/tmp/rehearsal/$preset" 2>&1 \
+        -m trl_lopti "${run%%:*}" --config "kk/$preset" --rehearse --output_dir "/tmp/rehearsal/$preset" 2>&1 \
         | grep -E "^rehearse|Error|error" | tee -a "$OUT_DIR/gpu_rehearsal.txt" \
         || echo "rehearsal of $preset failed (exit ${PIPESTATUS[0]})" | tee -a "$OUT_DIR/gpu_rehearsal.txt"
 done
@@ -61,7 +62,7 @@ done
 if "$PYTHON" -c "import vllm" 2>/dev/null; then
     "$PYTHON" -c "from trl_lopti.models import PEAKED_TINY_MODEL, build_tiny_model as build
 build('/tmp/vllm-tiny', **PEAKED_TINY_MODEL)"
-    timeout 300 "$PYTHON" -m trl_lopti train --config configs/vllm/qwen2.5-3b-instruct_ar_lopti_server.yaml \
+    timeout 300 "$PYTHON" -m trl_lopti grpo --config vllm/qwen2.5-3b-instruct_ar_lopti_server \
         --model_name_or_path /tmp/vllm-tiny --vllm_mode colocate --vllm_gpu_memory_utilization 0.2 \
         --vllm_max_model_length 2048 --vllm_importance_sampling_correction true --kk_source generated \
         --kk_num_samples 64 --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --steps_per_generation 4 \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU vLLM environment: a virtual environment in which `vllm serve`, TRL's vLLM server and colocate modes, the
-# vLLM tests (pytest --vllm) and `trl-lopti train --rehearse` of the vLLM presets run on a machine without a GPU.
+# vLLM tests (pytest --vllm) and `trl-lopti grpo --rehearse` of the vLLM presets run on a machine without a GPU.
 #
 #   scripts/vllm_cpu_env.sh [VENV]      (default: .venv-vllm-cpu; PYTHON: the interpreter, default python3;
 #                                        TORCH_PIP_ARGS: pip arguments that find torch 2.13.0+cpu, e.g. an index of

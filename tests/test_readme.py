@@ -1,6 +1,8 @@
-"""The READMEs' and the documentation pages' commands name files that exist (a user copies them as they are)."""
+"""The READMEs' and the documentation pages' commands name files that exist (a user copies them as they are), and
+`.ci/run` runs every command of the README (the site's home page) as the README writes it."""
 
 import re
+import runpy
 from pathlib import Path
 
 import pytest
@@ -28,7 +30,7 @@ def test_every_path_a_readme_names_exists(doc):
 
 
 def test_the_pattern_finds_the_paths_in_commands():
-    text = "accelerate launch --config_file configs/accelerate/multi_gpu.yaml -m trl_lopti train --config x.yaml"
+    text = "accelerate launch --config_file configs/accelerate/multi_gpu.yaml -m trl_lopti grpo --config x.yaml"
     assert PATH_PATTERN.findall(text) == ["configs/accelerate/multi_gpu.yaml"]
     assert PATH_PATTERN.findall("see [`notebooks/a_b.ipynb`](notebooks/a_b.ipynb).") == ["notebooks/a_b.ipynb"] * 2
     assert PATH_PATTERN.findall("[Benchmarks](docs/benchmarks.md)") == ["docs/benchmarks.md"]
@@ -39,3 +41,74 @@ def test_the_readme_links_the_documentation_pages_and_the_site_has_them():
     linked = {path for path in named_paths("README.md") if path.startswith("docs/")}
     assert {"docs/method.md", "docs/benchmarks.md", "docs/cpu.md"} <= linked
     assert (ROOT / "docs" / "index.md").read_text().strip() == "<!-- README.md -->"  # the home page is the README
+
+
+NOT_RUN_BY_CI = {  # commands of the README that .ci/run does not run as written, and why
+    'pip install -e ".[docs]" && mkdocs serve': "it serves until stopped; .ci/run builds the same site, --strict",
+}
+
+
+def readme_commands(text: str) -> list[str]:
+    """The commands of the ```bash blocks of a README, in order, without their comments."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    lines = [line.split(" #")[0].strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def runs_as_written(command: str, script: str) -> bool:
+    """Whether a line of `script` runs `command` as written: alone, or with only its output redirected or piped, or a
+    failure handled (`make demo 2>&1 | tee LOG`, `... || { ...; exit 1; }`)."""
+    lines = [line.strip() for line in script.splitlines()]
+    return any(line == command or re.match(re.escape(command) + r" (\||>|2>)", line) for line in lines)
+
+
+def test_ci_runs_every_command_of_the_readme_as_written():
+    """The README's first command (`make demo`) and the test command lead; .ci/run runs each command, the first-run ones
+    of the command-line section included, as written (a changed command here or there fails)."""
+    commands = readme_commands((ROOT / "README.md").read_text())
+    assert commands[:2] == ["make demo", 'pip install "torch==2.13.0" -e ".[test]" && python -m pytest -q']
+    assert {"trl-lopti --help", "make presets"} <= set(commands) and set(NOT_RUN_BY_CI) <= set(commands)
+    assert any("--dry_run" in command for command in commands) and any("--rehearse" in command for command in commands)
+    script = (ROOT / ".ci" / "run").read_text()
+    missing = [
+        command for command in commands if command not in NOT_RUN_BY_CI and not runs_as_written(command, script)
+    ]
+    assert missing == [], f".ci/run does not run these README commands as written: {missing}"
+
+
+def test_the_as_written_check_takes_redirections_only():
+    script = (
+        'make demo 2>&1 | tee "$workdir/demo.log"\n    trl-lopti --help > /dev/null\nmake presets PYTHON=python3\n'
+    )
+    assert runs_as_written("make demo", script) and runs_as_written("trl-lopti --help", script)
+    assert not runs_as_written("make presets", script) and not runs_as_written("make", script)
+    text = "```bash\nmake demo   # main job\n# a comment\n\npip install -e .\n```\n```python\nimport x\n```\n"
+    assert readme_commands(text) == ["make demo", "pip install -e ."]
+
+
+@pytest.mark.slow
+def test_the_readme_snippet_trains_on_a_cpu_with_its_one_line_for_a_machine_without_a_gpu(
+    tmp_path, tiny_model_path, monkeypatch
+):
+    """The usage snippet as written (its model swapped for a tiny local one, `my_reward` and `dataset` defined): TRL's
+    default bf16 stops it on a CPU, and its commented `use_cpu=True` line, uncommented, makes it train."""
+    import torch
+    from datasets import Dataset
+
+    from trl_lopti.tasks import token_parity_reward
+
+    if torch.accelerator.is_available():
+        pytest.skip("what a machine without an accelerator does")
+    snippet = re.search(
+        r"--8<-- \[start:usage\] -->\n```python\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL
+    )[1]
+    snippet = snippet.replace('"Qwen/Qwen2.5-0.5B-Instruct"', repr(tiny_model_path))
+    assert snippet.count("# use_cpu=True,") == 1
+    monkeypatch.chdir(tmp_path)
+    namespace = {"my_reward": token_parity_reward, "dataset": Dataset.from_list([{"prompt": "Hi"}] * 2)}
+    (tmp_path / "as_written.py").write_text(snippet)
+    (tmp_path / "on_a_cpu.py").write_text(snippet.replace("# use_cpu=True,", "use_cpu=True,"))
+    with pytest.raises(ValueError, match="use_cpu"):
+        runpy.run_path(str(tmp_path / "as_written.py"), init_globals=namespace)
+    scope = runpy.run_path(str(tmp_path / "on_a_cpu.py"), init_globals=namespace)
+    assert scope["trainer"].state.global_step > 0 and (tmp_path / "qwen-kk-lopti").is_dir()

@@ -311,7 +311,7 @@ def rehearse_vllm_preset(
     config = folder / "config.yaml"
     config.write_text(yaml.safe_dump({**yaml.safe_load(VLLM_PRESET.read_text()), **settings, "output_dir": "out"}))
     if processes == 1:
-        command = [sys.executable, "-m", "trl_lopti", "train", "--config", str(config), "--rehearse"]
+        command = [sys.executable, "-m", "trl_lopti", "grpo", "--config", str(config), "--rehearse"]
     else:
         command = accelerate_launch(
             ROOT / "configs/accelerate/vllm_server.yaml", "--config", str(config), flags=tuple(launch_flags)

@@ -526,7 +526,10 @@ def run(command: list[str], cwd: Path, **environment) -> float:
     return time.perf_counter() - start
 
 
-def accelerate_launch(launcher_file: Path, *arguments: str, flags: tuple[str, ...] = ("--num_processes", "2")):
+def accelerate_launch(
+    launcher_file: Path, *arguments: str, flags: tuple[str, ...] = ("--num_processes", "2"), command: str = "grpo"
+):
+    """`accelerate launch --config_file LAUNCHER_FILE FLAGS -m trl_lopti COMMAND ARGUMENTS --rehearse`, as a list."""
     return [
         sys.executable,
         "-m",
@@ -538,7 +541,7 @@ def accelerate_launch(launcher_file: Path, *arguments: str, flags: tuple[str, ..
         str(free_port()),
         "-m",
         "trl_lopti",
-        "train",
+        command,
         *arguments,
         "--rehearse",
     ]

@@ -77,46 +77,34 @@ def exactly_zero(values: torch.Tensor, what: str, facts: tuple[str, ...] = ()) -
         raise Relation(f"{what}: {nonzero} non-zero values, the largest {largest:.3g}", facts)
 
 
+@dataclasses.dataclass
+class Forwards:
+    """What TRL's own log-prob forward did in a block: its calls without and with gradient (`calls`), and the
+    log-probabilities it returned with gradient (`kept`, each keeping its `.grad`)."""
+
+    calls: list[int] = dataclasses.field(default_factory=lambda: [0, 0])
+    kept: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
 @contextlib.contextmanager
-def retained_policy_logps(trl_class: type) -> Iterator[list[torch.Tensor]]:
-    """Keeps, with their gradients, the log-probabilities TRL's own forward returns with gradient in the block."""
-    kept, name = [], "_get_per_token_logps_and_entropies"
+def observed_forwards(trl_class: type) -> Iterator[Forwards]:
+    """Observes TRL's own log-prob forward (`_get_per_token_logps_and_entropies` of `trl_class`) in the block."""
+    observed, name = Forwards(), "_get_per_token_logps_and_entropies"
     forward = trl_class.__dict__[name]
 
-    def keeping(self, *args, **kwargs):
+    def observing(self, *args, **kwargs):
         output = forward(self, *args, **kwargs)
+        observed.calls[torch.is_grad_enabled()] += 1
         if output[0].requires_grad:
             output[0].retain_grad()
-            kept.append(output[0])
+            observed.kept.append(output[0])
         return output
 
-    setattr(trl_class, name, keeping)
+    setattr(trl_class, name, observing)
     try:
-        yield kept
+        yield observed
     finally:
         setattr(trl_class, name, forward)
-
-
-class PassCounter:
-    """Counts a model's forwards outside `generate` (with and without gradient) and its backward passes."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.counts, self._generating, generate = [0, 0, 0], 0, model.generate
-
-        def counted(*args, **kwargs):
-            self._generating += 1
-            try:
-                return generate(*args, **kwargs)
-            finally:
-                self._generating -= 1
-
-        model.generate = counted
-        model.register_forward_pre_hook(lambda module, args: self._count(1 - torch.is_grad_enabled()))
-        model.get_input_embeddings().weight.register_post_accumulate_grad_hook(lambda parameter: self._count(2))
-
-    def _count(self, kind: int) -> None:  # 0: forward with gradient, 1: without, 2: backward
-        if kind == 2 or not self._generating:
-            self.counts[kind] += 1
 
 
 def candidate_loss_types() -> tuple[str, ...]:
@@ -182,12 +170,13 @@ class Contract:
         return trainer_class(self.model_path, token_parity_reward, args, prompts)
 
     def train(self, trainer_class: type, args: Any, checkpoint: str | None = None) -> tuple[Any, list[int]]:
-        """Trains a run (from `checkpoint`); returns the trainer and its passes: forwards with gradient, without,
-        backward passes, optimizer steps."""
-        trainer = self.trainer(trainer_class, args)
-        counter = PassCounter(trainer.model)
-        trainer.train(resume_from_checkpoint=checkpoint)
-        return trainer, [*counter.counts, trainer.state.global_step]
+        """Trains a run (from `checkpoint`); returns the trainer and its passes: TRL's log-prob forwards with gradient
+        and without, backward passes (reaching the input embedding), optimizer steps."""
+        trainer, backward = self.trainer(trainer_class, args), []
+        trainer.model.get_input_embeddings().weight.register_post_accumulate_grad_hook(lambda _: backward.append(1))
+        with observed_forwards(getattr(trainer_class, "trl_trainer_class", trainer_class)) as forwards:
+            trainer.train(resume_from_checkpoint=checkpoint)
+        return trainer, [forwards.calls[1], forwards.calls[0], len(backward), trainer.state.global_step]
 
     def moves(self, trainer) -> dict[str, torch.Tensor]:
         return {name: p.detach() - self.initial[name] for name, p in trainer.model.named_parameters()}
@@ -317,10 +306,10 @@ class Contract:
         values = dict(args=args, _step=pass_index * args.lopti_pass_micro_steps, beta=trainer.beta if kl else 0.0)
         trainer.current_gradient_accumulation_steps = 1
         trainer.model.train()
-        with _compat.temporarily_set(trainer, **values), retained_policy_logps(trl_class) as kept:
+        with _compat.temporarily_set(trainer, **values), observed_forwards(trl_class) as forwards:
             trainer.compute_loss(trainer.model, dict(batch)).backward()
         trainer.model.zero_grad(set_to_none=True)
-        return kept[-1].grad
+        return forwards.kept[-1].grad
 
     def upgrade(self, trainer: str) -> str:
         from .config import as_lopti_config
@@ -461,3 +450,36 @@ def write_verdict(results: list[CheckResult], device: str, precision: str, secon
     partial.write_text(json.dumps(verdict, indent=1) + "\n")
     partial.replace(path)  # atomic: processes of other nodes may read it
     return path
+
+
+def main(argv: list[str]) -> int:
+    """`trl-lopti check [--device D] [--precision P] [--trainers T ...]`: every check (or those of `--trainers`), each
+    printed as it ends, then the verdict, cached for the trainers' gate when the whole contract ran; exit code 1 if a
+    check fails."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="trl-lopti check", description="trl_lopti's contract on this machine's stack"
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda where torch sees it, else cpu")
+    parser.add_argument("--precision", choices=("fp64", "fp32", "bf16"), help="default: fp64 on cpu, fp32 on cuda")
+    parser.add_argument("--trainers", nargs="+", choices=("grpo", "rloo"), default=["grpo", "rloo"])
+    args = parser.parse_args(argv)
+    device, precision = default_device_and_precision(args.device, args.precision)
+    print(
+        f"trl-lopti check: {', '.join(f'{k} {v}' for k, v in _compat.stack_versions().items())}; {device}, {precision}"
+    )
+    start = time.perf_counter()
+    results = run_checks(
+        device, precision, tuple(args.trainers), report=lambda result: print(result.line(), flush=True)
+    )
+    seconds, failed = time.perf_counter() - start, [result for result in results if not result.passed]
+    where = ""
+    if set(args.trainers) == {"grpo", "rloo"}:  # the whole contract: the trainers' gate reads its verdict
+        where = f"; verdict cached in {write_verdict(results, device, precision, seconds)}"
+    if failed:
+        broken = ", ".join(sorted({fact for result in failed for fact in result.broken})) or "none named"
+        print(f"FAILED: {len(failed)} of {len(results)} checks in {seconds:.0f} s, broken facts {broken}{where}")
+        return 1
+    print(f"passed: {len(results)} of {len(results)} checks in {seconds:.0f} s{where}")
+    return 0

@@ -38,7 +38,7 @@ class LoptiArguments:
             parameters the first pass produced). Must lie in (0, 1); `None` (with `lopti_quantile` unset) disables
             Lopti. The paper uses 0.5 and recommends [0.3, 0.5]; the authors' script for Lopti alone uses 0.4. Each
             pass is the whole schedule the base trainer runs on a batch, so `max_steps` counts two optimizer steps per
-            generation batch (docs/trainers/grpo.md, "The Lopti schedule").
+            generation batch ([The Lopti schedule][the-lopti-schedule-and-what-max_steps-means]).
         lopti_quantile (`float` or `None`, *optional*, defaults to `None`):
             The authors' other split rule (`seperate_portion`): eta of each generation batch is the quantile at level q
             in (0, 1) of pi_old over all its completion tokens (every process; linear interpolation), so a share q of
@@ -192,12 +192,6 @@ class LoptiRLOOConfig(LoptiArguments, RLOOConfig):
 
 LOPTI_CONFIGS: dict[type, type] = {GRPOConfig: LoptiGRPOConfig, RLOOConfig: LoptiRLOOConfig}
 """TRL's config of each trainer and its Lopti config."""
-
-
-def lopti_field_names(config_class: type = LoptiGRPOConfig) -> tuple[str, ...]:
-    """The fields a Lopti config adds to TRL's (AR, Lopti, the advantage estimator)."""
-    base = next(trl for trl, lopti in LOPTI_CONFIGS.items() if issubclass(config_class, lopti))
-    return tuple(f.name for f in dataclasses.fields(config_class) if f.name not in base.__dataclass_fields__)
 
 
 def as_lopti_config(args: Any, model: Any, config_class: type = LoptiGRPOConfig) -> LoptiArguments:

@@ -53,8 +53,9 @@ class LoptiGRPOTrainer(LoptiTrainerMixin, ReinforcePlusPlusMixin, GRPOTrainer):
     - `advantage_estimator="reinforce_plus_plus"`: REINFORCE++ advantages ([`~trl_lopti.reinforce_plus_plus`]).
     - A checkpoint taken between the passes keeps its generation batch; resuming continues the schedule there.
 
-    Metrics (`lopti/low_token_share`, `ar_weight_mean`, `threshold` per generation batch, `loss_low_pass`,
-    `loss_high_pass` per pass): [Metrics](../trainers/grpo.md#metrics). Completions are logged once per generation batch.
+    [Metrics][lopti-metrics] (`lopti/low_token_share`, `ar_weight_mean`, `threshold` per generation batch, on the log
+    row of its reward; `loss_low_pass`, `loss_high_pass` per pass; `eval_lopti/*` at each evaluation). Completions are
+    logged once per generation batch.
     """
 
     config_class = LoptiGRPOConfig

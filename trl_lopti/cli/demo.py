@@ -1,11 +1,7 @@
-"""`trl-lopti demo`: a real RL run on a real pretrained model, offline, on a laptop CPU, in a few minutes.
-
-SmolLM2-135M-Instruct ([`~trl_lopti.cli.demo_model.get_smollm2`]) or `--model_name_or_path`, trained by
-[`LoptiGRPOTrainer`] (AR alpha=0.3 + Lopti eta=0.5) on single-digit addition ([`trl_lopti.tasks.arithmetic`]), which
-it partly solves. The mean reward of sampled answers and the greedy accuracy on held-out prompts, before and after,
-go to a table, `results.json` and `training_curve.png` in `output_dir`. Trainer settings: [`LoptiGRPOConfig`]'s; on a
-machine without an accelerator, the CPU's (`use_cpu=True`, `bf16=False`), which it says.
-"""
+"""`trl-lopti demo`: a real RL run on a real pretrained model, offline, on a laptop CPU, in a few minutes: SmolLM2-135M-
+Instruct ([`~trl_lopti.models.get_smollm2`]) trained by [`LoptiGRPOTrainer`] (AR alpha=0.3 + Lopti eta=0.5) on
+single-digit addition ([`trl_lopti.tasks.arithmetic`]), which it partly solves; held-out reward and greedy accuracy
+before and after go to a table, `results.json` and `training_curve.png`. Without an accelerator: on the CPU, said."""
 
 from __future__ import annotations
 
@@ -14,20 +10,18 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from trl import ModelConfig, TrlParser
+from trl import ModelConfig
 
-from ..config import LoptiGRPOConfig
+from .. import LoptiGRPOConfig, LoptiGRPOTrainer
 from ..diagnostics.report import new_figure, save_figure
-from ..grpo_trainer import LoptiGRPOTrainer
+from ..models import get_smollm2
 from ..tasks.arithmetic import build_train_dataset, evaluate_held_out, exact_answer_reward, split_problems
-from .demo_model import get_smollm2
-from .parsing import check_model_name_or_path, on_cpu, parse_with_config
-from .train import policy_model_init_kwargs, trainer_of
+from .parsing import LoptiParser, check_model_name_or_path, cpu_settings
+from .train import policy_model_init_kwargs
 
 
 DEMO_TRAINING_DEFAULTS: dict[str, Any] = {
@@ -35,11 +29,7 @@ DEMO_TRAINING_DEFAULTS: dict[str, Any] = {
     "per_device_train_batch_size": 32,  # 4 prompts x 8 completions (num_generations) per generation batch
     "max_completion_length": 4,  # " 15." is 4 tokens; the first number is all the reward reads
     "learning_rate": 2e-5,  # far above the paper's 1e-6: this run is 6 generation batches long
-    "lr_scheduler_type": "constant",
-    "gradient_checkpointing": False,
-    "logging_steps": 1,
-    "save_strategy": "no",
-    "seed": 0,
+    **dict(lr_scheduler_type="constant", gradient_checkpointing=False, logging_steps=1, save_strategy="no", seed=0),
 }
 """Defaults of `trl-lopti demo` for fields of `LoptiGRPOConfig` (flags and `--config` override them). The others keep
 their `LoptiGRPOConfig` defaults: temperature 1 (top_k 0, top_p 1), beta 0, alpha 0.3, eta 0.5, no `report_to`."""
@@ -62,7 +52,7 @@ class DemoArguments:
 
 def make_parser():
     """The parser of `trl-lopti demo`: `(DemoArguments, LoptiGRPOConfig, ModelConfig)` with the demo's defaults."""
-    parser = TrlParser((DemoArguments, LoptiGRPOConfig, ModelConfig), prog="trl-lopti demo")
+    parser = LoptiParser((DemoArguments, LoptiGRPOConfig, ModelConfig), "demo")
     parser.set_defaults(**DEMO_TRAINING_DEFAULTS)
     return parser
 
@@ -75,6 +65,16 @@ def format_table(before: dict[str, float], after: dict[str, float], temperature:
     for name, key in rows:
         lines.append(f"{name:<{width}}   {before[key]:6.3f}   {after[key]:6.3f}   {after[key] - before[key]:+6.3f}")
     return "\n".join(lines)
+
+
+def weight_change(initial: dict[str, torch.Tensor], model) -> dict[str, float]:
+    """How far training moved the weights from `initial` (name -> tensor): the tensors that changed, and the relative
+    change `||after - before|| / ||before||` over all of them."""
+    after = {name: param.detach() for name, param in model.named_parameters()}
+    moved = sum(float((after[name].double() - tensor.double()).square().sum()) for name, tensor in initial.items())
+    norm = sum(float(tensor.double().square().sum()) for tensor in initial.values())
+    changed = sum(not torch.equal(after[name], tensor) for name, tensor in initial.items())
+    return {"changed_tensors": changed, "tensors": len(initial), "relative_change": math.sqrt(moved / norm)}
 
 
 def plot_curve(path: Path, batches: list[int], rewards: list[float], before: dict, after: dict) -> str:
@@ -91,43 +91,26 @@ def plot_curve(path: Path, batches: list[int], rewards: list[float], before: dic
 
 def main(argv: Sequence[str]) -> int:
     """`trl-lopti demo [--field value ...]`: model, evaluation before, training, evaluation after, table, JSON, PNG."""
-    trainer_of(argv, grpo_only="the demo is LoptiGRPOTrainer's run (RLOO: trl-lopti train --trainer rloo)")
-    if not torch.accelerator.is_available():
-        argv = on_cpu(argv, "demo", {"use_cpu": True, "bf16": False})
-    demo_args, training_args, model_args = parse_with_config(make_parser(), argv)
-    start = time.perf_counter()
+    cpu = {} if torch.accelerator.is_available() else {"use_cpu": True, "bf16": False}
+    demo_args, training_args, model_args = make_parser().parse(argv, cpu and cpu_settings(argv, "trl-lopti demo", cpu))
+    start, args, rollout_batches = time.perf_counter(), training_args, demo_args.rollout_batches
     model_path = check_model_name_or_path(model_args.model_name_or_path or get_smollm2())
-    train_problems, held_out = split_problems("add", demo_args.num_eval_pairs, split_seed=training_args.seed)
-    prompts_per_batch = training_args.generation_batch_size // training_args.num_generations
-    train_dataset = build_train_dataset(
-        train_problems, demo_args.rollout_batches * prompts_per_batch, training_args.seed
-    )
-    training_args.max_steps = math.ceil(
-        demo_args.rollout_batches * training_args.lopti_cycle_micro_steps / training_args.gradient_accumulation_steps
-    )
-    training_args.model_init_kwargs = policy_model_init_kwargs(training_args, model_args)
-    trainer = LoptiGRPOTrainer(
-        model=model_path, reward_funcs=exact_answer_reward, args=training_args, train_dataset=train_dataset
-    )  # its seed is training_args.seed, its tokenizer TRL's
-    evaluate = partial(
-        evaluate_held_out,
-        tokenizer=trainer.processing_class,
-        held_out=held_out,
-        reward_func=exact_answer_reward,
-        max_new_tokens=training_args.max_completion_length,
-        temperature=training_args.temperature,
-        samples=demo_args.eval_samples,
-        seed=training_args.seed + 1,
-    )
-    before = evaluate(trainer.model)
-    print(
-        f"before training: held-out reward {before['reward']:.3f}, greedy accuracy {before['accuracy']:.3f}",
-        flush=True,
-    )
+    train_problems, held_out = split_problems("add", demo_args.num_eval_pairs, split_seed=args.seed)
+    prompts = rollout_batches * args.generation_batch_size // args.num_generations
+    dataset = build_train_dataset(train_problems, prompts, args.seed)
+    args.max_steps = math.ceil(rollout_batches * args.lopti_cycle_micro_steps / args.gradient_accumulation_steps)
+    args.model_init_kwargs = policy_model_init_kwargs(args, model_args)
+    trainer = LoptiGRPOTrainer(model=model_path, reward_funcs=exact_answer_reward, args=args, train_dataset=dataset)
+    evaluation = (trainer.processing_class, held_out, exact_answer_reward, args.max_completion_length)
+    evaluation += (args.temperature, demo_args.eval_samples, args.seed + 1)  # (sampled with another seed)
+    before = evaluate_held_out(trainer.model, *evaluation)
+    print(f"before training: held-out reward {before['reward']:.3f}, accuracy {before['accuracy']:.3f}", flush=True)
+    initial = {name: param.detach().clone() for name, param in trainer.model.named_parameters()}
     train_start = time.perf_counter()
     trainer.train()
     timings = {"train": time.perf_counter() - train_start}
-    after = evaluate(trainer.model)
+    moved = weight_change(initial, trainer.model)
+    after = evaluate_held_out(trainer.model, *evaluation)
     timings["total"] = time.perf_counter() - start
 
     # TRL logs `reward` once per generation batch (Lopti's second pass logs none): one point per batch.
@@ -142,17 +125,19 @@ def main(argv: Sequence[str]) -> int:
         "before": before,
         "after": after,
         "table": format_table(before, after, training_args.temperature),
+        "weight_change": moved,
         "curve": {"generation_batch": batches, "reward": rewards},
         "optimizer_steps": trainer.state.global_step,
-        "rollouts": demo_args.rollout_batches * training_args.generation_batch_size,
+        "rollouts": rollout_batches * args.generation_batch_size,
         "timings_s": timings,
         "training_curve_png": plot_curve(output_dir / "training_curve.png", batches, rewards, before, after),
         "args": asdict(demo_args),
     }
     (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(
-        f"\n{results['table']}\n\n{results['rollouts']} rollouts, {results['optimizer_steps']} optimizer steps, wall "
-        f"time {timings['total'] / 60:.1f} min (train {timings['train'] / 60:.1f} min)\n"
-        f"wrote {output_dir / 'results.json'} and {results['training_curve_png']}"
+    print(  # the table and the line after it: what the README shows (.ci/check_demo.py compares them)
+        f"\n{results['table']}\n{results['rollouts']} rollouts, {results['optimizer_steps']} optimizer steps; weights "
+        f"moved: {moved['changed_tensors']} of {moved['tensors']} tensors, ||after - before|| / ||before|| = "
+        f"{moved['relative_change']:.3e}\n\nwall time {timings['total'] / 60:.1f} min (train "
+        f"{timings['train'] / 60:.1f} min); wrote {output_dir / 'results.json'} and {results['training_curve_png']}"
     )
     return 0

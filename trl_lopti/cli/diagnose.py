@@ -1,11 +1,7 @@
 """`trl-lopti diagnose`: the token diagnostics (`trl_lopti.diagnostics`) of a generation batch of the run that
-`trl-lopti train` would train, with its options (parser, task, datasets, reward functions) plus [`DiagnoseArguments`]:
-`num_prompts` prompts of its training set, `num_generations` completions each. With `num_iterations > 1`,
-`num_iterations - 1` Adam steps (`learning_rate`) of TRL's loss on the batch come first (ratios away from one,
-clipping, a KL part). `--model_name_or_path smollm2` is the demo's SmolLM2, e.g. `trl-lopti diagnose
---model_name_or_path smollm2 --kk_num_samples 8 --num_iterations 2 --output_dir diag`. On a machine without an
-accelerator it runs on the CPU (`use_cpu`), and says so.
-"""
+`trl-lopti grpo` would train with the same options, plus [`DiagnoseArguments`]. With `num_iterations > 1`,
+`num_iterations - 1` Adam steps (`learning_rate`) of TRL's loss on the batch come first. `--model_name_or_path smollm2`
+is the demo's model. On a machine without an accelerator it runs on the CPU (`use_cpu`), and says so."""
 
 from __future__ import annotations
 
@@ -16,9 +12,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from trl import ModelConfig, TrlParser
+from trl import ModelConfig
 
-from ..config import LoptiGRPOConfig
+from .. import LoptiGRPOConfig
 from ..diagnostics import (
     DEFAULT_PROBE_METHODS,
     PROBE_METHODS,
@@ -29,14 +25,14 @@ from ..diagnostics import (
     run_token_diagnostics,
     sample_generation_batch,
 )
-from .demo_model import get_smollm2
-from .parsing import CliError, check_model_name_or_path, on_cpu, parse_with_config
-from .train import LoptiScriptArguments, build_trainer, trainer_of
+from ..models import get_smollm2
+from .parsing import CliError, LoptiParser, check_model_name_or_path, cpu_settings
+from .train import LoptiScriptArguments, build_trainer
 
 
 @dataclass
 class DiagnoseArguments:
-    """The diagnostics' own arguments (the run's are those of `trl-lopti train`)."""
+    """The diagnostics' own arguments (the run's are those of `trl-lopti grpo`)."""
 
     num_prompts: int | None = field(default=None, metadata={"help": "Prompts (default: a generation batch's)."})
     probe_methods: list[str] = field(
@@ -50,31 +46,32 @@ class DiagnoseArguments:
     summed_gradients: bool = field(default=True, metadata={"help": "Compute each quartile's summed gradient."})
     plots: bool = field(default=True, metadata={"help": "Write the bar charts (matplotlib) beside the report."})
 
+    def __post_init__(self):
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError(f"num_prompts: must be a positive integer or None, got {self.num_prompts}")
+
 
 def parse_args(argv: Sequence[str]) -> tuple:
-    """[`DiagnoseArguments`] and `trl-lopti train`'s arguments `(LoptiScriptArguments, LoptiGRPOConfig, ModelConfig)`
-    from the flags and `--config FILE.yaml`; bad ones are refused before a model loads."""
-    trainer_of(argv, grpo_only="diagnose measures GRPO's loss (its per-token weights, gradients and probe updates)")
-    if not torch.accelerator.is_available():
-        argv = on_cpu(argv, "diagnose")
-    arguments = (DiagnoseArguments, LoptiScriptArguments, LoptiGRPOConfig, ModelConfig)
-    diagnose_args, script_args, training_args, model_args = parse_with_config(
-        TrlParser(arguments, prog="trl-lopti diagnose"), argv
-    )
-    check_model_name_or_path(model_args.model_name_or_path)
-    if script_args.dry_run or script_args.rehearse:
-        raise CliError("dry_run, rehearse: options of trl-lopti train, not of diagnose")
+    """[`DiagnoseArguments`] and `trl-lopti grpo`'s arguments `(LoptiScriptArguments, LoptiGRPOConfig, ModelConfig)`
+    from the flags and `--config FILE|PRESET`; bad ones are refused before a model loads."""
+    added = {} if torch.accelerator.is_available() else cpu_settings(argv, "trl-lopti diagnose")
+    parser = LoptiParser((DiagnoseArguments, LoptiScriptArguments, LoptiGRPOConfig, ModelConfig), "diagnose")
+    diagnose_args, script_args, training_args, model_args = parsed = parser.parse(argv, added)
     try:
+        check_model_name_or_path(model_args.model_name_or_path)
+        if script_args.dry_run or script_args.rehearse:
+            raise CliError("dry_run, rehearse: options of trl-lopti grpo, not of diagnose")
         check_probe_methods([method for method in diagnose_args.probe_methods if method != "none"], training_args)
     except ValueError as error:
-        raise CliError(str(error)) from error
-    if diagnose_args.num_prompts is not None and diagnose_args.num_prompts < 1:
-        raise CliError(f"num_prompts: must be a positive integer, got {diagnose_args.num_prompts}")
-    return diagnose_args, script_args, training_args, model_args
+        raise CliError(parser.where(str(error))) from error
+    return parsed
 
 
 def main(argv: Sequence[str]) -> int:
     """`trl-lopti diagnose`: sample a generation batch of the run and write its token diagnostics."""
+    if not argv:  # (`smollm2`: the demo's model)
+        example = "diagnose --model_name_or_path smollm2 --kk_num_samples 8 --num_iterations 2 --output_dir diag"
+        raise CliError(f"needs a model (--model_name_or_path: a folder or a hub id), e.g.\n  trl-lopti {example}")
     diagnose_args, script_args, training_args, model_args = parse_args(argv)
     if model_args.model_name_or_path.lower() == "smollm2" and not Path(model_args.model_name_or_path).exists():
         model_args.model_name_or_path = get_smollm2()  # the demo's model
@@ -82,26 +79,15 @@ def main(argv: Sequence[str]) -> int:
     trainer = build_trainer(script_args, training_args, model_args, num_prompts)
     inputs, summary = sample_generation_batch(trainer, list(trainer.train_dataset))
     print(f"generated {summary['num_completions']} completions (mean reward {summary['reward_mean']:.3f})", flush=True)
-    micro_batch_size = training_args.per_device_train_batch_size
-    inner = None
-    if training_args.num_iterations > 1:  # TRL's last iteration on a batch sees the policy num_iterations - 1 steps on
-        steps, lr = training_args.num_iterations - 1, training_args.learning_rate
-        inner = advance_policy_on_batch(trainer, inputs, steps, lr, micro_batch_size)
+    micro_batch_size, steps = training_args.per_device_train_batch_size, training_args.num_iterations - 1
+    inner = None  # TRL's last iteration on a batch sees the policy num_iterations - 1 steps on
+    if steps:
+        inner = advance_policy_on_batch(trainer, inputs, steps, training_args.learning_rate, micro_batch_size)
     methods = [] if "none" in diagnose_args.probe_methods else diagnose_args.probe_methods
-    report = run_token_diagnostics(
-        trainer,
-        inputs,
-        summed_gradients=diagnose_args.summed_gradients,
-        probe_methods=methods,
-        lr=diagnose_args.probe_lr,
-        micro_batch_size=micro_batch_size,
-    )
-    report.update(
-        generation=summary,
-        inner_steps=inner,
-        command="trl-lopti diagnose " + " ".join(argv),
-        args=asdict(diagnose_args),
-    )
+    options = dict(summed_gradients=diagnose_args.summed_gradients, probe_methods=methods, lr=diagnose_args.probe_lr)
+    report = run_token_diagnostics(trainer, inputs, micro_batch_size=micro_batch_size, **options)
+    command = "trl-lopti diagnose " + " ".join(argv)
+    report.update(generation=summary, inner_steps=inner, command=command, args=asdict(diagnose_args))
     output_dir = Path(training_args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False))

@@ -1,56 +1,170 @@
-"""Parsing shared by the `trl-lopti` commands, and their error type. TRL's parser reads `None`, `none` and `null` as
-`None` for every `float | None` and `int | None` field (`--lopti_threshold None`); a bad flag is argparse's usage error
-(exit code 2).
-"""
+"""The parser of the `trl-lopti` commands: TRL's `TrlParser`, with a help that fits a screen, presets by name, the
+nearest real name for a misspelt flag or key, and errors that say where a bad value came from. TRL's parser reads
+`None`, `none` and `null` as `None` for every `float | None` and `int | None` field (`--lopti_threshold None`)."""
 
+import argparse
+import copy
 import os
+import re
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
+from trl import TrlParser
+
+from .. import LoptiGRPOConfig, LoptiRLOOConfig
+from .main import COMMANDS, CliError, nearest
+from .presets import preset_path
 
 
-class CliError(ValueError):
-    """A user error on the command line or in a config file: `trl-lopti` prints it, without a traceback, and exits 2."""
+CONFIGS = {"grpo": LoptiGRPOConfig, "rloo": LoptiRLOOConfig}
+"""The training commands (`trl-lopti grpo`, `trl-lopti rloo`) and the config whose fields each reads."""
+
+CONFIG_HELP = "A YAML file of `field: value` lines, or a preset's name (trl-lopti presets). Flags override it."
 
 
-def parse_with_config(parser, argv: Sequence[str]) -> tuple:
-    """`parser.parse_args_and_config(argv)` (`--config FILE.yaml` supplies defaults, flags override them): one instance
-    per dataclass. A config file that is missing, not YAML, not a mapping or holds an unknown key, and a value a
-    dataclass rejects, raise a [`CliError`] that names the file; where transformers refuses a machine without an
-    accelerator, the error names the flag that trains on the CPU."""
-    import yaml
-
-    args = list(argv)
-    if args[-1:] == ["--config"]:
-        raise CliError("--config: expected the path of a YAML file")
-    config = args[args.index("--config") + 1] if "--config" in args else None
-    try:
-        return tuple(parser.parse_args_and_config(args))
-    except (OSError, ValueError, yaml.YAMLError) as error:
-        message = f"{error}" + (f" (config file {config})" if config else "")
-        if "use_cpu" in message and not torch.accelerator.is_available():  # transformers' check of bf16 against GPUs
-            message += "; this machine has no accelerator: add --use_cpu true to run on its CPU"
-        raise CliError(message) from error
+def own_fields(config_class: type) -> list[str]:
+    """The fields that trl_lopti's classes declare in `config_class` (not TRL's or transformers' classes)."""
+    declared_by = {}
+    for cls in reversed(config_class.__mro__):  # the first class of the MRO to annotate a name declares it
+        declared_by |= dict.fromkeys(vars(cls).get("__annotations__", {}), cls.__module__)
+    return [f.name for f in fields(config_class) if f.init and declared_by[f.name].startswith("trl_lopti")]
 
 
-def on_cpu(argv: Sequence[str], command: str, settings: dict[str, Any] | None = None) -> list[str]:
-    """`argv` for a side tool (`demo`, `diagnose`, `train --rehearse`, `train --dry_run`) on a machine without an
-    accelerator (`torch.accelerator`), where TRL's default bf16 would refuse to start: the CPU settings (`settings`,
-    default `use_cpu=True`) that `argv` does not set itself are added as flags, and one line says so."""
+class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's formatter, with the defaults, `VALUE` for a value and no dashed alias (`--lopti-threshold`)."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        shown = copy.copy(action)
+        shown.option_strings = [flag for flag in action.option_strings if "-" not in flag.lstrip("-")]
+        return super()._format_action_invocation(shown)
+
+    def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
+        return "VALUE"
+
+
+class LoptiParser(TrlParser):
+    """TRL's parser of `dataclass_types` for `trl-lopti COMMAND`, which trains with `CONFIGS[trainer]`: `--help` fits a
+    screen, `--help_all` lists every option, [`parse`] reads `--config FILE|PRESET` and the flags."""
+
+    def __init__(self, dataclass_types: Sequence[type], command: str, trainer: str = "grpo"):
+        super().__init__(dataclass_types, prog=f"trl-lopti {command}", description=COMMANDS[command][1])
+        self.allow_abbrev, self.trainer, self.sources, self.config = False, trainer, {}, None
+
+    def error(self, message: str):
+        raise CliError(re.sub(r"(--\w+)/--[\w-]+", r"\1", message))  # argparse's, with no dashed alias
+
+    def format_help(self) -> str:
+        formatter = Formatter(self.prog, max_help_position=34, width=119)
+        formatter.add_usage(f"{self.prog} [--config FILE|PRESET] [--FIELD VALUE ...]", [], [])
+        formatter.add_text(self.description)
+        config, actions = CONFIGS[self.trainer], {action.dest: action for action in self._actions}
+        lopti, own = own_fields(config), [n for c in self.dataclass_types if c is not config for n in own_fields(c)]
+        formatter.start_section("options")
+        formatter.add_arguments([*OPTIONS, self._option_string_actions["-h"], *(actions[name] for name in own)])
+        formatter.end_section()
+        formatter.start_section(f"Advantage Reweighting and Lopti ({config.__name__})")
+        formatter.add_arguments([actions[name] for name in lopti])
+        formatter.end_section()
+        lines = [f"and the fields of TRL's classes, as `trl {self.trainer}` reads them (--help_all):"]
+        for cls in self.dataclass_types:  # by the TRL class each extends: ScriptArguments, GRPOConfig, ModelConfig
+            names = [f.name for f in fields(cls) if f.init and f.name not in own + lopti]
+            base = next(k for k in cls.__mro__ if not k.__module__.startswith("trl_lopti")).__name__
+            lines += [f"  {base} ({len(names)}): --{', --'.join(names[:4])}, ..."] if names else []
+        formatter.add_text("\n".join(lines))
+        return formatter.format_help()
+
+    def parse(self, argv: Sequence[str], added: dict[str, Any] | None = None) -> tuple:
+        """The dataclasses from `--config FILE|PRESET` (a YAML mapping; `env:` sets environment variables, as TRL's
+        parser does) and the flags, which win, and the settings `added` for this machine that no flag gives. `sources`
+        says where the values that are not defaults came from: `config_file`, `flags` or `this_machine`."""
+        args, values = list(argv), {}
+        if "--help_all" in args:
+            print(super().format_help())
+            raise SystemExit(0)
+        if "--config" in args:
+            index = args.index("--config")
+            if index + 1 == len(args):
+                raise CliError("--config: expected a YAML file or a preset's name (trl-lopti presets lists them)")
+            self.config = preset_path(args.pop(index + 1))
+            del args[index]
+            try:
+                values = yaml.safe_load(self.config.read_text())
+            except (OSError, yaml.YAMLError) as error:
+                raise CliError(f"--config {self.config}: {error}") from error
+            if not isinstance(values, dict) or not isinstance(values.get("env", {}), dict):
+                raise CliError(f"--config {self.config}: must be a YAML mapping of field: value (env: a mapping too)")
+            os.environ.update({name: str(value) for name, value in values.pop("env", {}).items()})
+            if values.setdefault("trainer", self.trainer) != self.trainer:  # a check: the command is the trainer
+                raise CliError(f"trainer: {self.config} is for `trl-lopti {values['trainer']}`, not {self.prog}")
+            del values["trainer"]
+        options, names = self._option_string_actions, [action.dest for action in self._actions]
+        flags = [arg.split("=")[0] for arg in args if arg.startswith("--")]
+        for name, known in [*((key, names) for key in values), *((flag, list(options)) for flag in flags)]:
+            if name not in known:
+                raise self.unknown(name, known)
+        given = {options[flag].dest for flag in flags}
+        self.sources = dict.fromkeys(values, "config_file") | dict.fromkeys(given, "flags")
+        for name, value in (added or {}).items():
+            if name not in given:
+                args.append(f"--{name}={value}")
+                self.sources[name] = "this_machine"
+        self.set_defaults_with_config(**values)
+        try:
+            return tuple(self.parse_args_into_dataclasses(args))
+        except ValueError as error:
+            message = str(error)
+            if "use_cpu" in message and not torch.accelerator.is_available():  # transformers' bf16 check, on a CPU
+                message += "; this machine has no accelerator: add --use_cpu true to run on its CPU"
+            raise CliError(self.where(message)) from error
+
+    def where(self, message: str) -> str:
+        """An error `message` with where the value of each field it names came from: the field it starts with (`name:
+        ...`), and the fields it names that the config file, a flag or this machine set."""
+        first = [name for name in re.findall(r"^(\w+):", message) if name in {a.dest for a in self._actions}]
+        named = dict.fromkeys([*first, *(name for name in self.sources if re.search(rf"\b{name}\b", message))])
+        origins = {
+            "config_file": f"the config file {self.config}",
+            "flags": "the flag --{}",
+            "this_machine": "CPU settings",
+        }
+        where = "; ".join(f"{n} from {origins.get(self.sources.get(n), 'its default').format(n)}" for n in named)
+        return message + (f" ({where})" if where else "")
+
+    def unknown(self, name: str, known: list[str]) -> CliError:
+        """The error for a flag or key `name` that none of the command's `known` names is."""
+        field = name.removeprefix("--")
+        origin, kind = ("a flag", "option") if field != name else (f"the config file {self.config}", "field")
+        others = {t: c.__name__ for t, c in CONFIGS.items() if t != self.trainer and field in c.__dataclass_fields__}
+        if field == "trainer" or others:
+            what = "".join(f"a field of {c}, which `trl-lopti {t}` reads; " for t, c in others.items())
+            return CliError(f"{name} ({origin}): {what}the trainer is the command: trl-lopti grpo or trl-lopti rloo")
+        return CliError(f"{name} ({origin}): no such {kind}{nearest(name, known)}")
+
+
+OPTIONS = [  # the options `parse` reads itself, as `--help` shows them
+    argparse.Action(["--config"], "config", metavar="FILE|PRESET", default=argparse.SUPPRESS, help=CONFIG_HELP),
+    argparse.Action(["--help_all"], "help_all", 0, default=argparse.SUPPRESS, help="Every option, and exit."),
+]
+
+
+def cpu_settings(argv: Sequence[str], command: str, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The CPU settings (default `use_cpu=True`) a side tool (`demo`, `diagnose`, `--rehearse`, `--dry_run`) adds on a
+    machine without an accelerator, where TRL's default bf16 would refuse to start, but those `argv` gives; said once."""
     given = {arg.split("=")[0] for arg in argv}
     added = {name: value for name, value in (settings or {"use_cpu": True}).items() if f"--{name}" not in given}
-    flags = [f"--{name}={value}" for name, value in added.items()]
-    if flags and os.environ.get("RANK", "0") == "0":  # once under a launcher
-        print(f"trl-lopti {command}: no accelerator on this machine, CPU settings: {' '.join(flags)}", file=sys.stderr)
-    return [*argv, *flags]
+    if added and os.environ.get("RANK", "0") == "0":  # once under a launcher
+        flags = " ".join(f"--{name}={value}" for name, value in added.items())
+        print(f"{command}: no accelerator on this machine, CPU settings: {flags}", file=sys.stderr)
+    return added
 
 
 def check_model_name_or_path(model_name_or_path: str | None) -> str:
-    """Returns `model_name_or_path` (a hub id or a local folder) once checked, before anything loads: it must be set,
-    and be a folder when it reads as a local path."""
+    """`model_name_or_path` (a hub id, or a folder when it reads as a path) checked before anything loads."""
     if not model_name_or_path:
         raise CliError("model_name_or_path: required (a model folder or a hub id such as Qwen/Qwen2.5-3B-Instruct)")
     if model_name_or_path.startswith(("/", ".", "~")) and not Path(model_name_or_path).expanduser().is_dir():

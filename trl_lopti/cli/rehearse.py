@@ -1,10 +1,8 @@
-"""`trl-lopti train --rehearse`: a preset's launch (launcher, parser, task, reward and trainer settings) rehearsed
-offline with a tiny random model of its family and a few prompts of its task: one Lopti cycle with a checkpoint after
-the first pass, then a resume from it. It fails (exit code 1) unless every pass trained tokens with a gradient, and
-measures no GPU memory or speed. Without a GPU the launcher's backend runs on CPU processes (`cpu_backends`), with the
-CPU settings it needs, which a line says, and a vLLM server-mode preset trains against a CPU `vllm serve` of the tiny
-model where vLLM is installed (`cpu_backends.vllm_server.ServerRuns`).
-"""
+"""`trl-lopti grpo --rehearse` (and `rloo`): a preset's launch (launcher, parser, task, reward, trainer) rehearsed offline
+with a tiny random model of its family and a few prompts of its task: one Lopti cycle, a checkpoint after the first
+pass and a resume from it. It fails (exit 1) unless every pass trained tokens with a gradient; it measures no GPU memory
+or speed. Without a GPU the launcher's backend runs on CPU processes (`cpu_backends`), and a vLLM server-mode preset
+trains against a CPU `vllm serve` where vLLM is installed (`cpu_backends.vllm_server.ServerRuns`)."""
 
 import json
 import os
@@ -21,16 +19,11 @@ from ..cpu_backends import accelerate as cpu_backends
 from ..cpu_backends import vllm_server
 from ..models import PEAKED_TINY_MODEL, build_tiny_model
 from ..tasks.math import make_math_prompt
-from .parsing import CliError, on_cpu
+from .parsing import CliError, cpu_settings
 from .train import DEFAULT_REWARD_FUNCS, parse_train_args, run_training
 
 
-REHEARSAL_SCALE = {
-    "rows_per_optimizer_step": 8,
-    "per_device_train_batch_size": 2,
-    "max_completion_length": 16,
-    "prompts": 32,
-}
+REHEARSAL_SCALE = dict(rows_per_optimizer_step=8, per_device_train_batch_size=2, max_completion_length=16, prompts=32)
 """What a rehearsal shrinks (completions per optimizer step: on all processes). The optimizer steps per generation
 batch and every method, loss, optimizer and precision setting stay the preset's."""
 
@@ -45,18 +38,18 @@ FAMILIES = {"qwen": "qwen2", "llama": "llama", "smollm": "llama"}
 """Tiny model architecture (`trl_lopti.models.build_tiny_model`) by a part of the model's name or `model_type`."""
 
 
-def main(argv: list[str]) -> int:
-    """Rehearses `trl-lopti train ARGV` (the arguments after `train`, with `--rehearse`); returns the exit code."""
+def main(argv: list[str], command: str) -> int:
+    """Rehearses `trl-lopti COMMAND ARGV` (`grpo` or `rloo`, with `--rehearse`); returns the exit code."""
     start, say = time.perf_counter(), print if os.environ.get("RANK", "0") == "0" else (lambda *_: None)
     overrides = {} if torch.cuda.is_available() else cpu_backends.install()
-    if overrides:  # the settings transformers, accelerate and DeepSpeed need to run the launcher on CPU processes
-        argv = on_cpu(argv, "train --rehearse", overrides)
+    # the settings transformers, accelerate and DeepSpeed need to run the launcher on CPU processes
+    added = cpu_settings(argv, f"trl-lopti {command} --rehearse", overrides) if overrides else {}
 
     def parse(*flags: dict[str, Any]):
         args = list(argv)
         for name, value in (item for values in flags for item in values.items()):
             args += [f"--{name}", *map(str, value)] if isinstance(value, list) else [f"--{name}={value}"]
-        parsed = parse_train_args(args)
+        parsed = parse_train_args(args, command, added)
         if overrides and cpu_backends.launcher_uses("DEEPSPEED"):  # DeepSpeed's config checks bf16 against it
             parsed[1].bf16 = parsed[1].mixed_precision == "bf16"
         return parsed
@@ -91,9 +84,7 @@ def main(argv: list[str]) -> int:
             float((run[k].double() - rerun[k].double()).abs().max()) for k in run
         )
         if difference > RESUME_TOLERANCE:
-            report["failures"].append(
-                f"the resumed run ended {difference:.3g} from the uninterrupted run's parameters"
-            )
+            report["failures"].append(f"the resumed run ended {difference:.3g} from the uninterrupted run's")
         report["seconds"] = round(time.perf_counter() - start, 1)
         (folder / "rehearsal.json").write_text(json.dumps(report, indent=2, default=str))
         for key, value in report.items():

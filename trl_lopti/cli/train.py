@@ -1,26 +1,25 @@
-"""`trl-lopti train --config FILE.yaml [--flag value ...]`: TRL's `trl/scripts/grpo.py` with [`LoptiGRPOTrainer`], or
-its `rloo.py` with [`LoptiRLOOTrainer`] (`trainer: rloo`), and the paper's tasks. The keys: the trainer's config
-([`LoptiGRPOConfig`] or [`LoptiRLOOConfig`]), TRL's `ModelConfig` and [`LoptiScriptArguments`]."""
+"""`trl-lopti grpo` and `trl-lopti rloo`: TRL's `trl grpo` and `trl rloo` with [`LoptiGRPOTrainer`] and
+[`LoptiRLOOTrainer`] and the paper's tasks; the fields of the trainer's config, TRL's `ModelConfig` and
+[`LoptiScriptArguments`], from `--config FILE|PRESET` and flags."""
 
-import contextlib
+import dataclasses
 import importlib
 import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import datasets
 import torch
-import yaml
 from transformers import AutoTokenizer
-from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
+from trl import ModelConfig, ScriptArguments, get_peft_config, get_quantization_config
 
-from .. import tasks
-from ..config import LoptiGRPOConfig, LoptiRLOOConfig, lopti_field_names
-from .parsing import CliError, check_model_name_or_path, on_cpu, parse_with_config
+from .. import LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer, tasks
+from .parsing import CONFIGS, CliError, LoptiParser, check_model_name_or_path, cpu_settings, own_fields
 
 
 REWARD_FUNCS = {
@@ -36,41 +35,30 @@ REWARD_FUNCS = {
 }
 """Reward functions known by name to `reward_funcs`; any dotted import path (`my_module.my_reward`) works too."""
 
-TRAINERS = {"grpo": LoptiGRPOConfig, "rloo": LoptiRLOOConfig}
-"""The trainers of `trl-lopti train` (values of `trainer`) and the config whose keys each reads."""
-
 DEFAULT_REWARD_FUNCS = {"knights_knaves": ["knights_knaves_reward"], "math": ["math_reward"], "dataset": []}
 """The tasks (values of `task`) and the reward functions of each when `reward_funcs` is unset."""
 
 
 @dataclass
 class LoptiScriptArguments(ScriptArguments):
-    """Script arguments of `trl-lopti train`: TRL's `ScriptArguments` (`dataset_name`, `dataset_config`,
+    """Script arguments of `trl-lopti grpo` and `rloo`: TRL's `ScriptArguments` (`dataset_name`, `dataset_config`,
     `dataset_train_split`, `dataset_test_split`: the evaluation set when `eval_strategy` is not `"no"`) plus these."""
 
-    trainer: str = field(
-        default="grpo",
-        metadata={
-            "help": "'grpo' (LoptiGRPOTrainer) or 'rloo' (LoptiRLOOTrainer): the training keys are its config's.",
-            "choices": list(TRAINERS),
-        },
-    )
     task: str = field(
         default="knights_knaves",
         metadata={
-            "help": "'knights_knaves' (see kk_source), 'math' (dataset_name: a key of trl_lopti.tasks.math's "
-            "PAPER_MATH_FILES or MATH_DATASETS) or 'dataset' (dataset_name: a hub id, a data file or a folder)."
+            "help": "'knights_knaves' (see kk_source), 'math' (dataset_name: a paper set or a math dataset of "
+            "trl_lopti.tasks.math) or 'dataset' (dataset_name: a hub id, a data file or a folder)."
         },
     )
     reward_funcs: list[str] | None = field(
-        default=None, metadata={"help": "Names of REWARD_FUNCS or dotted import paths (default: the task's reward)."}
+        default=None, metadata={"help": "Names of REWARD_FUNCS or dotted import paths; None: the task's reward."}
     )
     kk_source: str | None = field(
         default=None,
         metadata={
-            "help": "K&K data: 'paper' (the authors' split and prompts, from kk_data_dir or their repository), 'hub' "
-            "(dataset_name, default K-and-K/knights-and-knaves) or 'generated' (kk_num_samples and "
-            "kk_num_eval_samples puzzles from kk_seed). Unset: 'hub' with a dataset_name, else 'generated'."
+            "help": "K&K data: 'paper' (the authors' split and prompts), 'hub' (dataset_name) or 'generated' "
+            "(kk_num_samples puzzles from kk_seed); None: 'hub' with a dataset_name, else 'generated'."
         },
     )
     kk_num_people: list[int] = field(
@@ -80,9 +68,7 @@ class LoptiScriptArguments(ScriptArguments):
     kk_num_eval_samples: int = field(default=100, metadata={"help": "Generated K&K evaluation puzzles."})
     kk_seed: int = field(default=0, metadata={"help": "Seed of the K&K generator."})
     kk_prefill_think: bool = field(default=True, metadata={"help": "End K&K prompts with an assistant '<think>'."})
-    kk_data_dir: str | None = field(
-        default=None, metadata={"help": "kk_source 'paper': a local copy, laid out as {3..7}ppl/{train,test}.parquet."}
-    )
+    kk_data_dir: str | None = field(default=None, metadata={"help": "kk_source 'paper': a local copy of its data."})
     math_data_file: str | None = field(default=None, metadata={"help": "A paper math set: a local copy of its file."})
     dry_run: bool = field(default=False, metadata={"help": "Print the resolved configuration; load no model."})
     rehearse: bool = field(default=False, metadata={"help": "Rehearse offline: tiny model, one Lopti cycle, resume."})
@@ -102,47 +88,20 @@ class LoptiScriptArguments(ScriptArguments):
         if self.task == "dataset" and not (self.dataset_name and self.reward_funcs):
             raise ValueError(f"{'reward_funcs' if self.dataset_name else 'dataset_name'}: required for task 'dataset'")
         if self.dataset_streaming:
-            raise ValueError("dataset_streaming: trl-lopti train does not stream datasets")
+            raise ValueError("dataset_streaming: trl-lopti does not stream datasets")
 
 
-def trainer_of(argv: Sequence[str], grpo_only: str | None = None) -> str:
-    """The `trainer` that `argv` chooses (`--trainer`, else the `--config` file's `trainer`, else `"grpo"`), read
-    before parsing: it decides the config the parser reads. Raises a [`CliError`] on a key (or a value of a key with
-    choices) that only another trainer's config takes, naming both configs, and on a trainer other than GRPO where
-    `grpo_only` (why a command takes GRPO only) is given. A file that cannot be read is left to the parser to report."""
-    args, given = list(argv), {}
-    with contextlib.suppress(OSError, yaml.YAMLError, ValueError, IndexError):  # no --config, or a bad file
-        config = yaml.safe_load(Path(args[args.index("--config") + 1]).read_text())
-        given.update(config if isinstance(config, dict) else {})
-    for arg, following in zip(args, [*args[1:], "--"], strict=True):  # flags override the file: `--key value`, `=`
-        if arg.startswith("--") and arg != "--config":
-            name, equals, value = arg[2:].partition("=")
-            given[name.replace("-", "_")] = value if equals else None if following.startswith("--") else following
-    trainer = given.get("trainer", "grpo")
-    if trainer not in list(TRAINERS):  # (a list: a YAML value may be unhashable)
-        raise CliError(f"trainer: must be one of {list(TRAINERS)}, got {trainer!r}")
-    if grpo_only and trainer != "grpo":
-        raise CliError(f"trainer: {trainer}: {grpo_only}, so it takes trainer: grpo only")
-    own, name = {f.name: f.metadata.get("choices") for f in fields(TRAINERS[trainer])}, TRAINERS[trainer].__name__
-    for other, config_class in TRAINERS.items():
-        for key, choices in ((f.name, f.metadata.get("choices")) for f in fields(config_class) if f.name in given):
-            where = f"{config_class.__name__} (trainer: {other}); {name} (trainer: {trainer})"
-            if key not in own:
-                raise CliError(f"{key}: a key of {where} has no such key")
-            if own[key] and choices and given[key] not in own[key] and given[key] in choices:
-                raise CliError(f"{key}: {given[key]!r} is a value of {where} takes {own[key]}")
-    return trainer
+def train_parser(trainer: str) -> LoptiParser:
+    """The parser of `trl-lopti grpo` or `trl-lopti rloo` (`trainer`)."""
+    return LoptiParser((LoptiScriptArguments, CONFIGS[trainer], ModelConfig), trainer, trainer)
 
 
-def parse_train_args(argv: Sequence[str]) -> tuple:
-    """`(LoptiScriptArguments, the config of [`trainer_of`], ModelConfig)` from `--config FILE.yaml` and flags."""
-    args, trainer = list(argv), trainer_of(argv)
-    if {"--dry_run", "--dry-run"} & set(args) and not torch.accelerator.is_available():
-        args = on_cpu(args, "train --dry_run")  # a dry run validates the GPU presets (bf16) on any machine
-    parser = TrlParser((LoptiScriptArguments, TRAINERS[trainer], ModelConfig), prog="trl-lopti train")
-    if (parsed := parse_with_config(parser, args))[0].trainer != trainer:  # an abbreviated flag, which argparse takes
-        raise CliError(f"trainer: write the flag out in full: --trainer {parsed[0].trainer}")
-    return parsed
+def parse_train_args(argv: Sequence[str], trainer: str = "grpo", added: dict | None = None, parser=None) -> tuple:
+    """`(LoptiScriptArguments, the trainer's config, ModelConfig)` from `--config FILE|PRESET` and flags, and the settings
+    `added` for this machine (default: a dry run's CPU settings where there is no accelerator)."""
+    if added is None and "--dry_run" in argv and not torch.accelerator.is_available():
+        added = cpu_settings(argv, f"trl-lopti {trainer} --dry_run")
+    return (parser or train_parser(trainer)).parse(argv, added)
 
 
 def resolve_reward_funcs(script_args: LoptiScriptArguments) -> dict[str, Callable]:
@@ -160,25 +119,29 @@ def resolve_reward_funcs(script_args: LoptiScriptArguments) -> dict[str, Callabl
     return funcs
 
 
-def resolved_config(script_args, training_args, model_args) -> dict[str, Any]:
-    """What `--dry_run` prints: the trainer, the reward functions, the AR and Lopti settings, and the script, training
-    and model arguments that differ from their defaults."""
-
-    def changed(arguments) -> dict[str, Any]:
-        defaults = {
-            f.name: f.default_factory() if f.default_factory is not MISSING else f.default
-            for f in fields(arguments)
-            if f.init
-        }
-        return {name: getattr(arguments, name) for name in defaults if getattr(arguments, name) != defaults[name]}
-
+def resolved_config(parser: LoptiParser, script_args, training_args, model_args) -> dict[str, Any]:
+    """What `--dry_run` prints: the device, the completions per micro-step, optimizer step and generation batch on each
+    process and on all processes of this launch, the reward functions, the AR and Lopti fields, then every field as the
+    run would have it on this machine (`to_dict`: JSON), grouped by where its value came from."""
+    values = {**dataclasses.asdict(script_args), **dataclasses.asdict(model_args), **training_args.to_dict()}
+    args, groups = training_args, {"config_file": {}, "flags": {}, "this_machine": {}, "defaults": {}}
+    for name, value in values.items():
+        groups[parser.sources.get(name, "defaults")][name] = value
+    steps = (1, args.gradient_accumulation_steps, args.steps_per_generation)
+    per_process = dict(zip(("micro_step", "optimizer_step", "generation_batch"), steps, strict=True))
+    per_process = {name: args.per_device_train_batch_size * count for name, count in per_process.items()}
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
     return {
-        "trainer": script_args.trainer,
+        "command": parser.prog,
+        "device": f"{args.device}, {args.world_size} process(es), mixed precision: {precision}",
+        "completions": {
+            "per_process": per_process,
+            "all_processes": {name: size * args.world_size for name, size in per_process.items()},
+            "prompts_per_generation_batch": args.generation_batch_size // args.num_generations,  # (on all processes)
+        },
         "reward_funcs": list(resolve_reward_funcs(script_args)),
-        "lopti": {name: getattr(training_args, name) for name in lopti_field_names(type(training_args))},
-        "script": changed(script_args),
-        "model": changed(model_args),
-        "training": changed(training_args),
+        "lopti": {name: values[name] for name in own_fields(type(args))},
+        **groups,
     }
 
 
@@ -196,20 +159,15 @@ def build_datasets(script_args: LoptiScriptArguments, training_args) -> tuple:
         if args.task == "knights_knaves" and kk_source == "generated":
             return puzzles.select(range(args.kk_num_samples) if train else range(args.kk_num_samples, total))
         if args.task == "knights_knaves":
-            return tasks.load_knights_knaves_dataset(
-                args.kk_num_people,
-                split,
-                kk_source,
-                args.kk_data_dir,
-                args.dataset_name or tasks.KNIGHTS_KNAVES_HUB_ID,
-                prefill_think=args.kk_prefill_think,
-            )
+            hub_id, prefill = args.dataset_name or tasks.KNIGHTS_KNAVES_HUB_ID, args.kk_prefill_think
+            kk = (args.kk_num_people, split, kk_source, args.kk_data_dir, hub_id)
+            return tasks.load_knights_knaves_dataset(*kk, prefill_think=prefill)
         if args.task == "math":  # two math sets: dataset_name, and dataset_test_split to evaluate on
             name = args.dataset_name if train else split
             if name in tasks.PAPER_MATH_FILES:
                 return tasks.load_paper_math_dataset(name, args.math_data_file if train else None)
             return tasks.load_math_dataset(name)
-        path = Path(args.dataset_name).expanduser()
+        path = Path(args.dataset_name).expanduser().resolve()  # (a bare name's parent "." would read as no folder)
         if path.is_file():  # all its rows in either split; the builder (json, parquet, ...) follows from its extension
             return datasets.load_dataset(str(path.parent), data_files=path.name, split="train")
         return datasets.load_dataset(args.dataset_name, args.dataset_config, split=split)  # or a `save_to_disk` folder
@@ -236,24 +194,21 @@ def policy_model_init_kwargs(training_args, model_args) -> dict[str, Any]:
 
 
 def build_trainer(script_args, training_args, model_args, num_train_prompts: int | None = None):
-    """The trainer of `trl-lopti train`, [`LoptiGRPOTrainer`] or [`LoptiRLOOTrainer`] (`trainer`); `trl-lopti
-    diagnose`: on its first `num_train_prompts` prompts."""
-    from .. import LoptiGRPOTrainer, LoptiRLOOTrainer
-
+    """The trainer of `trl-lopti grpo` ([`LoptiGRPOTrainer`]) or `rloo` ([`LoptiRLOOTrainer`]), as the type of
+    `training_args` says; `trl-lopti diagnose`: on its first `num_train_prompts` prompts."""
     training_args.model_init_kwargs = policy_model_init_kwargs(training_args, model_args)
     train_dataset, eval_dataset = build_datasets(script_args, training_args)
     if num_train_prompts is not None:
         train_dataset = train_dataset.select(range(min(num_train_prompts, len(train_dataset))))
     if script_args.task == "knights_knaves" and script_args.kk_prefill_think:
         # GRPO and RLOO never continue a final assistant message: give them the "<think>"-prefilled prompts as text.
+        revision, trust_remote_code = model_args.model_revision, training_args.trust_remote_code
         tokenizer = AutoTokenizer.from_pretrained(
-            model_args.model_name_or_path,
-            revision=model_args.model_revision,
-            trust_remote_code=training_args.trust_remote_code,
+            model_args.model_name_or_path, revision=revision, trust_remote_code=trust_remote_code
         )
         train_dataset = tasks.render_prompts_as_text(train_dataset, tokenizer)
         eval_dataset = tasks.render_prompts_as_text(eval_dataset, tokenizer) if eval_dataset is not None else None
-    trainer_class = {"grpo": LoptiGRPOTrainer, "rloo": LoptiRLOOTrainer}[script_args.trainer]
+    trainer_class = LoptiRLOOTrainer if isinstance(training_args, LoptiRLOOConfig) else LoptiGRPOTrainer
     return trainer_class(
         model=model_args.model_name_or_path,
         reward_funcs=list(resolve_reward_funcs(script_args).values()),
@@ -281,15 +236,42 @@ def run_training(script_args, training_args, model_args, end: bool = True, prepa
     return trainer
 
 
-def main(argv: Sequence[str]) -> int:
-    """`trl-lopti train`: parse, check, then print the resolved configuration (`--dry_run`), rehearse or train."""
+USAGE = """needs a preset (trl-lopti presets), a YAML file or flags (trl-lopti {0} --help), e.g.
+  trl-lopti {0} --config kk/qwen2.5-3b-instruct{1}_ar_lopti --dry_run     # checked and printed; no model loaded
+  trl-lopti {0} --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --task knights_knaves --output_dir out"""
+
+
+def checked_args(argv: Sequence[str], trainer: str, added: dict[str, Any] | None = None) -> tuple:
+    """`(script_args, training_args, model_args, what --dry_run prints)` for `trl-lopti TRAINER ARGV`, checked before
+    anything loads ([`parse_train_args`])."""
+    parser = train_parser(trainer)
+    parsed = parse_train_args(argv, trainer, added, parser)
+    try:
+        check_model_name_or_path(parsed[2].model_name_or_path)
+        return *parsed, resolved_config(parser, *parsed)
+    except CliError as error:
+        raise CliError(parser.where(str(error))) from error
+
+
+def main(argv: Sequence[str], trainer: str) -> int:
+    """`trl-lopti grpo` or `rloo` (`trainer`): parse, check, then print the resolved configuration (`--dry_run`),
+    rehearse (`--rehearse`) or train."""
+    if not argv:
+        raise CliError(USAGE.format(trainer, "_rloo" if trainer == "rloo" else ""))
     if any(arg.startswith("--rehearse") for arg in argv):  # before parsing: it sets up the launcher's backend first
-        return importlib.import_module(".rehearse", __package__).main(list(argv))
-    script_args, training_args, model_args = parse_train_args(argv)
-    check_model_name_or_path(model_args.model_name_or_path)
-    resolved = resolved_config(script_args, training_args, model_args)  # imports the reward functions
-    if script_args.dry_run:
-        print(json.dumps(resolved, indent=2, default=str))
-    else:
+        return importlib.import_module(".rehearse", __package__).main(list(argv), trainer)
+    script_args, training_args, model_args, resolved = checked_args(argv, trainer)
+    if not script_args.dry_run:
         run_training(script_args, training_args, model_args)
+    elif os.environ.get("RANK", "0") == "0":  # once under a launcher
+        print(json.dumps(resolved, indent=2, default=str))
     return 0
+
+
+grpo, rloo = partial(main, trainer="grpo"), partial(main, trainer="rloo")  # `trl-lopti grpo`, `trl-lopti rloo`
+
+
+def train(argv: Sequence[str]) -> int:
+    """`trl-lopti train`: `trl-lopti grpo` under its former name, which says so."""
+    print("trl-lopti train: now `trl-lopti grpo` (`trl-lopti rloo` for RLOO), which runs", file=sys.stderr)
+    return grpo(argv)

@@ -1,6 +1,6 @@
 """A CPU `vllm serve` for TRL's server mode (`cpu_server`), and the check of a run's weight sync against it
 (`WeightSyncCheck`): when the trainer sent its weights, and that the server then serves them. `ServerRuns` puts the
-two together for runs that train one after another against one server (`trl-lopti train --rehearse`).
+two together for runs that train one after another against one server (`trl-lopti grpo --rehearse`).
 """
 
 from __future__ import annotations
