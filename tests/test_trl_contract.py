@@ -402,6 +402,23 @@ def test_rloo_log_prints_the_completions_table_while_log_completions_is_set(tiny
     assert len(printed) == 3
 
 
+# ------------------------------------------------------------------------------------------------------ S3 (its output)
+@pytest.mark.parametrize("trl_trainer", list(TRL_TRAINERS))
+def test_the_log_prob_forward_returns_logps_entropies_and_aux_loss(tiny_model_path, tmp_path, trl_trainer):
+    """TRL's own forward, as its loss calls it: (log-probabilities (B, T) with gradient, entropies, auxiliary loss)."""
+    trainer = grpo_trainer(tiny_model_path, tmp_path, trl_trainer)
+    batch, _ = fixed_generation_batch(tiny_model_path, 2, seed=0, beta=0.0)
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    trainer.model.train()
+    output = trainer._get_per_token_logps_and_entropies(
+        trainer.model, input_ids, attention_mask, COMPLETION_LENGTH, compute_entropy=True
+    )
+    assert isinstance(output, tuple) and len(output) == 3
+    logps, entropies, aux_loss = output
+    assert logps.shape == entropies.shape == (2, COMPLETION_LENGTH) and logps.requires_grad and aux_loss is None
+
+
 # ------------------------------------------------------------------------------------------------------ S3 (arguments)
 @pytest.mark.parametrize("trl_trainer", list(TRL_TRAINERS))
 def test_the_log_prob_forward_names_the_multimodal_inputs_trl_lopti_passes(trl_trainer):
