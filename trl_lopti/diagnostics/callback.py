@@ -64,13 +64,8 @@ class TokenDiagnosticsCallback(TrainerCallback):
         batch = generation_batch(self.trainer)
         if batch is None:
             return {}
-        report = run_token_diagnostics(
-            self.trainer,
-            batch,
-            summed_gradients=self.summed_gradients,
-            probe_methods=(),
-            micro_batch_size=self.micro_batch_size,
-        )
+        options = dict(summed_gradients=self.summed_gradients, micro_batch_size=self.micro_batch_size)
+        report = run_token_diagnostics(self.trainer, batch, probe_methods=(), **options)
         self.last_report = report["gradients"]
         return flatten_report(report)
 

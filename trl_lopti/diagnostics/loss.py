@@ -145,9 +145,8 @@ def summed_parameter_gradients(
         pairs = [(index, g, h) for index, g, h in pairs if g.any() or h.any()]
         if not pairs:  # e.g. a group whose rewards are all equal and no KL: no gradient, no forward
             continue
-        micro_batch = {
-            key: inputs[key][rows] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-        }
+        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+        micro_batch = {key: inputs[key][rows] for key in keys}
         with torch.enable_grad():
             logps, entropies = trl_completion_logps(trainer, micro_batch, model, compute_entropy=True)
         for position, (index, g, h) in enumerate(pairs):
@@ -155,10 +154,6 @@ def summed_parameter_gradients(
             grads = torch.autograd.grad(
                 outputs, params, weights, retain_graph=position < len(pairs) - 1, allow_unused=True
             )
-            sums[index] += torch.cat(
-                [
-                    (grad if grad is not None else torch.zeros_like(param)).reshape(-1).to(dtype)
-                    for grad, param in zip(grads, params, strict=True)
-                ]
-            )
+            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+            sums[index] += torch.cat([grad.reshape(-1).to(dtype) for grad in grads])
     return sums

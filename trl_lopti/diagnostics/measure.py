@@ -29,33 +29,18 @@ from .loss import model_mode, summed_parameter_gradients, trainable_parameters, 
 logger = logging.getLogger(__name__)
 
 QUARTILE_LABELS = ("Q1 (lowest)", "Q2", "Q3", "Q4 (highest)")
-PROBE_METHODS = ("grpo", "ar", "lopti", "lopti_ar", "lowest_quartile_only", "highest_quartile_only")
-DEFAULT_PROBE_METHODS = ("grpo", "ar", "lopti", "lowest_quartile_only", "highest_quartile_only")
 FIRST_UPDATE = {  # probe method -> (advantages, active tokens) of its first update; Lopti's second updates "high"
-    "grpo": ("A", "all"),
-    "ar": ("AR", "all"),
-    "lopti": ("A", "low"),
-    "lopti_ar": ("AR", "low"),
-    "lowest_quartile_only": ("A", "q0"),
-    "highest_quartile_only": ("A", "q3"),
-}
+    "grpo": ("A", "all"), "ar": ("AR", "all"), "lopti": ("A", "low"), "lopti_ar": ("AR", "low"),
+    "lowest_quartile_only": ("A", "q0"), "highest_quartile_only": ("A", "q3"),
+}  # fmt: skip
+PROBE_METHODS = tuple(FIRST_UPDATE)
+DEFAULT_PROBE_METHODS = ("grpo", "ar", "lopti", "lowest_quartile_only", "highest_quartile_only")
 LOPTI_DEFAULTS = {field.name: field.default for field in dataclasses.fields(LoptiGRPOConfig)}
 LOSS_SETTINGS = (
-    "loss_type",
-    "importance_sampling_level",
-    "beta",
-    "epsilon",
-    "epsilon_high",
-    "delta",
-    "temperature",
-    "use_bias_correction_kl",
-    "top_entropy_quantile",
-    "entropy_coef",
-    "use_adaptive_entropy",
-    "off_policy_mask_threshold",
-    "use_vllm",
-    "vllm_importance_sampling_correction",
-)
+    "loss_type", "importance_sampling_level", "beta", "epsilon", "epsilon_high", "delta", "temperature",
+    "use_bias_correction_kl", "top_entropy_quantile", "entropy_coef", "use_adaptive_entropy",
+    "off_policy_mask_threshold", "use_vllm", "vllm_importance_sampling_correction",
+)  # fmt: skip
 
 
 def probability_quartiles(logps: torch.Tensor, mask: torch.Tensor) -> tuple[list[float], torch.Tensor]:
@@ -180,12 +165,9 @@ def completion_statistics(
         ids, scaled = inputs["completion_ids"][rows], logits[:, :-1].double() / temperature  # predict the completion
         values = {"logps": scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)}
         if d_logps is not None:
-            weight, d_entropies_of_rows = lm_head_weight(model), d_entropies[rows]
-            values.update(
-                hidden_state_gradient_norms(
-                    logits[:, :-1], ids, weight, temperature, d_logps[rows], d_entropies_of_rows
-                )
-            )
+            d_rows = (d_logps[rows], d_entropies[rows])
+            norms = hidden_state_gradient_norms(logits[:, :-1], ids, lm_head_weight(model), temperature, *d_rows)
+            values.update(norms)
         for key, value in values.items():
             stats.setdefault(key, []).append(value.double())
     mask = loss_token_mask(inputs).bool()
@@ -304,8 +286,7 @@ def probe_split(trainer: GRPOTrainer, old_logps: torch.Tensor, mask: torch.Tenso
 def check_probe_methods(methods: Sequence[str], args: Any) -> None:
     """Raises `ValueError` for a probe method not in `PROBE_METHODS`, or for a Lopti probe (`lopti`, `lopti_ar`) under
     a `LoptiGRPOConfig` `args` that turns Lopti off (TRL's `GRPOConfig` gets the paper's eta)."""
-    unknown = [method for method in methods if method not in PROBE_METHODS]
-    if unknown:
+    if unknown := [method for method in methods if method not in PROBE_METHODS]:
         raise ValueError(f"probe_methods: unknown {unknown}; choose from {list(PROBE_METHODS)}")
     if not getattr(args, "lopti_enabled", True) and any(FIRST_UPDATE[method][1] == "low" for method in methods):
         raise ValueError("probe_methods: the Lopti probes need Lopti on (a lopti_threshold or a lopti_quantile)")
@@ -369,16 +350,10 @@ def quartile_table(
         table["full_grad_norm"] = _norm(full)
         table["summed_grad_cosine"] = [[_cosine(a, b) for b in quartile_grads] for a in quartile_grads]
     keys = (
-        "hidden_grad_norm_mean",
-        "unit_hidden_grad_norm_mean",
-        "summed_grad_norm",
-        "abs_w_mean",
-        "abs_w_no_kl_mean",
-    )
-    ratios = [(rows[0].get(key), rows[-1].get(key)) for key in keys]
-    table["lowest_over_highest"] = {
-        key: low / high if low is not None and high else None for key, (low, high) in zip(keys, ratios, strict=True)
-    }
+        "hidden_grad_norm_mean", "unit_hidden_grad_norm_mean", "summed_grad_norm", "abs_w_mean", "abs_w_no_kl_mean"
+    )  # fmt: skip
+    ratios = ((key, rows[0].get(key), rows[-1].get(key)) for key in keys)
+    table["lowest_over_highest"] = {key: low / high if low is not None and high else None for key, low, high in ratios}
     return table
 
 
@@ -399,19 +374,16 @@ def probe(
     if settings["eta"] is not None:
         low = low_probability_token_mask(old_logps, mask, settings["eta"])
         groups = dict(groups, low=token_group_mask(low, mask, "low"), high=token_group_mask(low, mask, "high"))
-    variants = {
-        "A": batch,
-        "AR": dict(batch, advantages=reweight_advantages(batch["advantages"], old_logps, settings["alpha"])),
-    }
+    reweighted = reweight_advantages(batch["advantages"], old_logps, settings["alpha"])
+    variants = {"A": batch, "AR": dict(batch, advantages=reweighted)}
     params = trainable_parameters(model)
     start = [param.detach().clone() for param in params]
     results = {}
     try:
         for method in methods:
             advantages, tokens = FIRST_UPDATE[method]
-            update = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[settings["optimizer"]](
-                params, lr=settings["lr"]
-            )
+            optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[settings["optimizer"]]
+            update = optimizer(params, lr=settings["lr"])
             gradient_step(trainer, model, variants[advantages], update, groups[tokens], micro_batch_size, values)
             if tokens == "low":  # Lopti's high pass: from the new parameters, ratio and clipping against pi_old
                 gradient_step(trainer, model, variants[advantages], update, groups["high"], micro_batch_size)
@@ -444,10 +416,9 @@ def gradient_step(
     pair = tuple(value * tokens for value in trl_loss_gradients(trainer, batch, *values))
     flat = summed_parameter_gradients(trainer, model, batch, [pair], micro_batch_size)[0]
     params = trainable_parameters(model)
-    previous, offset = [param.grad for param in params], 0
-    for param in params:
-        param.grad = flat[offset : offset + param.numel()].view_as(param).to(param.dtype)
-        offset += param.numel()
+    previous = [param.grad for param in params]
+    for param, grad in zip(params, flat.split([param.numel() for param in params]), strict=True):
+        param.grad = grad.view_as(param).to(param.dtype)
     optimizer.step()
     for param, grad in zip(params, previous, strict=True):
         param.grad = grad
@@ -504,8 +475,7 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
 
 
 def _stat(values: torch.Tensor, how: str = "mean") -> float | None:
-    values = values.double()
-    values = values[torch.isfinite(values)]
+    values = values.double()[torch.isfinite(values)]
     if values.numel() == 0:
         return None
     return float(torch.quantile(values, 0.5) if how == "median" else getattr(values, how)())  # median: mid-point mean

@@ -45,15 +45,9 @@ def format_tables(report: dict[str, Any]) -> str:
     """The main figures of a `run_token_diagnostics` report (with an `inner_steps` entry, from
     `advance_policy_on_batch`, shown) as Markdown text."""
     gradients, lines = report["gradients"], []
-    if report.get("inner_steps"):
-        inner = report["inner_steps"]
-        lines += [
-            (
-                f"Measured after {inner['steps']} Adam step(s) (lr {_fmt(inner['lr'])}, ‖Δθ‖ "
-                f"{_fmt(inner['update_norm'])}) of TRL's loss on the batch; π_old = the sampling model."
-            ),
-            "",
-        ]
+    if inner := report.get("inner_steps"):
+        steps = f"{inner['steps']} Adam step(s) (lr {_fmt(inner['lr'])}, ‖Δθ‖ {_fmt(inner['update_norm'])})"
+        lines += [f"Measured after {steps} of TRL's loss on the batch; π_old = the sampling model.", ""]
     loss = ", ".join(f"{key} {_fmt(value)}" for key, value in gradients["loss"].items() if value is not None)
     quartiles = [[row.get(key) for key in TABLE_COLUMNS.values()] for row in gradients["quartiles"]]
     lines += [
@@ -71,23 +65,16 @@ def format_tables(report: dict[str, Any]) -> str:
     ]
     if gradients.get("summed_grad_cosine"):
         cosines = [[f"Q{j + 1}", *row] for j, row in enumerate(gradients["summed_grad_cosine"])]
-        lines += [
-            "",
-            "Cosine between quartiles' summed gradients:",
-            "",
-            *markdown_table(" | Q1 | Q2 | Q3 | Q4", cosines),
-        ]
+        table = markdown_table(" | Q1 | Q2 | Q3 | Q4", cosines)
+        lines += ["", "Cosine between quartiles' summed gradients:", "", *table]
     probe = report.get("probe")
     if probe and probe.get("methods"):
-        lines += [
-            "",
-            (
-                f"Probability shift after one {probe['optimizer']} update (lr {_fmt(probe['lr'])}, alpha "
-                f"{_fmt(probe['alpha'])}, eta {_fmt(probe['eta'])}): share of tokens moved in the direction of "
-                "their advantage (mean Δπ)"
-            ),
-            "",
-        ]
+        title = (
+            f"Probability shift after one {probe['optimizer']} update (lr {_fmt(probe['lr'])}, alpha "
+            f"{_fmt(probe['alpha'])}, eta {_fmt(probe['eta'])}): share of tokens moved in the direction of "
+            "their advantage (mean Δπ)"
+        )
+        lines += ["", title, ""]
         for sign in SIGNS:
             count = probe["methods"][next(iter(probe["methods"]))]["groups"]["all"][sign]["count"]
             rows = []
@@ -137,9 +124,8 @@ def plot_report(report: dict[str, Any], output_dir: str | os.PathLike) -> list[s
     for axis in list(axes.flat)[len(panels) :]:
         axis.set_axis_off()
     edges = ", ".join(_fmt(edge) for edge in gradients["quartile_edges"])
-    written.append(
-        save_figure(figure, output_dir / "gradients.png", f"Token diagnostics by π_old quartile (edges {edges})")
-    )
+    title = f"Token diagnostics by π_old quartile (edges {edges})"
+    written.append(save_figure(figure, output_dir / "gradients.png", title))
     probe = report.get("probe")
     if probe and probe.get("methods"):
         figure, axes = new_figure(2, 2, figsize=(12, 8))
