@@ -6,16 +6,8 @@ from typing import Any
 
 
 def completion_to_text(completion: Any) -> str:
-    """
-    The text of a completion, whether TRL passes it as a string or as a list of messages.
-
-    Args:
-        completion (`str`, `list[dict]` or `dict`):
-            A plain-text completion, or conversational messages whose `content` is a string or a list of parts.
-
-    Returns:
-        `str`: The text (messages joined with newlines); `""` for anything unreadable.
-    """
+    """The text of a completion, whether TRL passes it as a string or as conversational messages (a list of them, or
+    one) whose `content` is a string or a list of parts: messages joined with newlines, `""` for anything unreadable."""
     if isinstance(completion, str):
         return completion
     if isinstance(completion, dict):

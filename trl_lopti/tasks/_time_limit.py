@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from subprocess import DEVNULL, PIPE
 from typing import Any, TypeVar
 
 
@@ -82,11 +83,9 @@ def _run_in_thread(func: Callable[[], _T], seconds: float) -> _T:
     helper.start()
     helper.join(seconds)
     if helper.is_alive():
-        stopped = ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(helper.ident), ctypes.py_object(DeadlineExceeded)
-        )
-        if stopped > 1:  # should not happen; undo rather than disturb other threads
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(helper.ident), None)
+        thread_id = ctypes.c_ulong(helper.ident)
+        if ctypes.pythonapi.PyThreadState_SetAsyncExc(thread_id, ctypes.py_object(DeadlineExceeded)) > 1:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(thread_id, None)  # should not happen: don't disturb others
         raise DeadlineExceeded()
     if "error" in outcome:
         raise outcome["error"]
@@ -147,13 +146,8 @@ class WorkerProcess:
 
     def _start(self) -> None:
         package_root = str(Path(__file__).resolve().parents[2])
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_SCRIPT, package_root, self.target, json.dumps(self.warmup_args)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
+        command = [sys.executable, "-c", _WORKER_SCRIPT, package_root, self.target, json.dumps(self.warmup_args)]
+        self._process = subprocess.Popen(command, stdin=PIPE, stdout=PIPE, stderr=DEVNULL, text=True)
         if self._wait_for_line(WORKER_STARTUP_SECONDS) != "ready\n":
             self._stop()
             raise RuntimeError(f"The worker process for {self.target} did not start")

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from .._paper import AUTHORS_DATA_URL
@@ -112,9 +113,7 @@ def generate_dataset(
     return Dataset.from_list([_example(puzzle, system_prompt, prefill_think) for puzzle in puzzles])
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Published data
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------ published data
 def _published_record(record: dict[str, Any]) -> dict[str, Any]:
     return puzzle_record(
         quiz=record["quiz"],
@@ -157,23 +156,16 @@ def paper_record_to_example(record: dict[str, Any]) -> dict[str, Any]:
     return {"prompt": prompt, **_published_record(record), "think_prefilled": True, "index": int(record["index"])}
 
 
-def _paper_files(split: str, sizes: Sequence[int], data_dir: str | None) -> list[str]:
-    if data_dir is None:
-        return [f"{AUTHORS_DATA_URL}/{PAPER_KK_DIR}/{size}ppl/{split}.parquet" for size in sizes]
-    from pathlib import Path
-
-    files = [Path(data_dir).expanduser() / f"{size}ppl" / f"{split}.parquet" for size in sizes]
-    missing = [str(file) for file in files if not file.is_file()]
-    if missing:
-        layout = "{3..7}ppl/{train,test}.parquet"
-        raise FileNotFoundError(f"data_dir: missing {missing} (expected the layout {layout})")
-    return [str(file) for file in files]
-
-
 def _load_paper_split(split: str, sizes: Sequence[int], data_dir: str | None):
     import datasets
 
-    rows = datasets.load_dataset("parquet", data_files=_paper_files(split, sizes, data_dir), split="train")
+    files = [f"{AUTHORS_DATA_URL}/{PAPER_KK_DIR}/{size}ppl/{split}.parquet" for size in sizes]
+    if data_dir is not None:
+        files = [str(Path(data_dir).expanduser() / f"{size}ppl" / f"{split}.parquet") for size in sizes]
+        if missing := [file for file in files if not Path(file).is_file()]:
+            layout = "{3..7}ppl/{train,test}.parquet"
+            raise FileNotFoundError(f"data_dir: missing {missing} (expected the layout {layout})")
+    rows = datasets.load_dataset("parquet", data_files=files, split="train")
     indices = PAPER_SPLITS[split]
     rows = rows.filter(lambda index: index in indices, input_columns="index")
     return rows.map(paper_record_to_example, remove_columns=rows.column_names)
@@ -243,16 +235,11 @@ def load_knights_knaves_dataset(
         data_dir (`str`, *optional*):
             Paper source: a local folder laid out as `{n}ppl/{split}.parquet`.
         path (`str`, *optional*, defaults to `"K-and-K/knights-and-knaves"`):
-            Hub source: Hub id (or a local copy with the same layout).
-        system_prompt (`str`, *optional*, defaults to [`SYSTEM_PROMPT`]):
-            Hub source: system message of each prompt.
-        prefill_think (`bool`, *optional*, defaults to `False`):
-            Hub source: see [`generate_dataset`] (the paper's prompts always pre-fill `<think>`).
-        **load_dataset_kwargs:
-            Hub source: passed to `datasets.load_dataset` (e.g. `revision`, `cache_dir`).
-
-    Returns:
-        `datasets.Dataset`: The puzzles, with a `prompt` column a trainer uses as is.
+            Hub source: the Hub id (or a local copy with the same layout); `**load_dataset_kwargs` go to
+            `datasets.load_dataset` (e.g. `revision`, `cache_dir`).
+        system_prompt (`str`, *optional*, defaults to [`SYSTEM_PROMPT`]), prefill_think (`bool`, *optional*):
+            Hub source: the system message of each prompt, and whether to pre-fill `<think>` (see [`generate_dataset`];
+            the paper's prompts always do).
     """
     if source not in KNIGHTS_KNAVES_SOURCES:
         raise ValueError(f"source: must be one of {list(KNIGHTS_KNAVES_SOURCES)}, got {source!r}")

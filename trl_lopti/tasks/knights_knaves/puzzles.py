@@ -3,18 +3,11 @@
 On the puzzles' island every inhabitant is a knight (always tells the truth) or a knave (always lies). Each person
 makes one statement about the others; the task is to say who is a knight and who is a knave.
 
-Statements use the published machine notation, nested tuples whose first item is the operator:
-
-    ('telling-truth', i)            person i is a knight
-    ('lying', i)                    person i is a knave
-    ('not', s)                      s is false
-    ('and', s1, s2, ...)            all of s1, s2, ... are true
-    ('or', s1, s2, ...)             at least one of s1, s2, ... is true
-    ('->', s1, s2)                  if s1 then s2
-    ('<=>', s1, s2)                 s1 if and only if s2
-
-As in the published data, statements have nesting depth at most 2 (one operator applied to atoms), nobody says of
-themself that they are a knave (that claim is a paradox), and the operands of one operator are distinct.
+Statements use the published machine notation, nested tuples whose first item is the operator: `('telling-truth', i)`
+(person i is a knight), `('lying', i)` (a knave), `('not', s)`, `('and', s1, s2, ...)`, `('or', s1, s2, ...)`,
+`('->', s1, s2)` (if s1 then s2) and `('<=>', s1, s2)` (s1 if and only if s2). As in the published data, statements
+have nesting depth at most 2 (one operator applied to atoms), nobody says of themself that they are a knave (that claim
+is a paradox), and the operands of one operator are distinct.
 
 The rendering uses the published data's 51 names ([`NAMES`]) and 18 speech templates ([`SPEECH_TEMPLATES`]), checked
 against the 5,000 puzzles of the authors' `data/kk/instruct/{3..7}ppl/{train,test}.parquet`: each of their quizzes
@@ -71,9 +64,7 @@ SPEECH_TEMPLATES = (
 period inside the quotes; a claim "If A then B" keeps its capital also in reported speech, "said that If ...")."""
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Solving
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------- solving
 @cache
 def _knight_mask(person: int, num_people: int) -> int:
     """Bit `a` is set iff `person` is a knight in assignment `a` (bit `i` of `a` set means person `i` is a knight)."""
@@ -129,9 +120,7 @@ def parse_statements(statements: str | Sequence) -> tuple[Statement, ...]:
     return tuple(to_tuple(statement) for statement in statements)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Sampling
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------ sampling
 def _sample_atom(rng: random.Random, speaker: int, num_people: int) -> Statement:
     while True:
         atom = (rng.choice(("telling-truth", "lying")), rng.randrange(num_people))
@@ -166,9 +155,7 @@ def sample_statement(rng: random.Random, speaker: int, num_people: int, max_widt
     return (("->", "<=>")[kind - 4],) + _sample_distinct_atoms(rng, speaker, num_people, 2)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Natural language
-# ---------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------- natural language
 def _render_atom(atom: Statement, names: Sequence[str], negated: bool = False) -> str:
     if atom[0] not in ("telling-truth", "lying"):
         raise ValueError(f"Only atoms can be rendered here (nesting depth <= 2), got {atom!r}")
@@ -265,11 +252,7 @@ def puzzle_sizes(num_people: int | Sequence[int]) -> list[int]:
 
 
 def generate_puzzles(
-    num_people: int | Sequence[int],
-    num_samples: int,
-    seed: int = 0,
-    max_width: int = 2,
-    max_attempts: int = 100_000,
+    num_people: int | Sequence[int], num_samples: int, seed: int = 0, max_width: int = 2, max_attempts: int = 100_000
 ) -> list[dict[str, Any]]:
     """
     Generates Knights & Knaves puzzles with exactly one solution, in the published data's columns.
@@ -280,15 +263,11 @@ def generate_puzzles(
     the same puzzles. `knights_knaves.generate_dataset` turns them into a TRL-ready dataset.
 
     Args:
-        num_people (`int` or `Sequence[int]`):
-            People per puzzle, 2 to 8. A list gives a mixture: puzzle `k` has `num_people[k % len(num_people)]`
-            people.
-        num_samples (`int`):
-            Number of puzzles.
-        seed (`int`, *optional*, defaults to `0`):
-            Seed of the generator.
-        max_width (`int`, *optional*, defaults to `2`):
-            Largest number of operands of `and`/`or` (the published data uses 2).
+        num_people (`int` or `Sequence[int]`), num_samples (`int`):
+            People per puzzle, 2 to 8 (a list gives a mixture: puzzle `k` has `num_people[k % len(num_people)]`
+            people), and the number of puzzles.
+        seed (`int`, *optional*, defaults to `0`), max_width (`int`, *optional*, defaults to `2`):
+            The generator's seed, and the most operands of `and`/`or` (the published data uses 2).
         max_attempts (`int`, *optional*, defaults to `100000`):
             Draws per puzzle before giving up with a `RuntimeError`.
 

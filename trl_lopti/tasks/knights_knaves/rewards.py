@@ -1,6 +1,4 @@
-"""The paper's K&K reward (Logic-RL's `compute_score`) as TRL reward functions.
-
-Scoring:
+"""The paper's K&K reward (Logic-RL's `compute_score`) as TRL reward functions. Scoring:
 
 - format: `+1` if the response holds exactly one `<think>`, `</think>`, `<answer>` and `</answer>`, in that order;
   `-1` otherwise.
@@ -176,12 +174,8 @@ def knights_knaves_reward(
             which [`generate_dataset`] and [`load_knights_knaves_dataset`] write; for other datasets set it with
             `functools.partial(knights_knaves_reward, think_prefilled=True)`.
         log_metric (`Callable[[str, float], None]`, *optional*):
-            Passed by TRL; receives the sub-scores.
-        **kwargs:
-            Other dataset columns and trainer arguments, ignored.
-
-    Returns:
-        `list[float]`: One score per completion.
+            Passed by TRL; receives the sub-scores. Other keyword arguments (dataset columns, trainer arguments) are
+            ignored.
     """
     format_scores = knights_knaves_format_reward(completions, think_prefilled=think_prefilled)
     answer_scores = knights_knaves_answer_reward(completions, solution_text_format, think_prefilled=think_prefilled)

@@ -75,9 +75,7 @@ English text-only math problems of OlympiadBench. Pass a [`MathDatasetSpec`] to 
 mirror."""
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Datasets
-# ---------------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------ datasets
 def make_math_prompt(
     problem: str, prompt_suffix: str = MATH_PROMPT_SUFFIX, system_prompt: str | None = None, text_prompt: bool = False
 ) -> list[dict[str, str]] | str:
@@ -115,12 +113,10 @@ def orz_pairs_to_records(pairs: Sequence[Sequence[dict[str, Any]]]) -> list[dict
     """The JSON content of the ORZ file, `[{"from": "human", "value": question}, {"from": "assistant",
     "ground_truth": {"value": answer}}]` pairs, as rows with columns `value` (the question) and `ground_truth` (the
     answer, a string)."""
-    records = []
-    for question, answer in (pair[:2] for pair in pairs):
-        records.append(
-            {"value": question.get("value", ""), "ground_truth": normalize_reference(answer.get("ground_truth", ""))}
-        )
-    return records
+    return [
+        {"value": question.get("value", ""), "ground_truth": normalize_reference(answer.get("ground_truth", ""))}
+        for question, answer in (pair[:2] for pair in pairs)
+    ]
 
 
 def _load_raw(spec: MathDatasetSpec, data_files: str | Sequence[str] | None, **load_dataset_kwargs: Any):
@@ -164,39 +160,24 @@ def load_math_dataset(
         data_files (`str` or `Sequence[str]`, *optional*):
             Local `.json`/`.jsonl`/`.parquet`/`.csv` files with the same columns as the Hub set, read instead of the
             Hub (for ORZ: its JSON file of message pairs).
-        prompt_suffix (`str`, *optional*, defaults to [`MATH_PROMPT_SUFFIX`]):
-            Instruction appended to each problem.
-        system_prompt (`str` or `None`, *optional*):
-            Optional system message.
+        prompt_suffix (`str`, *optional*, defaults to [`MATH_PROMPT_SUFFIX`]), system_prompt (`str`, *optional*):
+            The instruction appended to each problem, and an optional system message.
         text_prompt (`bool`, *optional*, defaults to `False`):
             Make `prompt` the raw text (problem + instruction) without a chat template, as the authors prompt.
         **load_dataset_kwargs:
             Passed to `datasets.load_dataset` (e.g. `revision`, `cache_dir`).
-
-    Returns:
-        `datasets.Dataset`: Columns `prompt`, `problem`, `solution`.
     """
-    if isinstance(name, MathDatasetSpec):
-        spec = name
-    elif name in MATH_DATASETS:
-        spec = MATH_DATASETS[name]
-    else:
+    if not isinstance(name, MathDatasetSpec) and name not in MATH_DATASETS:
         raise ValueError(f"Unknown math dataset {name!r}; choose one of {sorted(MATH_DATASETS)} or pass a spec")
+    spec = name if isinstance(name, MathDatasetSpec) else MATH_DATASETS[name]
     raw = _load_raw(spec, data_files, **load_dataset_kwargs)
     if spec.year_column is not None and spec.years is not None:
         first_year, last_year = spec.years
         raw = raw.filter(lambda year: first_year <= int(year) <= last_year, input_columns=spec.year_column)
-    return raw.map(
-        math_record_to_example,
-        fn_kwargs={
-            "problem_column": spec.problem_column,
-            "answer_column": spec.answer_column,
-            "prompt_suffix": prompt_suffix,
-            "system_prompt": system_prompt,
-            "text_prompt": text_prompt,
-        },
-        remove_columns=raw.column_names,
-    ).select_columns(["prompt", "problem", "solution"])
+    fn_kwargs = dict(problem_column=spec.problem_column, answer_column=spec.answer_column, prompt_suffix=prompt_suffix)
+    fn_kwargs.update(system_prompt=system_prompt, text_prompt=text_prompt)
+    mapped = raw.map(math_record_to_example, fn_kwargs=fn_kwargs, remove_columns=raw.column_names)
+    return mapped.select_columns(["prompt", "problem", "solution"])
 
 
 def paper_math_record_to_example(record: dict[str, Any]) -> dict[str, Any]:

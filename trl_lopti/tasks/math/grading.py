@@ -1,10 +1,6 @@
-"""TRL reward functions for math answers: the paper's grading (`math_reward`) and TRL's own (`math_reward_lenient`).
-
-[`math_reward`] gives the authors' reward (their verl fork, DeepScaleR's `RewardMathFn`): 1 when the last
-`\\boxed{...}` in the text between the first and second `</think>` (the whole response without one) equals a reference
-under their string normaliser or their sympy check, else 0 (rules in [`~trl_lopti.tasks.math.paper_grading`]), under a
-wall-clock limit per completion; nothing raises. [`math_reward_lenient`] is TRL's `accuracy_reward` (math-verify) on
-the text after the last `</think>`; it is not the paper's grader. Dependencies: `pip install "trl_lopti[math]"`.
+"""TRL reward functions for math answers: the paper's grading ([`math_reward`]: the authors' reward, their verl fork's
+and DeepScaleR's `RewardMathFn`, under a wall-clock limit per completion) and TRL's own ([`math_reward_lenient`]:
+math-verify, not the paper's grader). Dependencies: `pip install "trl_lopti[math]"`.
 """
 
 from __future__ import annotations
@@ -148,12 +144,7 @@ def math_reward(
             Reference answer per completion (the dataset's `solution` column): a string (with or without
             `\\boxed{}`), a number, or a list of alternatives (any one counts, as the authors' grader reads a list).
         timeout_seconds (`float` or `None`, *optional*, defaults to `3.0`):
-            Time limit per completion.
-        **kwargs:
-            Other dataset columns and trainer arguments, ignored.
-
-    Returns:
-        `list[float]`: One score per completion.
+            Time limit per completion. Other keyword arguments (dataset columns, trainer arguments) are ignored.
     """
     import pylatexenc  # noqa: F401  (the one error that escapes: the grader's libraries are not installed)
     import sympy  # noqa: F401

@@ -31,9 +31,7 @@ _BOX = "\\boxed"
 _BOX_OPEN = "\\boxed{"
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Extraction
-# ---------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------- extraction
 def graded_text(response: str) -> str:
     """The part of a response the authors grade: between the first and second `</think>`, or all of it."""
     return response.split(THINK_END)[1] if THINK_END in response else response
@@ -62,21 +60,13 @@ def last_box_content(text: str) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The MATH ("mathd") string normaliser
-# ---------------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------- the MATH ("mathd") string normaliser
 _WHOLE_TEXT = re.compile(r"^\\text\{(?P<inner>.+?)\}$")
 _MATHD_DELETIONS = ("\\!",)
 _MATHD_REPLACEMENTS = (
-    ("\\\\", "\\"),
-    ("tfrac", "frac"),
-    ("dfrac", "frac"),
-    ("\\left", ""),
-    ("\\right", ""),
-    ("^{\\circ}", ""),
-    ("^\\circ", ""),
-    ("\\$", ""),
-)
+    ("\\\\", "\\"), ("tfrac", "frac"), ("dfrac", "frac"), ("\\left", ""), ("\\right", ""), ("^{\\circ}", ""),
+    ("^\\circ", ""), ("\\$", ""),
+)  # fmt: skip
 
 
 class _Unnormalisable(Exception):
@@ -176,9 +166,7 @@ def mathd_normalize(answer: str) -> str:
         return answer
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The sympy check and its normaliser
-# ---------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------- the sympy check and its normaliser
 # fmt: skip below: a list of words reads best as lines of words, not as a column of one word a line
 _UNIT_WORDS = (
     "degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week", "month", "year",
@@ -296,10 +284,8 @@ def _sympy_difference_is_zero(reference: str, answer: str) -> bool:
     if not _safe_for_sympy(difference):
         return False
     try:
-        parsed = parse_expr(
-            difference.replace("^", "**"),
-            transformations=standard_transformations + (implicit_multiplication_application,),
-        )
+        transformations = standard_transformations + (implicit_multiplication_application,)
+        parsed = parse_expr(difference.replace("^", "**"), transformations=transformations)
         return bool(simplify(parsed) == 0)
     except Exception:  # noqa: BLE001 - whatever sympy cannot read or compare is not equal
         return False
@@ -329,9 +315,7 @@ def sympy_equal(answer: str, reference: str) -> bool:
     return all(_parts_equal(ref, ans) for ref, ans in zip(reference_parts, answer_parts, strict=True))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The reward
-# ---------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------- the reward
 def reference_answers(solution: object) -> list[str]:
     r"""The reference answers of `solution` (a string, a number, a list of those, or ORZ's `{"value": ...}`) as the
     authors read them: each value as `str(...)`, a list as alternatives (any one counts), the `\boxed{}` content of a
