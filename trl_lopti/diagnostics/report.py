@@ -12,20 +12,12 @@ from .measure import QUARTILE_LABELS
 
 SIGNS = ("positive", "negative")
 TABLE_COLUMNS = {
-    "quartile": "label",
-    "n": "count",
-    "mean π_old": "prob_mean",
-    "mean |w| (KL)": "abs_w_mean",
-    "median |w| (KL)": "abs_w_median",
-    "mean |w| (no KL)": "abs_w_no_kl_mean",
-    "median |w| (no KL)": "abs_w_no_kl_median",
-    "mean ‖dL/dh‖": "hidden_grad_norm_mean",
-    "mean ‖dlogπ/dh‖/(1-π)": "ratio_to_one_minus_p_mean",
-    "max ratio": "ratio_to_one_minus_p_max",
-    "‖Σ grad‖": "summed_grad_norm",
-    "cos(full)": "cos_with_full",
-    "share of full": "contribution_to_full",
-}
+    "quartile": "label", "n": "count", "mean π_old": "prob_mean", "mean |w| (KL)": "abs_w_mean",
+    "median |w| (KL)": "abs_w_median", "mean |w| (no KL)": "abs_w_no_kl_mean",
+    "median |w| (no KL)": "abs_w_no_kl_median", "mean ‖dL/dh‖": "hidden_grad_norm_mean",
+    "mean ‖dlogπ/dh‖/(1-π)": "ratio_to_one_minus_p_mean", "max ratio": "ratio_to_one_minus_p_max",
+    "‖Σ grad‖": "summed_grad_norm", "cos(full)": "cos_with_full", "share of full": "contribution_to_full",
+}  # fmt: skip
 
 
 def _fmt(value: Any) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 
 def completion_to_text(completion: Any) -> str:
     """The text of a completion, whether TRL passes it as a string or as conversational messages (a list of them, or
-    one) whose `content` is a string or a list of parts: messages joined with newlines, `""` for anything unreadable."""
+    one) whose `content` is a string or a list of parts: messages joined with newlines; `""` if unreadable."""
     if isinstance(completion, str):
         return completion
     if isinstance(completion, dict):

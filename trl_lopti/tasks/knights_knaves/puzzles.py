@@ -41,25 +41,13 @@ NAMES = (
 """The name pool of the published puzzles (all 51 occur in the authors' 5,000 puzzles, and no other name does)."""
 
 SPEECH_TEMPLATES = (
-    "{name} said that {claim}.",
-    "{name} told you that {claim}.",
-    '{name} said, "{claim}."',
-    '{name} stated, "{claim}".',
-    'According to {name}, "{claim}".',
-    'In {name}\'s words: "{claim}".',
-    '{name} remarked, "{claim}".',
-    '"{claim}," {name} declared.',
-    '{name} was heard saying, "{claim}".',
-    "{name} expressed that {claim}.",
-    '"{claim}" - {name}.',
-    'As {name} put it, "{claim}".',
-    '{name} asserted: "{claim}".',
-    '"{claim}," {name} mentioned.',
-    '{name} commented, "{claim}".',
-    'In a statement by {name}: "{claim}".',
-    '{name} noted, "{claim}".',
-    '"{claim}," {name} claimed.',
-)
+    "{name} said that {claim}.", "{name} told you that {claim}.", '{name} said, "{claim}."',
+    '{name} stated, "{claim}".', 'According to {name}, "{claim}".', 'In {name}\'s words: "{claim}".',
+    '{name} remarked, "{claim}".', '"{claim}," {name} declared.', '{name} was heard saying, "{claim}".',
+    "{name} expressed that {claim}.", '"{claim}" - {name}.', 'As {name} put it, "{claim}".',
+    '{name} asserted: "{claim}".', '"{claim}," {name} mentioned.', '{name} commented, "{claim}".',
+    'In a statement by {name}: "{claim}".', '{name} noted, "{claim}".', '"{claim}," {name} claimed.',
+)  # fmt: skip
 """How a person's claim is introduced, as in the published puzzles (punctuation included: only `said, "..."` puts the
 period inside the quotes; a claim "If A then B" keeps its capital also in reported speech, "said that If ...")."""
 
