@@ -126,13 +126,10 @@ class WeightSyncCheck(TrainerCallback):
         self.broadcasts_before = GlooCommunicator.broadcasts_in_process  # earlier runs' trainers
         if trainer.accelerator.is_main_process:
             prompts = [list(range(3 + 6 * index, 9 + 6 * index)) for index in range(4)]
-            generation = {"seed": 0, "min_tokens": 16}
-            sampled = trainer.vllm_generation.vllm_client.generate(
-                prompts, max_tokens=16, generation_kwargs=generation
-            )
-            self.sequences = [
-                prompt + completion for prompt, completion in zip(prompts, sampled["completion_ids"], strict=True)
-            ]
+            client = trainer.vllm_generation.vllm_client
+            sampled = client.generate(prompts, max_tokens=16, generation_kwargs={"seed": 0, "min_tokens": 16})
+            completions = sampled["completion_ids"]
+            self.sequences = [prompt + completion for prompt, completion in zip(prompts, completions, strict=True)]
             config = trainer.accelerator.unwrap_model(trainer.model).config
             with torch.random.fork_rng(devices=[]):  # its random init must not move the run's random numbers
                 self.reference = AutoModelForCausalLM.from_config(config, dtype=torch.float64)

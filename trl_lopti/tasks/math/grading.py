@@ -37,34 +37,24 @@ def normalize_reference(answer: Any) -> str:
 _HUGE_EXPONENT_DIGITS = 7  # 3^{999999} is exact in well under a second; 3^{12345678} or 10^{10^{10}} are not
 _HUGE_FACTORIAL_DIGITS = 6
 _NUMBER_POWER = re.compile(r"\d\s*(?:\^|\*\*)")
+_POWER_OPERATOR = re.compile(r"(?:\^|\*\*) *")  # and the spaces after it
+_TOKEN = re.compile(r"(?:[^\W_]|[.\\])*")  # letters and digits (`str.isalnum`), dots and backslashes
 
 
 def _exponent_groups(text: str) -> list[str]:
     """The exponents in `text`: what follows each `^` or `**` (a brace group, a parenthesised group or one token)."""
     groups = []
-    index = 0
-    while index < len(text):
-        if text[index] == "^" or text.startswith("**", index):
-            position = index + (1 if text[index] == "^" else 2)
-            while position < len(text) and text[position] == " ":
-                position += 1
-            if position < len(text) and text[position] in "{(":
-                opening, closing = text[position], "}" if text[position] == "{" else ")"
-                depth, end = 0, position
-                while end < len(text):
-                    depth += (text[end] == opening) - (text[end] == closing)
-                    if depth == 0:
-                        break
-                    end += 1
-                groups.append(text[position : end + 1])
-            else:
-                end = position
-                while end < len(text) and (text[end].isalnum() or text[end] in ".\\"):
-                    end += 1
-                groups.append(text[position:end])
-            index = position
-        else:
-            index += 1
+    for operator in _POWER_OPERATOR.finditer(text):
+        position = operator.end()
+        if text[position : position + 1] not in ("{", "("):
+            groups.append(_TOKEN.match(text, position).group())
+            continue
+        opening, closing, depth = text[position], "}" if text[position] == "{" else ")", 0
+        for end in range(position, len(text)):  # to the bracket that closes it, or to the end
+            depth += (text[end] == opening) - (text[end] == closing)
+            if depth == 0:
+                break
+        groups.append(text[position : end + 1])
     return groups
 
 
