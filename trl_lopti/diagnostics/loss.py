@@ -127,15 +127,13 @@ def summed_parameter_gradients(
     token_gradients: Sequence[tuple[torch.Tensor, torch.Tensor]],
     micro_batch_size: int = 4,
 ) -> list[torch.Tensor]:
-    """
-    Flat parameter gradients `sum_t (g_t * d log pi_t / d theta + h_t * d H_t / d theta)`, one per `(g, h)` pair of
+    """Flat parameter gradients `sum_t (g_t * d log pi_t / d theta + h_t * d H_t / d theta)`, one per `(g, h)` pair of
     (B, T) weights in `token_gradients`.
 
     With `(g, h)` = `trl_loss_gradients` times a token mask, this is exactly the part of the gradient of TRL's loss
-    that flows through those tokens (the chain rule); masks that partition the tokens give gradients that add up to
-    the full one. Per micro-batch of `micro_batch_size` completions: one forward with grad (TRL's) and one
-    backward per pair (`torch.autograd.grad`: `param.grad` is not touched). Float32 buffers (float64 models: float64).
-    """
+    that flows through those tokens (the chain rule); masks that partition the tokens give gradients that add up to the
+    full one. Per micro-batch of `micro_batch_size` completions: one forward with grad (TRL's) and one backward per
+    pair (`torch.autograd.grad`: `param.grad` is not touched). Float32 buffers (float64 models: float64)."""
     params = trainable_parameters(model)
     dtype = torch.promote_types(params[0].dtype, torch.float32)
     sums = [torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device) for _ in token_gradients]

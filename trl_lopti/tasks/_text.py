@@ -23,10 +23,8 @@ def completion_to_text(completion: Any) -> str:
 
 
 def token_parity_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
-    """
-    TRL reward function: the share of even token ids in a completion (0 for an empty one).
+    """TRL reward function: the share of even token ids in a completion (0 for an empty one).
 
     It varies between the completions of a group on any model, a random one included, so that advantages are not all
-    zero where a task's reward is never earned (rehearsals, benchmarks, tests on tiny random models).
-    """
+    zero where a task's reward is never earned (rehearsals, benchmarks, tests on tiny random models)."""
     return [sum(token % 2 == 0 for token in ids) / max(len(ids), 1) for ids in completion_ids]

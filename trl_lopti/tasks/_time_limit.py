@@ -98,11 +98,9 @@ def in_main_thread() -> bool:
 
 
 def run_with_time_limit(func: Callable[[], _T], seconds: float | None) -> _T:
-    """
-    Runs `func()` in this process and raises [`DeadlineExceeded`] after `seconds` of wall-clock time (`None` or `<= 0`:
-    no limit): in the main thread by a `SIGALRM` timer (any timer already set is restored afterwards), elsewhere in a
-    helper thread, which cannot interrupt a long call into C code (a [`WorkerProcess`] can).
-    """
+    """Runs `func()` in this process and raises [`DeadlineExceeded`] after `seconds` of wall-clock time (`None` or
+    `<= 0`: no limit): in the main thread by a `SIGALRM` timer (any timer already set is restored afterwards),
+    elsewhere in a helper thread, which cannot interrupt a long call into C code (a [`WorkerProcess`] can)."""
     if seconds is None or seconds <= 0:
         return func()
     if in_main_thread():

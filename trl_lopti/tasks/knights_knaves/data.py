@@ -57,14 +57,12 @@ PAPER_KK_DIR = "data/kk/instruct"
 
 
 def paper_prompt(quiz: str) -> str:
-    """
-    The exact prompt text of the paper's K&K runs for a quiz (the `quiz` column).
+    """The exact prompt text of the paper's K&K runs for a quiz (the `quiz` column).
 
     Qwen2.5's chat markup written out as text: a system turn with [`PAPER_SYSTEM_PROMPT`], a user turn with the quiz,
     each ending in a newline before `<|im_end|>`, then an open assistant turn pre-filled with `<think>`. It equals the
-    `prompt` column of all 5,500 rows of the authors' `data/kk/instruct/{3..7}ppl/{train,test,test_new}.parquet`
-    byte for byte. Give it to TRL as a plain-text prompt: no chat template goes on top.
-    """
+    `prompt` column of all 5,500 rows of the authors' `data/kk/instruct/{3..7}ppl/{train,test,test_new}.parquet` byte
+    for byte. Give it to TRL as a plain-text prompt: no chat template goes on top."""
     return (
         f"<|im_start|>system\n{PAPER_SYSTEM_PROMPT}\n<|im_end|>\n"
         f"<|im_start|>user\n{quiz}\n<|im_end|>\n"
@@ -73,15 +71,13 @@ def paper_prompt(quiz: str) -> str:
 
 
 def make_prompt(quiz: str, system_prompt: str = SYSTEM_PROMPT, prefill_think: bool = False) -> list[dict[str, str]]:
-    """
-    The conversational prompt of a puzzle: the system message and the quiz, then with `prefill_think` an assistant
+    """The conversational prompt of a puzzle: the system message and the quiz, then with `prefill_think` an assistant
     message holding `"<think>"` for the model to continue, as the paper prompts.
 
     TRL 1.16's GRPOTrainer renders conversational prompts with `add_generation_prompt=True` only (it would close that
     assistant turn and open a new one), so render such prompts to text first with [`render_prompts_as_text`] (the CLI
     does this). The `<think>` is then part of the prompt, not of the completion: score with `think_prefilled=True` (the
-    `think_prefilled` column does this automatically).
-    """
+    `think_prefilled` column does this automatically)."""
     messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": quiz}]
     if prefill_think:
         messages.append({"role": "assistant", "content": THINK_PREFILL})
@@ -101,12 +97,10 @@ def generate_dataset(
     prefill_think: bool = False,
     **generator_options: Any,
 ):
-    """
-    `num_samples` Knights & Knaves puzzles with exactly one solution ([`generate_puzzles`], which takes
+    """`num_samples` Knights & Knaves puzzles with exactly one solution ([`generate_puzzles`], which takes
     `**generator_options`: `seed`, `max_width`, `max_attempts`) as a TRL-ready dataset: columns `prompt` (see
     [`make_prompt`]), the puzzle columns and `think_prefilled` (`prefill_think`, which the K&K reward functions read to
-    count the pre-filled `<think>` as part of the response).
-    """
+    count the pre-filled `<think>` as part of the response)."""
     from datasets import Dataset
 
     puzzles = generate_puzzles(num_people, num_samples, **generator_options)
@@ -255,15 +249,13 @@ def load_knights_knaves_dataset(
 
 
 def render_prompts_as_text(dataset, tokenizer, prompt_column: str = "prompt"):
-    """
-    `dataset` with its conversational prompts rendered to text by the chat template of `tokenizer` (the model's),
+    """`dataset` with its conversational prompts rendered to text by the chat template of `tokenizer` (the model's),
     continuing a final assistant message.
 
     TRL 1.16's `GRPOTrainer` applies the chat template with `add_generation_prompt=True` and never continues a final
-    assistant message, so a prompt that pre-fills `"<think>"` (the paper's format, `prefill_think=True`) must be
-    given to it as text: this opens the assistant turn and leaves `"<think>"` open for the model to continue.
-    Prompts without a final assistant message get the usual generation prompt.
-    """
+    assistant message, so a prompt that pre-fills `"<think>"` (the paper's format, `prefill_think=True`) must be given
+    to it as text: this opens the assistant turn and leaves `"<think>"` open for the model to continue. Prompts without
+    a final assistant message get the usual generation prompt."""
 
     def render(example: dict[str, Any]) -> dict[str, str]:
         messages = example[prompt_column]

@@ -126,12 +126,10 @@ def _sample_distinct_atoms(rng: random.Random, speaker: int, num_people: int, co
 
 
 def sample_statement(rng: random.Random, speaker: int, num_people: int, max_width: int = 2) -> Statement:
-    """
-    One statement of person `speaker` with the published generator's distribution at nesting depth 2: the six kinds
+    """One statement of person `speaker` with the published generator's distribution at nesting depth 2: the six kinds
     (atom, `not`, `and`, `or`, `->`, `<=>`) equally likely; `and`/`or` over 2 to `max_width` distinct atoms, `->`/`<=>`
     over two. (Puzzles made of atoms alone never have a unique solution: flipping everyone's role keeps them
-    consistent.)
-    """
+    consistent.)"""
     kind = rng.randrange(6)
     if kind == 0:
         return _sample_atom(rng, speaker, num_people)
@@ -152,12 +150,10 @@ def _render_atom(atom: Statement, names: Sequence[str], negated: bool = False) -
 
 
 def render_statement(statement: Statement, names: Sequence[str]) -> str:
-    """
-    A statement of nesting depth at most 2 in English, as the published data writes it, without final punctuation:
+    """A statement of nesting depth at most 2 in English, as the published data writes it, without final punctuation:
     `('telling-truth', i)` -> "N is a knight", `('lying', i)` -> "N is a knave", `('not', atom)` -> "N is not a
     knight/knave", `and`/`or` join their operands with " and "/" or ", `('->', a, b)` -> "If A then B" and
-    `('<=>', a, b)` -> "A if and only if B" (`names`: the people's names, by index).
-    """
+    `('<=>', a, b)` -> "A if and only if B" (`names`: the people's names, by index)."""
     operator = statement[0]
     if operator == "not":
         return _render_atom(statement[1], names, negated=True)

@@ -66,12 +66,10 @@ def parse_solution_text_format(solution_text_format: str) -> dict[str, str]:
 
 
 def parse_answer_roles(answer: str, names: Sequence[str]) -> dict[str, str] | None:
-    """
-    Name -> `"knight"`/`"knave"` for each of `names`, read from the content of an `<answer>` block as the paper's
+    """Name -> `"knight"`/`"knave"` for each of `names`, read from the content of an `<answer>` block as the paper's
     reward reads it; `None` (unparsable) when the words "knight" and "knave" (case-insensitive, also inside longer
-    words) occur in total a different number of times than there are people, or when some name is not followed by "is
-    a knight" / "is a knave" (whole-word, case-insensitive; the first such phrase per name counts).
-    """
+    words) occur in total a different number of times than there are people, or when some name is not followed by "is a
+    knight" / "is a knave" (whole-word, case-insensitive; the first such phrase per name counts)."""
     lowered = answer.lower()
     if lowered.count("knight") + lowered.count("knave") != len(names):
         return None
@@ -126,14 +124,12 @@ def _responses(completions: Sequence[Any], think_prefilled: bool | Sequence[bool
 def knights_knaves_format_reward(
     completions: Sequence[Any], think_prefilled: bool | Sequence[bool] | None = False, **kwargs: Any
 ) -> list[float]:
-    """
-    TRL reward function: the format part of the paper's K&K reward (`+1` / `-1`), arguments as
+    """TRL reward function: the format part of the paper's K&K reward (`+1` / `-1`), arguments as
     [`knights_knaves_reward`]'s.
 
     With [`knights_knaves_answer_reward`] (`reward_funcs=[knights_knaves_format_reward, knights_knaves_answer_reward]`,
     default weights 1) it trains on exactly [`knights_knaves_reward`] while TRL logs both parts
-    (`rewards/knights_knaves_format_reward/mean`, `rewards/knights_knaves_answer_reward/mean`).
-    """
+    (`rewards/knights_knaves_format_reward/mean`, `rewards/knights_knaves_answer_reward/mean`)."""
     return [score_format(response) for response in _responses(completions, think_prefilled)]
 
 

@@ -59,13 +59,11 @@ def _exponent_groups(text: str) -> list[str]:
 
 
 def looks_explosive(answer: str) -> bool:
-    """
-    Whether a predicted answer could make sympy compute an astronomically large exact number: an exponent that holds
+    """Whether a predicted answer could make sympy compute an astronomically large exact number: an exponent that holds
     a power of a number (`2^{2^{40}}`), a number of 7 or more digits (`3^{12345678}`) or a factorial (`2^{100!}`), or
     the factorial of a number of 6 or more digits. Such numbers are computed in C code, which a time limit cannot
     always interrupt (not outside the main thread, nor with sympy's gmpy2 backend). Such answers get the string check
-    only, no sympy: no competition answer needs them. Symbolic towers (`e^{x^2}`) are fine.
-    """
+    only, no sympy: no competition answer needs them. Symbolic towers (`e^{x^2}`) are fine."""
     huge_number = re.compile(rf"\d{{{_HUGE_EXPONENT_DIGITS},}}")
     for group in _exponent_groups(answer):
         if _NUMBER_POWER.search(group) or huge_number.search(group) or re.search(r"\d\s*!", group):
@@ -78,10 +76,8 @@ def _sympy_allowed(answer: str) -> bool:
 
 
 def score_in_process(response: str, reference: list[str], timeout_seconds: float | None) -> float:
-    """
-    Scores a response by the paper's rules in this process under [`run_with_time_limit`]: `1.0` or `0.0`, never
-    raises. The function a worker process serves (its arguments and result are JSON).
-    """
+    """Scores a response by the paper's rules in this process under [`run_with_time_limit`]: `1.0` or `0.0`, never
+    raises. The function a worker process serves (its arguments and result are JSON)."""
     try:
         grade = run_with_time_limit(lambda: paper_is_correct(response, reference, _sympy_allowed), timeout_seconds)
         return 1.0 if grade else 0.0
@@ -143,13 +139,11 @@ def math_reward(
 
 
 def math_reward_lenient(completions: Sequence[Any], solution: Sequence[Any], **kwargs: Any) -> list[float | None]:
-    """
-    TRL reward function: TRL's `trl.rewards.accuracy_reward` (math-verify: equivalent forms, unboxed answers) on the
+    """TRL reward function: TRL's `trl.rewards.accuracy_reward` (math-verify: equivalent forms, unboxed answers) on the
     text after the last `</think>`. An adapter, because TRL's takes conversational completions only and parses a
     reference as it stands (a bare `x^2+1` or `\\frac12` does not parse): here completions may be text, and each
     reference is [`normalize_reference`]d and boxed. `None` (TRL: skip the completion) where math-verify cannot parse
-    the reference. Not the paper's grader; its time limits are math-verify's (in the main thread only).
-    """
+    the reference. Not the paper's grader; its time limits are math-verify's (in the main thread only)."""
     from trl.rewards import accuracy_reward
 
     texts = [completion_to_text(completion).rsplit("</think>", 1)[-1] for completion in completions]

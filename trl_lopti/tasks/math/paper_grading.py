@@ -38,13 +38,11 @@ def graded_text(response: str) -> str:
 
 
 def last_box_content(text: str) -> str | None:
-    r"""
-    The answer of the authors' extraction from the graded text: the content of the last `\boxed{...}`, unstripped.
+    r"""The answer of the authors' extraction from the graded text: the content of the last `\boxed{...}`, unstripped.
 
     Braces are counted from the last `\boxed` (escaped ones included); the box ends at the first `}` that brings the
     count back to zero. `None` when `text` holds no `\boxed`, when the count never returns to zero, or when the last
-    `\boxed` is not directly followed by `{`.
-    """
+    `\boxed` is not directly followed by `{`."""
     start = text.rfind(_BOX)
     if start < 0:
         return None
@@ -148,14 +146,12 @@ def _mathd_clean(text: str) -> str:
 
 
 def mathd_normalize(answer: str) -> str:
-    r"""
-    The MATH dataset's answer normaliser as the authors apply it to an answer or a reference: an enclosing
+    r"""The MATH dataset's answer normaliser as the authors apply it to an answer or a reference: an enclosing
     `\text{...}` is unwrapped, then line breaks, `\!`, `\left`, `\right`, degree signs, `\$`, `\%` and spaces are
     removed, a trailing unit after `\text{ ` is dropped, `\dfrac`/`\tfrac` become `\frac`, `x = ` (one or two
     characters before a single `=`) is dropped, `\frac12` and `\sqrt3` get braces, `0.5` and integer `a/b` become
     `\frac{...}{...}`. Where the rules give up (two `\text{ `, a bare `\sqrt` or `\frac` at the end) the stripped
-    string is returned.
-    """
+    string is returned."""
     answer = answer.strip()
     whole_text = _WHOLE_TEXT.search(answer)
     if whole_text is not None:
@@ -224,13 +220,11 @@ def _latex_to_plain(text: str) -> str:
 
 
 def sympy_normalize(answer: str) -> str:
-    r"""
-    The second normaliser of the authors' grader (before its sympy check), of an answer or a reference: an enclosing
-    `\text{...}` unwrapped; `$`, `%` and unit words (degree, cm, meter, mile, second, ..., yard, with plural and power)
-    removed; "million", "billion", "trillion" become powers of ten; " or " / " and " become commas; one pair of
-    enclosing braces dropped; a number within 1e-7 of an integer becomes that integer; LaTeX rendered to text with
-    pylatexenc; spaces and braces removed; lower case; an integer with thousands commas loses them.
-    """
+    r"""The second normaliser of the authors' grader (before its sympy check), of an answer or a reference: an
+    enclosing `\text{...}` unwrapped; `$`, `%` and unit words (degree, cm, meter, mile, second, ..., yard, with plural
+    and power) removed; "million", "billion", "trillion" become powers of ten; " or " / " and " become commas; one pair
+    of enclosing braces dropped; a number within 1e-7 of an integer becomes that integer; LaTeX rendered to text with
+    pylatexenc; spaces and braces removed; lower case; an integer with thousands commas loses them."""
     whole_text = _WHOLE_TEXT.search(answer)
     if whole_text is not None:
         answer = whole_text.group("inner")
