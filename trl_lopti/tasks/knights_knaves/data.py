@@ -1,12 +1,6 @@
-"""K&K data for TRL: the authors' paper split and prompt, the Hub's published puzzles, and generated puzzles.
-
-- [`paper_prompt`]: the exact text the paper's model saw for a quiz (Qwen2.5 chat markup written out, the Logic-RL
-  instruction, `<think>` pre-filled), byte for byte the `prompt` column of the authors' parquet files.
-- [`load_knights_knaves_dataset`]: `source="paper"` (default): the authors' puzzles and split (train 4,500 = 900 per
-  size, `index` 100-999; test 500 = 100 per size, `index` 1000-1099; disjoint) with [`paper_prompt`] prompts;
-  `source="hub"`: `K-and-K/knights-and-knaves` from the Hub, with conversational prompts.
-- [`generate_dataset`]: puzzles from the seeded generator ([`generate_puzzles`]) with conversational prompts.
-"""
+"""K&K data for TRL ([`load_knights_knaves_dataset`]): the authors' split with the exact text their model saw
+(`source="paper"`; [`paper_prompt`], byte for byte the `prompt` column of their parquet files) or the Hub's published
+puzzles (`source="hub"`), and generated puzzles ([`generate_dataset`])."""
 
 from __future__ import annotations
 

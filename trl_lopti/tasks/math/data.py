@@ -1,11 +1,6 @@
-"""Math data of arXiv 2505.12929 for TRL: the authors' DSR-uniform training set and evaluation sets, and Hub sets.
-
-- [`load_paper_math_dataset`]: the authors' parquet files (DSR-uniform: `deepscaler_uniform_train.parquet`, 10,000
-  DeepScaleR problems spread evenly over difficulty; their `*_dsr.parquet` evaluation sets), by URL or local path,
-  with the raw-text prompt the authors fed the model (no chat template).
-- [`load_math_dataset`]: a set by short name from the Hub (see [`MATH_DATASETS`]) or local files with the same
-  columns, mapped to `prompt` + `solution` (conversational prompts by default, raw text with `text_prompt=True`).
-"""
+"""Math data of arXiv 2505.12929 for TRL: the authors' DSR-uniform training set (10,000 DeepScaleR problems spread
+evenly over difficulty) and evaluation sets, with the raw-text prompts their model saw ([`load_paper_math_dataset`]),
+and Hub sets or local files with the same columns ([`load_math_dataset`], see [`MATH_DATASETS`])."""
 
 from __future__ import annotations
 
