@@ -71,9 +71,6 @@ class GlooCommunicator:
         GlooCommunicator.broadcasts_in_process += 1
 
 
-_TIMEOUT = datetime.timedelta(minutes=10)
-
-
 def gloo_init_process_group(
     master_address: str, master_port: int, rank: int, world_size: int, device: Any
 ) -> GlooCommunicator:
@@ -82,7 +79,8 @@ def gloo_init_process_group(
 
     group = StatelessProcessGroup.create(host=master_address, port=master_port, rank=rank, world_size=world_size)
     store = torch.distributed.PrefixStore("trl_lopti_weight_transfer", group.store)
-    return GlooCommunicator(group, init_gloo_process_group(store, rank, world_size, timeout=_TIMEOUT))
+    process_group = init_gloo_process_group(store, rank, world_size, timeout=datetime.timedelta(minutes=10))
+    return GlooCommunicator(group, process_group)
 
 
 class _Overlay:

@@ -187,8 +187,7 @@ def load_paper_knights_knaves(
         raise ValueError(f"split: must be one of {list(PAPER_SPLITS)}, got {split!r}")
     sizes = puzzle_sizes(num_people)
     loaded = {name: _load_paper_split(name, sizes, data_dir) for name in PAPER_SPLITS}
-    shared = set(loaded["train"]["quiz"]) & set(loaded["test"]["quiz"])
-    if shared:
+    if shared := set(loaded["train"]["quiz"]) & set(loaded["test"]["quiz"]):
         raise ValueError(f"The paper's train and test splits share {len(shared)} puzzles; check the files in use")
     return loaded[split]
 

@@ -57,12 +57,8 @@ def extract_answer(response: str) -> str | None:
 def parse_solution_text_format(solution_text_format: str) -> dict[str, str]:
     """Name -> `"knight"` or `"knave"`, in line order, from a ground truth with one person a line, name first, role
     last (`"(1) Zoey is a knight\\n(2) Oliver is a knave"`)."""
-    roles = {}
-    for line in solution_text_format.splitlines():
-        match = _SOLUTION_LINE.search(line)
-        if match:
-            roles[match.group(1)] = match.group(2).lower()
-    return roles
+    matches = (_SOLUTION_LINE.search(line) for line in solution_text_format.splitlines())
+    return {match.group(1): match.group(2).lower() for match in matches if match}
 
 
 def parse_answer_roles(answer: str, names: Sequence[str]) -> dict[str, str] | None:
