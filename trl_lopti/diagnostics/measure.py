@@ -328,23 +328,19 @@ def quartile_table(
             "ratio_to_one_minus_p_max": _stat(ratio[group], "max"),
         }
         if full is not None:
-            row.update(
-                summed_grad_norm=_norm(quartile_grads[j]),
-                cos_with_full=_cosine(quartile_grads[j], full),
-                contribution_to_full=_dot(quartile_grads[j], full) / max(_dot(full, full), 1e-300),
-            )
+            grad = quartile_grads[j]
+            row.update(summed_grad_norm=_norm(grad), cos_with_full=_cosine(grad, full))
+            row["contribution_to_full"] = _dot(grad, full) / max(_dot(full, full), 1e-300)
         rows.append(row)
     sigma = float(torch.linalg.matrix_norm(lm_head_weight(model).detach().double(), ord=2))
+    bound = math.sqrt(2) * sigma / trainer.temperature
     table = {
         "num_completions": int(groups["all"].size(0)),
         "num_tokens": int(groups["all"].sum()),
         "quartile_edges": [edge if math.isfinite(edge) else None for edge in edges],
         "loss": {name: getattr(trainer.args, name, None) for name in LOSS_SETTINGS},
         "quartiles": rows,
-        "bound": {
-            "lm_head_spectral_norm": sigma,
-            "ratio_to_one_minus_p_upper_bound": math.sqrt(2) * sigma / trainer.temperature,
-        },
+        "bound": {"lm_head_spectral_norm": sigma, "ratio_to_one_minus_p_upper_bound": bound},
     }
     if full is not None:
         table["full_grad_norm"] = _norm(full)

@@ -103,14 +103,10 @@ def generate_dataset(
 
 # ------------------------------------------------------------------------------------------------------ published data
 def _published_record(record: dict[str, Any]) -> dict[str, Any]:
-    return puzzle_record(
-        quiz=record["quiz"],
-        names=[str(name) for name in record["names"]],
-        solution=record["solution"],
-        statements=str(parse_statements(record["statements"])),
-        solution_text_format=record.get("solution_text_format"),
-        solution_text=record.get("solution_text"),
-    )
+    quiz, names, solution = record["quiz"], [str(name) for name in record["names"]], record["solution"]
+    statements = str(parse_statements(record["statements"]))
+    texts = {"solution_text_format": record.get("solution_text_format"), "solution_text": record.get("solution_text")}
+    return puzzle_record(quiz, names, solution, statements, **texts)
 
 
 def knights_knaves_record_to_example(
