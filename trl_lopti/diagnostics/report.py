@@ -42,16 +42,14 @@ def format_tables(report: dict[str, Any]) -> str:
         lines += [f"Measured after {steps} of TRL's loss on the batch; π_old = the sampling model.", ""]
     loss = ", ".join(f"{key} {_fmt(value)}" for key, value in gradients["loss"].items() if value is not None)
     quartiles = [[row.get(key) for key in TABLE_COLUMNS.values()] for row in gradients["quartiles"]]
+    bound = _fmt(gradients["bound"]["ratio_to_one_minus_p_upper_bound"])
     lines += [
         f"TRL's loss ({loss}); {gradients['num_tokens']} tokens in {gradients['num_completions']} completions; "
         "quartile edges of π_old: " + ", ".join(_fmt(edge) for edge in gradients["quartile_edges"]),
         "",
         *markdown_table(" | ".join(TABLE_COLUMNS), quartiles),
         "",
-        (
-            f"Bound on ‖dlogπ/dh‖/(1-π): {_fmt(gradients['bound']['ratio_to_one_minus_p_upper_bound'])}; "
-            f"KL reference: {_fmt(gradients['kl_reference'])}"
-        ),
+        f"Bound on ‖dlogπ/dh‖/(1-π): {bound}; KL reference: {_fmt(gradients['kl_reference'])}",
         "Lowest/highest quartile: "
         + ", ".join(f"{key} {_fmt(value)}" for key, value in gradients["lowest_over_highest"].items()),
     ]

@@ -1,10 +1,7 @@
 """Running work under a wall-clock limit: in this process (a `SIGALRM` timer or a helper thread) or in a worker
-process.
-
-A worker process serves one function of a `trl_lopti.tasks` module in its own main thread, where the `SIGALRM` limit
-can interrupt it; the parent kills the worker when it does not answer in time (stuck in C code) and starts a new one
-on the next call. The worker imports the task module and what it needs; `import trl_lopti` imports no TRL.
-"""
+process ([`WorkerProcess`]: one function of a `trl_lopti.tasks` module served in the worker's main thread, the worker
+killed when it does not answer in time). The worker imports the task module and what it needs; `import trl_lopti`
+imports no TRL."""
 
 from __future__ import annotations
 

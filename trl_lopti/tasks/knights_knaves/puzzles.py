@@ -166,18 +166,13 @@ def render_statement(statement: Statement, names: Sequence[str]) -> str:
     return _render_atom(statement, names)
 
 
-def _join_names(names: Sequence[str]) -> str:
-    if len(names) == 2:
-        return f"{names[0]} and {names[1]}"
-    return ", ".join(names[:-1]) + ", and " + names[-1]
-
-
 def render_quiz(statements: Sequence[Statement], names: Sequence[str], rng: random.Random) -> str:
     """The puzzle text: the island's rules, the inhabitants, each one's claim in a phrasing of [`SPEECH_TEMPLATES`]
     that `rng` chooses, and the question."""
+    listed = f"{names[0]} and {names[1]}" if len(names) == 2 else ", ".join(names[:-1]) + ", and " + names[-1]
     introduction = (
         "A very special island is inhabited only by knights and knaves. Knights always tell the truth, and knaves "
-        f"always lie. You meet {len(names)} inhabitants: {_join_names(names)}."
+        f"always lie. You meet {len(names)} inhabitants: {listed}."
     )
     sentences = [introduction]
     for speaker, statement in enumerate(statements):
