@@ -53,12 +53,9 @@ WORKER_EXTENSION = "trl_lopti.cpu_backends.vllm_worker.WeightTransferOnCpu"
 
 @dataclass
 class GlooCommunicator:
-    """What vLLM's weight transfer uses of its `PyNcclCommunicator` (`VLLM_FACTS["communicator"]`), over gloo.
-
-    Args:
-        group (`vllm.distributed.utils.StatelessProcessGroup`): the rendezvous vLLM made (its TCPStore, rank, size).
-        process_group (`torch.distributed.ProcessGroup`): the gloo group built on that store.
-    """
+    """What vLLM's weight transfer uses of its `PyNcclCommunicator` (`VLLM_FACTS["communicator"]`), over gloo: `group`
+    is the rendezvous vLLM made (a `StatelessProcessGroup`: its TCPStore, rank, size), `process_group` the gloo group
+    built on that store."""
 
     group: Any
     process_group: Any

@@ -169,11 +169,9 @@ def load_paper_knights_knaves(
         split (`str`, *optional*, defaults to `"train"`):
             `"train"` (900 per size: 4,500 for sizes 3-7) or `"test"` (100 per size: 500; the authors' `test.parquet`,
             which holds the same puzzles as their `test_new.parquet`).
-        num_people (`Sequence[int]`, *optional*, defaults to `(3, 4, 5, 6, 7)`):
-            Sizes to load, concatenated in this order.
-        data_dir (`str`, *optional*):
-            A local folder laid out as `{n}ppl/{split}.parquet`; by default the files are read from the authors'
-            repository by URL ([`AUTHORS_DATA_URL`]).
+        num_people (`Sequence[int]`, *optional*, defaults to `(3, 4, 5, 6, 7)`), data_dir (`str`, *optional*):
+            Sizes to load, concatenated in this order; a local folder laid out as `{n}ppl/{split}.parquet` to read
+            instead of the authors' repository ([`AUTHORS_DATA_URL`]).
 
     Returns:
         `datasets.Dataset`: Columns `prompt` (text, [`paper_prompt`]), `quiz`, `names`, `solution`,

@@ -156,10 +156,9 @@ def knights_knaves_reward(
     and `knights_knaves/accuracy` (share of completions with every identity right).
 
     Args:
-        completions (`Sequence[str]` or `Sequence[list[dict]]`):
-            Plain-text or conversational completions.
-        solution_text_format (`Sequence[str]`):
-            Ground truth per completion (the dataset column), e.g. `"(1) Zoey is a knight\\n(2) Oliver is a knave"`.
+        completions (`Sequence[str]` or `Sequence[list[dict]]`), solution_text_format (`Sequence[str]`):
+            Plain-text or conversational completions, and the ground truth of each (the dataset column), e.g.
+            `"(1) Zoey is a knight\\n(2) Oliver is a knave"`.
         think_prefilled (`bool` or `Sequence[bool]`, *optional*, defaults to `False`):
             Whether the prompt ends with a pre-filled `<think>` that the completion continues; it is then counted as
             the response's first tag. TRL passes the dataset's `think_prefilled` column (one value per completion),

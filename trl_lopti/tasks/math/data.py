@@ -150,8 +150,7 @@ def load_math_dataset(
 
     Args:
         name (`str` or [`MathDatasetSpec`]):
-            A key of [`MATH_DATASETS`] (`"deepscaler"`, `"orz"`, `"math500"`, `"aime"`, `"aime24"`, `"amc"`,
-            `"minerva"`, `"olympiadbench"`) or a spec of your own.
+            A key of [`MATH_DATASETS`] (`"deepscaler"`, `"orz"`, `"math500"`, `"aime"`, ...) or a spec of your own.
         data_files (`str` or `Sequence[str]`, *optional*):
             Local `.json`/`.jsonl`/`.parquet`/`.csv` files with the same columns as the Hub set, read instead of the
             Hub (for ORZ: its JSON file of message pairs).
@@ -159,8 +158,7 @@ def load_math_dataset(
             The instruction appended to each problem, and an optional system message.
         text_prompt (`bool`, *optional*, defaults to `False`):
             Make `prompt` the raw text (problem + instruction) without a chat template, as the authors prompt.
-        **load_dataset_kwargs:
-            Passed to `datasets.load_dataset` (e.g. `revision`, `cache_dir`).
+        **load_dataset_kwargs: Passed to `datasets.load_dataset` (e.g. `revision`, `cache_dir`).
     """
     if not isinstance(name, MathDatasetSpec) and name not in MATH_DATASETS:
         raise ValueError(f"Unknown math dataset {name!r}; choose one of {sorted(MATH_DATASETS)} or pass a spec")
@@ -205,10 +203,9 @@ def load_paper_math_dataset(name: str = "dsr_uniform", data_file: str | None = N
     `GRPOTrainer` tokenizes as is. Grade with [`math_reward`] (the paper's grading).
 
     Args:
-        name (`str`, *optional*, defaults to `"dsr_uniform"`):
-            A key of [`PAPER_MATH_FILES`]: `"dsr_uniform"` (the training set) or an evaluation set.
-        data_file (`str`, *optional*):
-            A local copy of the file (or another URL); defaults to the file in the authors' repository.
+        name (`str`, *optional*, defaults to `"dsr_uniform"`), data_file (`str`, *optional*):
+            A key of [`PAPER_MATH_FILES`] (`"dsr_uniform"`: the training set; or an evaluation set), and a local copy
+            of the file (or another URL) to read instead of the file in the authors' repository.
 
     Returns:
         `datasets.Dataset`: Columns `prompt` (text), `solution`, `difficulty` (the authors' difficulty score, `None`

@@ -124,11 +124,9 @@ def math_reward(
     pylatexenc not installed).
 
     Args:
-        completions (`Sequence[str]` or `Sequence[list[dict]]`):
-            Plain-text or conversational completions.
-        solution (`Sequence[Any]`):
-            Reference answer per completion (the dataset's `solution` column): a string (with or without
-            `\\boxed{}`), a number, or a list of alternatives (any one counts, as the authors' grader reads a list).
+        completions (`Sequence[str]` or `Sequence[list[dict]]`), solution (`Sequence[Any]`):
+            Plain-text or conversational completions, and the reference answer of each (the dataset's `solution`
+            column): a string (with or without `\\boxed{}`), a number, or a list of alternatives (any one counts).
         timeout_seconds (`float` or `None`, *optional*, defaults to `3.0`):
             Time limit per completion. Other keyword arguments (dataset columns, trainer arguments) are ignored.
     """
