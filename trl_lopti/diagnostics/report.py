@@ -79,11 +79,8 @@ def format_tables(report: dict[str, Any]) -> str:
 
 def plot_report(report: dict[str, Any], output_dir: str | os.PathLike) -> list[str]:
     """
-    Writes bar charts by probability quartile (the paper's Fig. 1 and Fig. 3) of a `run_token_diagnostics` report.
-
-    Args:
-        report (`dict[str, Any]`), output_dir (`str` or `os.PathLike`):
-            Output of `run_token_diagnostics`, and the folder for the PNG files (created if missing).
+    Writes bar charts by probability quartile (the paper's Fig. 1 and Fig. 3) of a `run_token_diagnostics` report as
+    PNG files in `output_dir` (created if missing).
 
     Returns:
         `list[str]`: The files written: `gradients.png`, and `probability_shift.png` when the report has a probe.

@@ -2,9 +2,8 @@
 
 A prompt is `"What is 7 - 3? The answer is"`, so that a completion is a few tokens, and the reward is 1 when the first
 integer of the completion is the result, else 0. A small pretrained model (SmolLM2-135M-Instruct) partly solves it, so
-the rewards of a GRPO group differ and training has a signal. Families: `add` (a + b), `sub` (a - b, a >= b), `mul`
-(a * b), `add3` (a + b + c), operands 0-9. Held-out problems come from a fixed split per family and are never trained
-on. [`evaluate_held_out`] measures greedy accuracy and the mean reward of sampled answers.
+the rewards of a GRPO group differ and training has a signal. Held-out problems come from a fixed split per family
+([`FAMILIES`], operands 0-9) and are never trained on.
 """
 
 from __future__ import annotations
@@ -110,8 +109,7 @@ def evaluate_held_out(
     Args:
         model (`PreTrainedModel`), tokenizer (`PreTrainedTokenizerBase`):
             The model (in eval mode for the call) and its tokenizer (left padding for the call).
-        held_out (`Sequence[tuple[str, str, int]]`):
-            `(family, prompt, answer)`, from [`split_problems`].
+        held_out (`Sequence[tuple[str, str, int]]`): `(family, prompt, answer)`, from [`split_problems`].
         reward_func (`Callable`):
             A reward of `REWARDS`, called as TRL calls it (completions, `answer`, `completion_ids`).
         max_new_tokens (`int`), temperature (`float`), samples (`int`), seed (`int`):

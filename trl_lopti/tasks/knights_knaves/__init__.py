@@ -25,7 +25,6 @@ from .puzzles import (
     MAX_PEOPLE,
     MIN_PEOPLE,
     NAMES,
-    OPERATORS,
     SPEECH_TEMPLATES,
     Statement,
     generate_puzzles,

@@ -125,9 +125,8 @@ def prepare_knights_knaves_dataset(dataset, system_prompt: str = SYSTEM_PROMPT, 
 
 
 def paper_record_to_example(record: dict[str, Any]) -> dict[str, Any]:
-    """One row of the authors' `data/kk/instruct/{n}ppl/{train,test}.parquet` with the columns of
-    [`generate_dataset`] plus `index`, and the paper's text prompt (its `prompt` checked to be [`paper_prompt`] of the
-    quiz)."""
+    """One row of the authors' `data/kk/instruct/{n}ppl/{train,test}.parquet` with the columns of [`generate_dataset`]
+    plus `index`, and the paper's text prompt (its `prompt` checked to be [`paper_prompt`] of the quiz)."""
     prompt = paper_prompt(record["quiz"])
     published = record.get("prompt")
     if published is not None:

@@ -27,7 +27,6 @@ from typing import Any
 
 Statement = tuple  # ('telling-truth', 0), ('and', ('lying', 1), ('telling-truth', 2)), ...
 
-OPERATORS = ("telling-truth", "lying", "not", "and", "or", "->", "<=>")
 MIN_PEOPLE, MAX_PEOPLE = 2, 8
 
 # fmt: skip below: a list of words reads best as lines of words, not as a column of one word a line

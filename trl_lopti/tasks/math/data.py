@@ -65,12 +65,10 @@ MATH_DATASETS: dict[str, MathDatasetSpec] = {
     "olympiadbench": MathDatasetSpec("math-ai/olympiadbench", "test", "question", "final_answer"),
 }
 """The paper's math sets by short name. `"aime"` is AIME 2021-2024 (the paper's AIME set), `"aime24"` AIME 2024 only;
-`"amc"` is AMC 2022-2023 (83 problems), `"minerva"` Minerva-Math (272), `"olympiadbench"` the 675 open-ended
-English text-only math problems of OlympiadBench. Pass a [`MathDatasetSpec`] to [`load_math_dataset`] for another
-mirror."""
+`"amc"` is AMC 2022-2023 (83 problems), `"minerva"` Minerva-Math (272), `"olympiadbench"` the 675 open-ended English
+text-only math problems of OlympiadBench. Pass a [`MathDatasetSpec`] to [`load_math_dataset`] for another mirror."""
 
 
-# ------------------------------------------------------------------------------------------------------------ datasets
 def make_math_prompt(
     problem: str, prompt_suffix: str = MATH_PROMPT_SUFFIX, system_prompt: str | None = None, text_prompt: bool = False
 ) -> list[dict[str, str]] | str:
