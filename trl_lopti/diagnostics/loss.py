@@ -100,10 +100,10 @@ def trl_loss_gradients(
     logps = per_token_logps.detach().clone().requires_grad_(True)
     entropy = entropies.detach().clone().requires_grad_(True)
     aux_loss = torch.zeros((), device=logps.device) if trainer.aux_loss_enabled else None  # not a token's: left out
-    forward = {"_get_per_token_logps_and_entropies": lambda *args, **kwargs: (logps, entropy, aux_loss)}
+    leaf_forward = {"_get_per_token_logps_and_entropies": lambda *args, **kwargs: (logps, entropy, aux_loss)}
     beta = 0.0 if without_kl else trainer.beta  # TRL's loss at beta 0: the same loss without its KL term
     metrics = {mode: defaultdict(list) for mode in trainer._metrics}  # what TRL logs meanwhile goes there, then away
-    patch = temporarily_set(trainer, **forward, beta=beta, _metrics=metrics)
+    patch = temporarily_set(trainer, **leaf_forward, beta=beta, _metrics=metrics)
     with patch, torch.enable_grad():
         loss = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
     grads = torch.autograd.grad(loss, (logps, entropy), allow_unused=True)

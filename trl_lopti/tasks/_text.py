@@ -10,16 +10,12 @@ def completion_to_text(completion: Any) -> str:
     one) whose `content` is a string or a list of parts: messages joined with newlines; `""` if unreadable."""
     if isinstance(completion, str):
         return completion
-    if isinstance(completion, dict):
-        content = completion.get("content", "")
-        if isinstance(content, str):
-            return content
-        if isinstance(content, list):
-            return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-        return ""
     if isinstance(completion, (list, tuple)):
         return "\n".join(completion_to_text(message) for message in completion)
-    return ""
+    content = completion.get("content", "") if isinstance(completion, dict) else ""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
 
 
 def token_parity_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .._paper import AUTHORS_DATA_URL
@@ -121,11 +122,8 @@ def _load_raw(spec: MathDatasetSpec, data_files: str | Sequence[str] | None, **l
             from huggingface_hub import hf_hub_download
 
             paths = [hf_hub_download(spec.path, spec.data_file, repo_type="dataset")]
-        records = []
-        for path in paths:
-            with open(path, encoding="utf-8") as file:
-                records.extend(orz_pairs_to_records(json.load(file)))
-        return datasets.Dataset.from_list(records)
+        pairs = [pair for path in paths for pair in json.loads(Path(path).read_text(encoding="utf-8"))]
+        return datasets.Dataset.from_list(orz_pairs_to_records(pairs))
     if data_files is not None:  # local files with the Hub set's columns
         first = data_files if isinstance(data_files, str) else next(iter(data_files))
         builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[first.rsplit(".", 1)[-1]]

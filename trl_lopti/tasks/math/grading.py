@@ -25,8 +25,6 @@ def normalize_reference(answer: Any) -> str:
     ends."""
     if isinstance(answer, dict) and "value" in answer:  # ORZ's {"value": ..., "pass_at_n": ...}
         answer = answer["value"]
-    if isinstance(answer, bool):
-        return str(answer)
     if isinstance(answer, float) and math.isfinite(answer) and answer.is_integer():
         return str(int(answer))
     if isinstance(answer, (list, tuple)):
