@@ -122,9 +122,7 @@ def _check(fact: str, holds: bool) -> None:
 
 def _install_transport() -> None:
     if torch.cuda.is_available():
-        raise RuntimeError(
-            "trl_lopti.cpu_backends.vllm is for machines without CUDA: with CUDA, NCCL is the transport"
-        )
+        raise RuntimeError(f"{__name__} is for machines without CUDA: with CUDA, NCCL is the transport")
     from vllm.distributed.weight_transfer import nccl_common, packed_tensor
 
     if nccl_common.stateless_init_process_group is gloo_init_process_group:

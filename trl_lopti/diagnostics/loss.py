@@ -83,20 +83,15 @@ def trl_loss_gradients(
     entropies: torch.Tensor,
     without_kl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """
-    `d L / d log pi_t` and `d L / d H_t` (B, T) of TRL's loss `L = GRPOTrainer._compute_loss(model, inputs)` at the
+    """`d L / d log pi_t` and `d L / d H_t` (B, T) of TRL's loss `L = GRPOTrainer._compute_loss(model, inputs)` at the
     values `per_token_logps` and `entropies` of TRL's forward on `inputs`: the weight TRL gives each token, for every
     loss type and option (a `LoptiGRPOTrainer`'s too: TRL's loss, without AR or Lopti).
 
     The one patch: for this call, the trainer's `_get_per_token_logps_and_entropies` returns these values as leaf
     tensors (the variables of the derivative). With `trainer.model` in eval mode the loss takes TRL's evaluation branch
-    (no gradient-accumulation factor, no entropy-controller update); what TRL logs meanwhile is discarded.
-
-    Args:
-        without_kl (`bool`, *optional*, defaults to `False`):
-            Differentiate TRL's loss at `beta = 0` on the same batch: `beta` touches nothing but the KL term, so that
-            is exactly the loss without it.
-    """
+    (no gradient-accumulation factor, no entropy-controller update); what TRL logs meanwhile is discarded. With
+    `without_kl`, TRL's loss at `beta = 0` on the same batch: `beta` touches nothing but the KL term, so that is
+    exactly the loss without it."""
     logps = per_token_logps.detach().clone().requires_grad_(True)
     entropy = entropies.detach().clone().requires_grad_(True)
     aux_loss = torch.zeros((), device=logps.device) if trainer.aux_loss_enabled else None  # not a token's: left out

@@ -430,15 +430,11 @@ def restore(params: list[torch.nn.Parameter], values: list[torch.Tensor]) -> Non
 def advance_policy_on_batch(
     trainer: GRPOTrainer, inputs: dict[str, Any], steps: int, lr: float, micro_batch_size: int = 4
 ) -> dict[str, Any]:
-    """
-    Takes `steps` Adam steps (learning rate `lr`) of TRL's loss on the batch `inputs`, updating the trainer's model in
-    place as TRL does with `num_iterations = steps + 1`: the diagnostics then see ratios away from one, clipping and,
-    with `beta > 0`, a KL part. First the batch's log-probabilities under the model (TRL's forward) are stored in
-    `inputs` as `old_per_token_logps` (the behaviour policy) and, with `beta > 0` and none there, `ref_per_token_logps`.
-
-    Returns:
-        `dict[str, Any]`: `{"steps", "lr", "update_norm"}`.
-    """
+    """Takes `steps` Adam steps (learning rate `lr`) of TRL's loss on the batch `inputs`, updating the trainer's model
+    in place as TRL does with `num_iterations = steps + 1`: the diagnostics then see ratios away from one, clipping
+    and, with `beta > 0`, a KL part. First the batch's log-probabilities under the model (TRL's forward) are stored in
+    `inputs` as `old_per_token_logps` (the behaviour policy) and, with `beta > 0` and none there,
+    `ref_per_token_logps`. Returns `{"steps", "lr", "update_norm"}`."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     params = trainable_parameters(model)
     start = [param.detach().clone() for param in params]
