@@ -34,11 +34,9 @@ sys.path.insert(0, sys.argv[1])
 module_name, _, function_name = sys.argv[2].partition(":")
 function = getattr(importlib.import_module(module_name), function_name)
 function(*json.loads(sys.argv[3]))
-sys.stdout.write("ready\\n")
-sys.stdout.flush()
+print("ready", flush=True)
 for line in sys.stdin:
-    sys.stdout.write(json.dumps(function(*json.loads(line))) + "\\n")
-    sys.stdout.flush()
+    print(json.dumps(function(*json.loads(line))), flush=True)
 """
 
 

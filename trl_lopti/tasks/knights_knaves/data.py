@@ -101,7 +101,6 @@ def generate_dataset(
     return Dataset.from_list([_example(puzzle, system_prompt, prefill_think) for puzzle in puzzles])
 
 
-# ------------------------------------------------------------------------------------------------------ published data
 def _published_record(record: dict[str, Any]) -> dict[str, Any]:
     quiz, names, solution = record["quiz"], [str(name) for name in record["names"]], record["solution"]
     statements = str(parse_statements(record["statements"]))

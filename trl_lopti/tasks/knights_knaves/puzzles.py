@@ -51,7 +51,6 @@ SPEECH_TEMPLATES = (
 period inside the quotes; a claim "If A then B" keeps its capital also in reported speech, "said that If ...")."""
 
 
-# ------------------------------------------------------------------------------------------------------------- solving
 @cache
 def _knight_mask(person: int, num_people: int) -> int:
     """Bit `a` is set iff `person` is a knight in assignment `a` (bit `i` of `a` set means person `i` is a knight)."""
@@ -107,7 +106,6 @@ def parse_statements(statements: str | Sequence) -> tuple[Statement, ...]:
     return tuple(to_tuple(statement) for statement in statements)
 
 
-# ------------------------------------------------------------------------------------------------------------ sampling
 def _sample_atom(rng: random.Random, speaker: int, num_people: int) -> Statement:
     while True:
         atom = (rng.choice(("telling-truth", "lying")), rng.randrange(num_people))
@@ -140,7 +138,6 @@ def sample_statement(rng: random.Random, speaker: int, num_people: int, max_widt
     return (("->", "<=>")[kind - 4],) + _sample_distinct_atoms(rng, speaker, num_people, 2)
 
 
-# ---------------------------------------------------------------------------------------------------- natural language
 def _render_atom(atom: Statement, names: Sequence[str], negated: bool = False) -> str:
     if atom[0] not in ("telling-truth", "lying"):
         raise ValueError(f"Only atoms can be rendered here (nesting depth <= 2), got {atom!r}")
