@@ -153,10 +153,8 @@ def evaluate_held_out(
     for family in dict.fromkeys(families):
         rows = [i for i, f in enumerate(families) if f == family]
         sampled_rows = [sampled_rewards[i * samples + k] for i in rows for k in range(samples)]
-        per_family[family] = {
-            "accuracy": sum(greedy_rewards[i] for i in rows) / len(rows),
-            "reward": sum(sampled_rows) / len(sampled_rows),
-        }
+        accuracy = sum(greedy_rewards[i] for i in rows) / len(rows)
+        per_family[family] = {"accuracy": accuracy, "reward": sum(sampled_rows) / len(sampled_rows)}
     return {
         "accuracy": sum(greedy_rewards) / len(greedy_rewards),
         "reward": sum(sampled_rewards) / len(sampled_rewards),

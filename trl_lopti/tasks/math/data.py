@@ -96,11 +96,8 @@ def math_record_to_example(
     """One row of a math set as the TRL columns `prompt` ([`make_math_prompt`]) and `solution` (the reference answer),
     keeping the raw `problem`."""
     problem = str(record[problem_column])
-    return {
-        "prompt": make_math_prompt(problem, prompt_suffix, system_prompt, text_prompt),
-        "problem": problem,
-        "solution": normalize_reference(record[answer_column]),
-    }
+    prompt = make_math_prompt(problem, prompt_suffix, system_prompt, text_prompt)
+    return {"prompt": prompt, "problem": problem, "solution": normalize_reference(record[answer_column])}
 
 
 def orz_pairs_to_records(pairs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -183,11 +180,8 @@ def paper_math_record_to_example(record: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"reward_model.ground_truth: {len(alternatives)} alternative answers are not supported")
         answer = alternatives[0]
     difficulty = (record.get("extra_info") or {}).get("difficulty")
-    return {
-        "prompt": messages[0]["content"],
-        "solution": normalize_reference(answer),
-        "difficulty": None if difficulty is None else float(difficulty),
-    }
+    difficulty = None if difficulty is None else float(difficulty)
+    return {"prompt": messages[0]["content"], "solution": normalize_reference(answer), "difficulty": difficulty}
 
 
 def load_paper_math_dataset(name: str = "dsr_uniform", data_file: str | None = None):
