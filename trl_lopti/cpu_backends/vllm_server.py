@@ -65,11 +65,9 @@ def cpu_server(model: str, log_file: str | os.PathLike, timeout: float = 600.0) 
     command = serve_command(model, port)
     command[0] = str(executable) if executable.is_file() else command[0]
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     with open(log_file, "w") as log:
-        environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        server = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True
-        )
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         while not _answers(url):
             if server.poll() is not None or time.monotonic() > deadline:

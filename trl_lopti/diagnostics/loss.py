@@ -140,9 +140,8 @@ def summed_parameter_gradients(
             logps, entropies = trl_completion_logps(trainer, micro_batch, model, compute_entropy=True)
         for position, (index, g, h) in enumerate(pairs):
             outputs, weights = ((logps, entropies), (g, h)) if h.any() else ((logps,), (g,))
-            grads = torch.autograd.grad(
-                outputs, params, weights, retain_graph=position < len(pairs) - 1, allow_unused=True
-            )
+            retain = position < len(pairs) - 1
+            grads = torch.autograd.grad(outputs, params, weights, retain_graph=retain, allow_unused=True)
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
             sums[index] += torch.cat([grad.reshape(-1).to(dtype) for grad in grads])
     return sums

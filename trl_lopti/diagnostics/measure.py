@@ -246,15 +246,9 @@ def run_token_diagnostics(
         edges, quartile = probability_quartiles(old_logps, mask)
         groups = {"all": mask, **{f"q{j}": quartile == j for j in range(4)}}
         scale = max(int(mask.sum()), 1)  # w = -N dL/dlog pi: for dapo and bnpo, each token's own weight
-        stats.update(
-            w=-scale * d_logps,
-            w_no_kl=-scale * d_no_kl,
-            entropy_weight=-scale * d_entropies,
-            loss=scale * stats["loss"],
-            advantages=token_level_advantages(batch["advantages"], mask.size(1)),
-            pi_old=old_logps.exp(),
-            quartile=quartile,
-        )
+        stats.update(w=-scale * d_logps, w_no_kl=-scale * d_no_kl, entropy_weight=-scale * d_entropies)
+        advantages = token_level_advantages(batch["advantages"], mask.size(1))
+        stats.update(loss=scale * stats["loss"], advantages=advantages, pi_old=old_logps.exp(), quartile=quartile)
         quartile_grads = None
         if summed_gradients:
             pairs = [(d_logps * groups[f"q{j}"], d_entropies * groups[f"q{j}"]) for j in range(4)]

@@ -124,9 +124,8 @@ def plot_report(report: dict[str, Any], output_dir: str | os.PathLike) -> list[s
                     for method, result in probe["methods"].items()
                 }
                 ylim = (0, 1) if key == "share_in_direction" else None
-                pd.DataFrame(values, index=QUARTILE_LABELS).plot.bar(
-                    ax=axis, title=title.format(f"{sign}-advantage"), rot=0, fontsize=8, ylim=ylim
-                )
+                frame = pd.DataFrame(values, index=QUARTILE_LABELS)
+                frame.plot.bar(ax=axis, title=title.format(f"{sign}-advantage"), rot=0, fontsize=8, ylim=ylim)
         title = f"One {probe['optimizer']} update (lr={probe['lr']:g}, α={probe['alpha']:g}, η={_fmt(probe['eta'])})"
         written.append(save_figure(figure, output_dir / "probability_shift.png", title))
     return written

@@ -118,8 +118,7 @@ class WorkerProcess:
             `"module:function"` of a module under `trl_lopti` (e.g. `"trl_lopti.tasks.math.grading:score_in_process"`),
             with JSON-serialisable arguments and result. It runs in the child's main thread, where
             [`run_with_time_limit`] can enforce its own limit.
-        warmup_args (`tuple`):
-            Arguments of a first call made before the child reports ready (imports, caches).
+        warmup_args (`tuple`): Arguments of a first call made before the child reports ready (imports, caches).
     """
 
     def __init__(self, target: str, warmup_args: tuple = ()):

@@ -132,9 +132,8 @@ def paper_record_to_example(record: dict[str, Any]) -> dict[str, Any]:
         messages = list(published)
         text = messages[0].get("content") if len(messages) == 1 and isinstance(messages[0], dict) else None
         if text != prompt:
-            raise ValueError(
-                f"prompt: row index {record.get('index')} does not hold the paper's prompt text for its quiz"
-            )
+            index = record.get("index")
+            raise ValueError(f"prompt: row index {index} does not hold the paper's prompt text for its quiz")
     return {"prompt": prompt, **_published_record(record), "think_prefilled": True, "index": int(record["index"])}
 
 
@@ -211,8 +210,7 @@ def load_knights_knaves_dataset(
         source (`str`, *optional*, defaults to `"paper"`):
             `"paper"`: the authors' parquet files (by URL, or from `data_dir`), text prompts ([`paper_prompt`]), the
             paper's index split. `"hub"`: the Hub set (or a local copy at `path`), conversational prompts.
-        data_dir (`str`, *optional*):
-            Paper source: a local folder laid out as `{n}ppl/{split}.parquet`.
+        data_dir (`str`, *optional*): Paper source: a local folder laid out as `{n}ppl/{split}.parquet`.
         path (`str`, *optional*, defaults to `"K-and-K/knights-and-knaves"`):
             Hub source: the Hub id (or a local copy with the same layout); `**load_dataset_kwargs` go to
             `datasets.load_dataset` (e.g. `revision`, `cache_dir`).

@@ -87,9 +87,7 @@ def score_answer(response: str, solution_text_format: str) -> float:
     """Answer part of the paper's reward for `response` (with a pre-filled `<think>`) against the ground truth (see
     [`parse_solution_text_format`]): `2.0` all identities right, `-1.5` parsed but wrong, `-2.0` unparsable, empty or
     format failed."""
-    if not has_valid_format(response):
-        return ANSWER_UNPARSABLE_REWARD
-    answer = extract_answer(response)
+    answer = extract_answer(response) if has_valid_format(response) else None
     if not answer:
         return ANSWER_UNPARSABLE_REWARD
     expected = parse_solution_text_format(solution_text_format)
