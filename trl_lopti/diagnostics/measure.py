@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -35,7 +34,6 @@ FIRST_UPDATE = {  # probe method -> (advantages, active tokens) of its first upd
 }  # fmt: skip
 PROBE_METHODS = tuple(FIRST_UPDATE)
 DEFAULT_PROBE_METHODS = ("grpo", "ar", "lopti", "lowest_quartile_only", "highest_quartile_only")
-LOPTI_DEFAULTS = {field.name: field.default for field in dataclasses.fields(LoptiGRPOConfig)}
 LOSS_SETTINGS = (
     "loss_type", "importance_sampling_level", "beta", "epsilon", "epsilon_high", "delta", "temperature",
     "use_bias_correction_kl", "top_entropy_quantile", "entropy_coef", "use_adaptive_entropy",
@@ -269,9 +267,9 @@ def probe_split(trainer: GRPOTrainer, old_logps: torch.Tensor, mask: torch.Tenso
     """The probe's AR alpha and Lopti eta: the trainer's `LoptiGRPOConfig` fields (`LoptiGRPOConfig`'s defaults for
     a TRL `GRPOConfig`); with `lopti_quantile`, eta is that quantile of the batch's pi_old."""
     args = trainer.args
-    alpha = getattr(args, "advantage_reweighting_alpha", LOPTI_DEFAULTS["advantage_reweighting_alpha"])
+    alpha = getattr(args, "advantage_reweighting_alpha", LoptiGRPOConfig.advantage_reweighting_alpha)
     quantile = getattr(args, "lopti_quantile", None)
-    eta = getattr(args, "lopti_threshold", LOPTI_DEFAULTS["lopti_threshold"])
+    eta = getattr(args, "lopti_threshold", LoptiGRPOConfig.lopti_threshold)
     if quantile is not None:
         eta = lopti_batch_threshold(old_logps, mask, quantile)
     return {"alpha": alpha, "eta": eta, "lopti_quantile": quantile}

@@ -66,12 +66,9 @@ def paper_prompt(quiz: str) -> str:
 
 def make_prompt(quiz: str, system_prompt: str = SYSTEM_PROMPT, prefill_think: bool = False) -> list[dict[str, str]]:
     """The conversational prompt of a puzzle: the system message and the quiz, then with `prefill_think` an assistant
-    message holding `"<think>"` for the model to continue, as the paper prompts.
-
-    TRL 1.16's GRPOTrainer renders conversational prompts with `add_generation_prompt=True` only (it would close that
-    assistant turn and open a new one), so render such prompts to text first with [`render_prompts_as_text`] (the CLI
-    does this). The `<think>` is then part of the prompt, not of the completion: score with `think_prefilled=True` (the
-    `think_prefilled` column does this automatically)."""
+    message holding `"<think>"` for the model to continue, as the paper prompts. Give such prompts to TRL as text
+    ([`render_prompts_as_text`], as the CLI does): the `<think>` is then part of the prompt, not of the completion, and
+    scored with `think_prefilled=True` (the `think_prefilled` column does this automatically)."""
     messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": quiz}]
     if prefill_think:
         messages.append({"role": "assistant", "content": THINK_PREFILL})
