@@ -142,9 +142,8 @@ def evaluate_held_out(
             greedy = model.generate(**common, do_sample=False, temperature=None, top_p=None, top_k=None)
             greedy_rewards = rewards(greedy, 1)
             torch.manual_seed(seed)
-            sampled = model.generate(
-                **common, do_sample=True, temperature=temperature, top_p=1.0, top_k=0, num_return_sequences=samples
-            )
+            sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0, num_return_sequences=samples)
+            sampled = model.generate(**common, **sampling)
             sampled_rewards = rewards(sampled, samples)
     finally:
         tokenizer.padding_side = padding_side

@@ -242,9 +242,7 @@ def render_prompts_as_text(dataset, tokenizer, prompt_column: str = "prompt"):
         if isinstance(messages, str):
             return {prompt_column: messages}
         continues = messages[-1]["role"] == "assistant"
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=not continues, continue_final_message=continues
-        )
-        return {prompt_column: text}
+        flags = {"add_generation_prompt": not continues, "continue_final_message": continues}
+        return {prompt_column: tokenizer.apply_chat_template(messages, tokenize=False, **flags)}
 
     return dataset.map(render)

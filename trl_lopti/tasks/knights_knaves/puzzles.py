@@ -182,9 +182,8 @@ def solution_to_text(names: Sequence[str], solution: Sequence[bool]) -> tuple[st
     """A solution (`True`: a knight) in the two published forms: `solution_text` ("A is a knight, B is a knave, and C
     is a knight.") and `solution_text_format` ("(1) A is a knight\\n(2) B is a knave\\n(3) C is a knight"), the
     answer format the prompt asks for."""
-    clauses = [
-        f"{name} is {'a knight' if is_knight else 'a knave'}" for name, is_knight in zip(names, solution, strict=True)
-    ]
+    roles = ["a knight" if is_knight else "a knave" for is_knight in solution]
+    clauses = [f"{name} is {role}" for name, role in zip(names, roles, strict=True)]
     solution_text = ", ".join(clauses[:-1]) + ", and " + clauses[-1] + "." if len(clauses) > 1 else clauses[0] + "."
     solution_text_format = "\n".join(f"({index}) {clause}" for index, clause in enumerate(clauses, start=1))
     return solution_text, solution_text_format

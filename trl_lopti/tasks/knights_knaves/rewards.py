@@ -173,6 +173,5 @@ def knights_knaves_reward(
         log_metric("knights_knaves/format", sum(format_scores) / count)
         log_metric("knights_knaves/answer", sum(answer_scores) / count)
         log_metric("knights_knaves/accuracy", sum(s == ANSWER_CORRECT_REWARD for s in answer_scores) / count)
-    return [
-        format_score + answer_score for format_score, answer_score in zip(format_scores, answer_scores, strict=True)
-    ]
+    scores = zip(format_scores, answer_scores, strict=True)
+    return [format_score + answer_score for format_score, answer_score in scores]
