@@ -42,8 +42,7 @@ LOSS_SETTINGS = (
 
 
 def probability_quartiles(logps: torch.Tensor, mask: torch.Tensor) -> tuple[list[float], torch.Tensor]:
-    """
-    Groups the tokens of `mask` by the batch's quartiles of the probabilities `exp(logps)` (B, T): the quantiles at
+    """Groups the tokens of `mask` by the batch's quartiles of the probabilities `exp(logps)` (B, T): the quantiles at
     0.25, 0.5 and 0.75 as the Lopti quantile split computes them ([`~trl_lopti.core_algos.lopti_batch_threshold`]).
 
     Returns:
@@ -62,10 +61,9 @@ def probability_quartiles(logps: torch.Tensor, mask: torch.Tensor) -> tuple[list
 def probability_shift(
     logps_before: torch.Tensor, logps_after: torch.Tensor, advantages: torch.Tensor, quartile: torch.Tensor
 ) -> dict[str, Any]:
-    """
-    The paper's Fig.-3 statistic of one update: per pi_old quartile (`quartile`, (B, T), from [`probability_quartiles`])
-    and sign of the advantage (`advantages`, (B,) or (B, T)), how the sampled tokens' probabilities moved from
-    `logps_before` to `logps_after` (B, T).
+    """The paper's Fig.-3 statistic of one update: per pi_old quartile (`quartile`, (B, T), from
+    [`probability_quartiles`]) and sign of the advantage (`advantages`, (B,) or (B, T)), how the sampled tokens'
+    probabilities moved from `logps_before` to `logps_after` (B, T).
 
     Returns:
         `dict`: For `all`, `q0` ... `q3`: `label`, `zero_advantage_count` and, for `positive` and `negative`
@@ -101,8 +99,7 @@ def hidden_state_gradient_norms(
     d_logps: torch.Tensor | None = None,
     d_entropies: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """
-    Closed-form norms of gradients w.r.t. the last hidden state `h_t` (the LM head's input, `logits = h @ W.T + b`).
+    """Closed-form norms of gradients w.r.t. the last hidden state `h_t` (the LM head's input, `logits = h @ W.T + b`).
 
     With `z = logits / temperature`, `p = softmax(z)` and `k` the sampled token: `d log pi_t / d h_t = W.T (e_k - p)
     / temperature` and `d H_t / d h_t = -W.T (p * (log p + H_t)) / temperature`; `h_t` reaches no other token's
@@ -200,8 +197,7 @@ def run_token_diagnostics(
     micro_batch_size: int = 4,
     ref_model: torch.nn.Module | None = None,
 ) -> dict[str, Any]:
-    """
-    The token diagnostics of one batch under the loss `trainer` trains (TRL's `_compute_loss`, by autograd).
+    """The token diagnostics of one batch under the loss `trainer` trains (TRL's `_compute_loss`, by autograd).
 
     Cost: two no-grad forwards (TRL's, and a plain one for the logits); with `summed_gradients`, one forward with grad
     and four backward passes, and `4 x num_trainable_params` float32; per probe method, one forward with grad and one

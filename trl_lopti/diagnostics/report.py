@@ -78,8 +78,7 @@ def format_tables(report: dict[str, Any]) -> str:
 
 
 def plot_report(report: dict[str, Any], output_dir: str | os.PathLike) -> list[str]:
-    """
-    Writes bar charts by probability quartile (the paper's Fig. 1 and Fig. 3) of a `run_token_diagnostics` report as
+    """Writes bar charts by probability quartile (the paper's Fig. 1 and Fig. 3) of a `run_token_diagnostics` report as
     PNG files in `output_dir` (created if missing).
 
     Returns:

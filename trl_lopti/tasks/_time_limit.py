@@ -108,10 +108,9 @@ def run_with_time_limit(func: Callable[[], _T], seconds: float | None) -> _T:
 
 
 class WorkerProcess:
-    """
-    A child Python process that calls one function for the parent, one JSON-encoded call at a time (calls from several
-    threads wait their turn). A call that gets no answer in time kills the child (stuck, e.g. in C code) and returns
-    `None`; the next call starts a new child.
+    """A child Python process that calls one function for the parent, one JSON-encoded call at a time (calls from
+    several threads wait their turn). A call that gets no answer in time kills the child (stuck, e.g. in C code) and
+    returns `None`; the next call starts a new child.
 
     Args:
         target (`str`):

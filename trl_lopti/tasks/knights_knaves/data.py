@@ -168,8 +168,7 @@ def load_paper_knights_knaves(
             instead of the authors' repository ([`AUTHORS_DATA_URL`]).
 
     Returns:
-        `datasets.Dataset`: Columns `prompt` (text, [`paper_prompt`]), `quiz`, `names`, `solution`,
-        `solution_text`, `solution_text_format`, `statements`, `num_people`, `think_prefilled` and `index`.
+        `datasets.Dataset`: The columns of [`generate_dataset`] (`prompt`: the text of [`paper_prompt`]) and `index`.
     """
     if split not in PAPER_SPLITS:
         raise ValueError(f"split: must be one of {list(PAPER_SPLITS)}, got {split!r}")
@@ -201,9 +200,8 @@ def load_knights_knaves_dataset(
         num_people (`int` or `Sequence[int]`, *optional*, defaults to `(3, 4, 5, 6, 7)`):
             Puzzle sizes, 2 to 8 (the paper's files: 3 to 7); several are concatenated in the given order.
         split (`str`, *optional*, defaults to `"train"`):
-            `"train"` or `"test"`. Paper: see [`load_paper_knights_knaves`]. Hub: the config of
-            `K-and-K/knights-and-knaves` (`"train"`: 1,000 per size, holding the paper's test puzzles; `"test"`: 100
-            per size).
+            `"train"` or `"test"`: the paper's split ([`load_paper_knights_knaves`]) or the Hub set's config
+            ([`KNIGHTS_KNAVES_HUB_ID`]: its `"train"` holds the paper's test puzzles).
         source (`str`, *optional*, defaults to `"paper"`):
             `"paper"`: the authors' parquet files (by URL, or from `data_dir`), text prompts ([`paper_prompt`]), the
             paper's index split. `"hub"`: the Hub set (or a local copy at `path`), conversational prompts.

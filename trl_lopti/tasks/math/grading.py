@@ -5,6 +5,7 @@ math-verify, not the paper's grader). Dependencies: `pip install "trl_lopti[math
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Sequence
@@ -93,10 +94,8 @@ def _score(completion: Any, solution: Any, timeout_seconds: float | None) -> flo
         if not in_main_thread():  # a worker process, whose main thread can interrupt sympy and be killed when stuck
             worker = shared_worker(WORKER_TARGET, warmup_args=("\\boxed{1}", ["1"], None))
             if worker is not None:
-                try:
+                with contextlib.suppress(OSError, RuntimeError, ValueError):  # no worker process: check in this one
                     return float(worker.call((response, reference, timeout_seconds), timeout_seconds) or 0.0)
-                except (OSError, RuntimeError, ValueError):
-                    pass  # no worker process here: check in this process
         return score_in_process(response, reference, timeout_seconds)
     except Exception:  # noqa: BLE001 - a bad answer scores 0
         return 0.0
