@@ -15,12 +15,8 @@ def flatten_report(report: dict[str, Any], prefix: str = "diagnostics/") -> dict
     `diagnostics/abs_w_mean_q1`, `diagnostics/quartile_edge_1`, `diagnostics/lowest_over_highest/summed_grad_norm`,
     `diagnostics/full_grad_norm` (with the default `prefix`); `None` values are left out."""
     gradients = report.get("gradients", report)
-    flat = {
-        f"{prefix}{key}_q{j}": value
-        for j, row in enumerate(gradients["quartiles"], start=1)
-        for key, value in row.items()
-        if not isinstance(value, (str, bool))
-    }
+    figures = ((j, key, value) for j, row in enumerate(gradients["quartiles"], start=1) for key, value in row.items())
+    flat = {f"{prefix}{key}_q{j}": value for j, key, value in figures if not isinstance(value, (str, bool))}
     flat.update({f"{prefix}quartile_edge_{j}": edge for j, edge in enumerate(gradients["quartile_edges"], start=1)})
     ratios = gradients["lowest_over_highest"]
     flat.update({f"{prefix}lowest_over_highest/{key}": value for key, value in ratios.items()})

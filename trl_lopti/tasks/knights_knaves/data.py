@@ -215,14 +215,13 @@ def load_knights_knaves_dataset(
     """
     if source not in KNIGHTS_KNAVES_SOURCES:
         raise ValueError(f"source: must be one of {list(KNIGHTS_KNAVES_SOURCES)}, got {source!r}")
+    sizes = puzzle_sizes(num_people)
     if source == "paper":
-        return load_paper_knights_knaves(split, puzzle_sizes(num_people), data_dir)
+        return load_paper_knights_knaves(split, sizes, data_dir)
     import datasets
 
-    parts = []
-    for size in puzzle_sizes(num_people):
-        raw = datasets.load_dataset(path, split, split=f"{size}ppl", **load_dataset_kwargs)
-        parts.append(prepare_knights_knaves_dataset(raw, system_prompt, prefill_think))
+    raws = [datasets.load_dataset(path, split, split=f"{size}ppl", **load_dataset_kwargs) for size in sizes]
+    parts = [prepare_knights_knaves_dataset(raw, system_prompt, prefill_think) for raw in raws]
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 

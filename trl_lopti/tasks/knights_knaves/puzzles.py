@@ -255,7 +255,6 @@ def generate_puzzles(
         raise ValueError(f"num_samples must be >= 0, got {num_samples}")
     if not 2 <= max_width <= 2 * min(sizes) - 1:
         raise ValueError(f"max_width must lie in [2, 2 * num_people - 1], got {max_width}")
-
     rng = random.Random(seed)
     seen: set[tuple[Statement, ...]] = set()
     rows = []
