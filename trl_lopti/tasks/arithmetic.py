@@ -103,8 +103,7 @@ def evaluate_held_out(
     samples: int,
     seed: int,
 ) -> dict[str, Any]:
-    """
-    Greedy accuracy and mean reward of sampled answers on held-out problems, overall and per family.
+    """Greedy accuracy and mean reward of sampled answers on held-out problems, overall and per family.
 
     Args:
         model (`PreTrainedModel`), tokenizer (`PreTrainedTokenizerBase`):

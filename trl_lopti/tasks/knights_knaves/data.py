@@ -152,8 +152,7 @@ def _load_paper_split(split: str, sizes: Sequence[int], data_dir: str | None):
 def load_paper_knights_knaves(
     split: str = "train", num_people: Sequence[int] = PAPER_SIZES, data_dir: str | None = None
 ):
-    """
-    The paper's K&K split: the authors' puzzles with the text prompt their model saw.
+    """The paper's K&K split: the authors' puzzles with the text prompt their model saw.
 
     Rows are kept by `index` ([`PAPER_SPLITS`]: train 100-999, test 1000-1099 per size), so a file that holds more
     (the Hub's 1,000-per-size `train`) still gives the paper's split. The train and test quizzes are checked to be
@@ -193,8 +192,7 @@ def load_knights_knaves_dataset(
     prefill_think: bool = False,
     **load_dataset_kwargs: Any,
 ):
-    """
-    Loads published K&K puzzles: the paper's split and prompt (`source="paper"`) or the Hub set (`source="hub"`).
+    """Loads published K&K puzzles: the paper's split and prompt (`source="paper"`) or the Hub set (`source="hub"`).
 
     Args:
         num_people (`int` or `Sequence[int]`, *optional*, defaults to `(3, 4, 5, 6, 7)`):

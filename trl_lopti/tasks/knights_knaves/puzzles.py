@@ -228,8 +228,7 @@ def puzzle_sizes(num_people: int | Sequence[int]) -> list[int]:
 def generate_puzzles(
     num_people: int | Sequence[int], num_samples: int, seed: int = 0, max_width: int = 2, max_attempts: int = 100_000
 ) -> list[dict[str, Any]]:
-    """
-    Generates Knights & Knaves puzzles with exactly one solution, in the published data's columns.
+    """Generates Knights & Knaves puzzles with exactly one solution, in the published data's columns.
 
     Each puzzle draws one statement per person (see [`sample_statement`]; nesting depth 2 as in the published data)
     and is kept only if the solver finds exactly one consistent assignment and the same statements were not drawn

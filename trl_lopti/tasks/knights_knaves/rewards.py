@@ -146,8 +146,7 @@ def knights_knaves_reward(
     log_metric: Callable[[str, float], None] | None = None,
     **kwargs: Any,
 ) -> list[float]:
-    """
-    TRL reward function: the paper's K&K reward, format plus answer (3, -0.5, -1 or -3 per completion).
+    """TRL reward function: the paper's K&K reward, format plus answer (3, -0.5, -1 or -3 per completion).
 
     Equals `knights_knaves_format_reward + knights_knaves_answer_reward` exactly. Inside TRL's `GRPOTrainer` it also
     logs its parts through TRL's `log_metric` hook: `knights_knaves/format` and `knights_knaves/answer` (batch means)

@@ -136,10 +136,9 @@ def load_math_dataset(
     text_prompt: bool = False,
     **load_dataset_kwargs: Any,
 ):
-    """
-    Loads one of the paper's math sets, mapped to `prompt` (conversational, the paper's prompt style), `problem` and
-    `solution` (the reference answer as a string, for [`math_reward`]). Other columns are dropped (DeepScaleR's
-    worked `solution` included: here `solution` is the final answer).
+    """Loads one of the paper's math sets, mapped to `prompt` (conversational, the paper's prompt style), `problem` and
+    `solution` (the reference answer as a string, for [`math_reward`]). Other columns are dropped (DeepScaleR's worked
+    `solution` included: here `solution` is the final answer).
 
     Args:
         name (`str` or [`MathDatasetSpec`]):
@@ -185,8 +184,7 @@ def paper_math_record_to_example(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_paper_math_dataset(name: str = "dsr_uniform", data_file: str | None = None):
-    """
-    Loads one of the authors' math parquet files, with the prompt text exactly as their model saw it.
+    """Loads one of the authors' math parquet files, with the prompt text exactly as their model saw it.
 
     Their prompts are raw text (`problem + " Let's think step by step and output the final answer within
     \\boxed{}."`) fed to the model without a chat template; `prompt` here is that string, which TRL's

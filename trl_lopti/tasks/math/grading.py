@@ -104,8 +104,7 @@ def _score(completion: Any, solution: Any, timeout_seconds: float | None) -> flo
 def math_reward(
     completions: Sequence[Any], solution: Sequence[Any], timeout_seconds: float | None = 3.0, **kwargs: Any
 ) -> list[float]:
-    """
-    TRL reward function, the paper's math grading: the authors' reward, 1.0 or 0.0.
+    """TRL reward function, the paper's math grading: the authors' reward, 1.0 or 0.0.
 
     The answer is the content of the last `\\boxed{...}` (balanced braces) in the text between the first and second
     `</think>` (the whole response when there is none); no such box scores 0 (`\\fbox`, `\\boxed 7` and an unclosed
