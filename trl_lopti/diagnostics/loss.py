@@ -38,8 +38,8 @@ def generation_batch(trainer: GRPOTrainer) -> dict[str, Any] | None:
 
 
 def sample_generation_batch(trainer: GRPOTrainer, rows: Sequence[dict[str, Any]]) -> tuple[dict, dict]:
-    """One generation batch of `rows` (dataset rows: a `prompt` and the columns the rewards read), generated, scored and
-    given advantages by the trainer (TRL's or a `LoptiGRPOTrainer`) exactly as in training: each row repeated
+    """One generation batch of `rows` (dataset rows: a `prompt` and the columns the rewards read), generated, scored
+    and given advantages by the trainer (TRL's or a `LoptiGRPOTrainer`) exactly as in training: each row repeated
     `num_generations` times, consecutively, as TRL's `RepeatSampler` does, through `_generate_and_score_completions`.
     Returns the batch (`trl_batch`) and a summary (rewards, lengths, zero-advantage completions, three sample texts;
     from TRL's completions log `trainer._logs`)."""
