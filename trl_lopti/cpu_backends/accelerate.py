@@ -110,13 +110,8 @@ def holdings(trainer) -> dict[str, str]:
     state = [value for values in trainer.optimizer.state.values() for value in values.values() if value.dim()]
     kind = f"{type(parameters[0]).__name__} {getattr(parameters[0], 'ds_tensor', parameters[0]).dtype}"
     total = sum(getattr(p, "ds_numel", p.numel()) for p in parameters)
-    held = gather_object(
-        [
-            (
-                f"parameters {kind}, {sum(map(local, parameters)):,} of {total:,} elements; "
-                f"{trainer.args.optim.value} state {sum(map(local, state)):,} {state[0].dtype if state else 'no'} "
-                "elements"
-            )
-        ]
+    words = (
+        f"parameters {kind}, {sum(map(local, parameters)):,} of {total:,} elements; "
+        f"{trainer.args.optim.value} state {sum(map(local, state)):,} {state[0].dtype if state else 'no'} elements"
     )
-    return {f"process_{rank}": words for rank, words in enumerate(held)}
+    return {f"process_{rank}": held for rank, held in enumerate(gather_object([words]))}

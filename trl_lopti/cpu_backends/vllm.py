@@ -53,12 +53,9 @@ WORKER_EXTENSION = "trl_lopti.cpu_backends.vllm_worker.WeightTransferOnCpu"
 
 @dataclass
 class GlooCommunicator:
-    """What vLLM's weight transfer uses of its `PyNcclCommunicator` (`VLLM_FACTS["communicator"]`), over gloo.
-
-    Args:
-        group (`vllm.distributed.utils.StatelessProcessGroup`): the rendezvous vLLM made (its TCPStore, rank, size).
-        process_group (`torch.distributed.ProcessGroup`): the gloo group built on that store.
-    """
+    """What vLLM's weight transfer uses of its `PyNcclCommunicator` (`VLLM_FACTS["communicator"]`), over gloo: `group`
+    is the rendezvous vLLM made (a `StatelessProcessGroup`: its TCPStore, rank, size), `process_group` the gloo group
+    built on that store."""
 
     group: Any
     process_group: Any
@@ -71,9 +68,6 @@ class GlooCommunicator:
         GlooCommunicator.broadcasts_in_process += 1
 
 
-_TIMEOUT = datetime.timedelta(minutes=10)
-
-
 def gloo_init_process_group(
     master_address: str, master_port: int, rank: int, world_size: int, device: Any
 ) -> GlooCommunicator:
@@ -82,7 +76,8 @@ def gloo_init_process_group(
 
     group = StatelessProcessGroup.create(host=master_address, port=master_port, rank=rank, world_size=world_size)
     store = torch.distributed.PrefixStore("trl_lopti_weight_transfer", group.store)
-    return GlooCommunicator(group, init_gloo_process_group(store, rank, world_size, timeout=_TIMEOUT))
+    process_group = init_gloo_process_group(store, rank, world_size, timeout=datetime.timedelta(minutes=10))
+    return GlooCommunicator(group, process_group)
 
 
 class _Overlay:
@@ -127,9 +122,7 @@ def _check(fact: str, holds: bool) -> None:
 
 def _install_transport() -> None:
     if torch.cuda.is_available():
-        raise RuntimeError(
-            "trl_lopti.cpu_backends.vllm is for machines without CUDA: with CUDA, NCCL is the transport"
-        )
+        raise RuntimeError(f"{__name__} is for machines without CUDA: with CUDA, NCCL is the transport")
     from vllm.distributed.weight_transfer import nccl_common, packed_tensor
 
     if nccl_common.stateless_init_process_group is gloo_init_process_group:

@@ -58,23 +58,16 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def cpu_server(model: str, log_file: str | os.PathLike, timeout: float = 600.0) -> Iterator[str]:
-    """Runs `serve_command(model, <a free port>)` until the block ends, with TRL's development endpoints and a 1 GiB KV
-    cache (the default takes a share of the RAM: 14 GB seen); yields its base URL.
-
-    Args:
-        model (`str`): the model's folder.
-        log_file (`str` or `os.PathLike`): where the server's output goes.
-        timeout (`float`, *optional*, defaults to `600.0`): seconds to wait for the server to answer.
-    """
+    """Runs `serve_command(model, <a free port>)` (`model`: the model's folder) until the block ends, with TRL's
+    development endpoints and a 1 GiB KV cache (the default takes a share of the RAM: 14 GB seen), its output in
+    `log_file`; yields its base URL once it answers (waiting at most `timeout` seconds)."""
     port, executable = free_port(), Path(sys.executable).with_name("vllm")  # the venv's, activated or not
     command = serve_command(model, port)
     command[0] = str(executable) if executable.is_file() else command[0]
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     with open(log_file, "w") as log:
-        environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        server = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True
-        )
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         while not _answers(url):
             if server.poll() is not None or time.monotonic() > deadline:
@@ -113,12 +106,8 @@ class WeightSyncCheck(TrainerCallback):
     At each optimizer step it records whether the trainer sent weights since the previous step (the broadcasts of this
     process's `GlooCommunicator`s), and after each sync compares the server's log-probabilities of fixed sequences
     (sampled once from the server at the start, 16 tokens each) with a forward of the trainer's full weights (gathered
-    from every process, float64, temperature 1).
-
-    Args:
-        trainer (`LoptiGRPOTrainer` or `LoptiRLOOTrainer`): a trainer in vLLM server mode, after
-            `install_trainer_side()`.
-    """
+    from every process, float64, temperature 1). `trainer`: a `LoptiGRPOTrainer` or `LoptiRLOOTrainer` in vLLM
+    server mode, after `install_trainer_side()`."""
 
     def __init__(self, trainer: Any):
         self.trainer, self.sync_steps, self.differences, self.sent = trainer, [], [], 0
@@ -126,13 +115,10 @@ class WeightSyncCheck(TrainerCallback):
         self.broadcasts_before = GlooCommunicator.broadcasts_in_process  # earlier runs' trainers
         if trainer.accelerator.is_main_process:
             prompts = [list(range(3 + 6 * index, 9 + 6 * index)) for index in range(4)]
-            generation = {"seed": 0, "min_tokens": 16}
-            sampled = trainer.vllm_generation.vllm_client.generate(
-                prompts, max_tokens=16, generation_kwargs=generation
-            )
-            self.sequences = [
-                prompt + completion for prompt, completion in zip(prompts, sampled["completion_ids"], strict=True)
-            ]
+            client = trainer.vllm_generation.vllm_client
+            sampled = client.generate(prompts, max_tokens=16, generation_kwargs={"seed": 0, "min_tokens": 16})
+            completions = sampled["completion_ids"]
+            self.sequences = [prompt + completion for prompt, completion in zip(prompts, completions, strict=True)]
             config = trainer.accelerator.unwrap_model(trainer.model).config
             with torch.random.fork_rng(devices=[]):  # its random init must not move the run's random numbers
                 self.reference = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
@@ -195,12 +181,8 @@ def unavailable(training_args) -> str | None:
 @dataclass
 class ServerRuns:
     """A CPU server for runs that train one after another against it, each checked by a `WeightSyncCheck`; inactive
-    (no flags, no checks) where the runs use no vLLM server. Only the main process talks to the server.
-
-    Args:
-        active (`bool`): whether the runs train against a server.
-        url (`str` or `None`): the server's address (the main process's only).
-    """
+    (no flags, no checks) where the runs use no vLLM server (`active`). Only the main process talks to the server and
+    knows its address (`url`)."""
 
     active: bool = False
     url: str | None = None

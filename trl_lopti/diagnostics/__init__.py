@@ -5,14 +5,10 @@ token, and the low-probability groups get larger gradients (Fig. 1) while AR and
 probability moves in the direction of their advantage (Fig. 3). This package measures those figures, and the ones its
 reviewers asked for, on a batch of a TRL `GRPOTrainer` (or `LoptiGRPOTrainer`), for the loss that trainer trains.
 
-The method is TRL's loss, by autograd: `GRPOTrainer._compute_loss` is run on the batch with TRL's forward
-(`_get_per_token_logps_and_entropies`) shadowed, for that call only, by one returning each token's log-probability and
-entropy as leaf tensors, and `torch.autograd.grad` gives `d L / d log pi_t` and `d L / d H_t` (`trl_loss_gradients`).
-Every loss type and TRL option is thus measured as TRL computes it; nothing is refused. The loss is taken in TRL's
-evaluation branch (`trainer.model.eval()`: no dropout, no gradient-accumulation factor, no adaptive-entropy update),
-over the whole batch; what TRL logs to `trainer._metrics` meanwhile is discarded. A `LoptiGRPOTrainer` is measured
-under TRL's loss with the batch's own advantages: the GRPO update that AR and Lopti modify; the probe applies AR and
-Lopti itself (`trl_lopti.core_algos`).
+The method is TRL's loss, by autograd, in TRL's evaluation branch (no dropout) over the whole batch
+(`trl_loss_gradients`): every loss type and TRL option is measured as TRL computes it; nothing is refused. A
+`LoptiGRPOTrainer` is measured under TRL's loss with the batch's own advantages (the GRPO update that AR and Lopti
+modify); the probe applies AR and Lopti itself (`trl_lopti.core_algos`).
 
 What is measured, per quartile of pi_old (the batch's `old_per_token_logps`, else TRL's forward at the current
 parameters, which is what TRL itself uses on-policy; `probability_quartiles`):
@@ -26,18 +22,15 @@ parameters, which is what TRL itself uses on-policy; `probability_quartiles`):
   `sqrt(2) sigma_max(W) / temperature`.
 - Each quartile's summed parameter gradient, exact (`summed_parameter_gradients`: the four add up to the gradient of
   TRL's loss): their norms, cosines with the full gradient and with each other, and share of it.
-- The Fig.-3 probe (`probe_methods`, `probability_shift`): one update of the model per method (`grpo`, `ar`, `lopti`,
-  `lopti_ar`, `lowest_quartile_only`, `highest_quartile_only`; Lopti: the low tokens' part of the gradient, then at the
-  new parameters the high tokens' part, against the same pi_old), then per quartile and advantage sign the share of
-  tokens whose probability moved in the direction of their advantage. The parameters are restored after.
+- The Fig.-3 probe (`probability_shift`): per method of `PROBE_METHODS`, one update of the model (Lopti: the low
+  tokens' part of the gradient, then at the new parameters the high tokens' part, against the same pi_old; undone
+  after), then per quartile and advantage sign the share of tokens whose probability moved in the direction of their
+  advantage.
 
 TRL private names this package touches: `_compute_loss` and `_get_per_token_logps_and_entropies` (called as
 `GRPOTrainer`'s), `_metrics` (restored after the loss call; the callback appends its figures), `_buffered_inputs` (the
-callback's batch), `_generate_and_score_completions` and `_logs` (`sample_generation_batch`).
-
-Modules: `loss` (the batch and the oracle), `measure` (the tables, the probe, `advance_policy_on_batch`), `callback`
-(`TokenDiagnosticsCallback`) and `report` (Markdown and plots). The `trl-lopti diagnose` command is
-`trl_lopti.cli.diagnose`.
+callback's batch), `_generate_and_score_completions` and `_logs` (`sample_generation_batch`). The `trl-lopti diagnose`
+command is `trl_lopti.cli.diagnose`.
 """
 
 from .callback import TokenDiagnosticsCallback, flatten_report

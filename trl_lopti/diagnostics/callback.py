@@ -15,12 +15,8 @@ def flatten_report(report: dict[str, Any], prefix: str = "diagnostics/") -> dict
     `diagnostics/abs_w_mean_q1`, `diagnostics/quartile_edge_1`, `diagnostics/lowest_over_highest/summed_grad_norm`,
     `diagnostics/full_grad_norm` (with the default `prefix`); `None` values are left out."""
     gradients = report.get("gradients", report)
-    flat = {
-        f"{prefix}{key}_q{j}": value
-        for j, row in enumerate(gradients["quartiles"], start=1)
-        for key, value in row.items()
-        if not isinstance(value, (str, bool))
-    }
+    figures = ((j, key, value) for j, row in enumerate(gradients["quartiles"], start=1) for key, value in row.items())
+    flat = {f"{prefix}{key}_q{j}": value for j, key, value in figures if not isinstance(value, (str, bool))}
     flat.update({f"{prefix}quartile_edge_{j}": edge for j, edge in enumerate(gradients["quartile_edges"], start=1)})
     ratios = gradients["lowest_over_highest"]
     flat.update({f"{prefix}lowest_over_highest/{key}": value for key, value in ratios.items()})
@@ -29,25 +25,18 @@ def flatten_report(report: dict[str, Any], prefix: str = "diagnostics/") -> dict
 
 
 class TokenDiagnosticsCallback(TrainerCallback):
-    """
-    Logs the per-quartile token diagnostics of the current generation batch every `every_n_steps` optimizer steps.
+    """Logs the per-quartile token diagnostics of the current generation batch of `trainer` (TRL's `GRPOTrainer` or a
+    `LoptiGRPOTrainer`) every `every_n_steps` optimizer steps, `micro_batch_size` completions per forward.
 
     At the end of every `every_n_steps`-th optimizer step it joins the trainer's buffered micro-batches (TRL's
     `trainer._buffered_inputs`, TRL's keys only: the generation batch being trained on, with its advantages and, where
     TRL computed them, old and reference log-probabilities) and runs `run_token_diagnostics` on it, without the probe,
     at the current parameters, under the trainer's loss. The figures go to `trainer._metrics["train"]` under
-    `diagnostics/` (`flatten_report`), averaged and logged at the next logging step beside TRL's. pi_old is the
-    batch's `old_per_token_logps` where every micro-batch has them, else the current policy's.
+    `diagnostics/` (`flatten_report`), averaged and logged at the next logging step beside TRL's. pi_old is the batch's
+    `old_per_token_logps` where every micro-batch has them, else the current policy's.
 
     Cost per measured step: two no-grad forwards of the generation batch; with `summed_gradients` (the quartiles'
     parameter gradients) one forward with grad, four backward passes and `4 x num_trainable_params` float32 of memory.
-
-    Args:
-        trainer (`trl.GRPOTrainer`):
-            The trainer to measure (TRL's or a `LoptiGRPOTrainer`).
-        every_n_steps (`int`, *optional*, defaults to `50`), summed_gradients (`bool`, *optional*, defaults to `False`),
-        micro_batch_size (`int`, *optional*, defaults to `4`):
-            How often to measure, whether with the summed gradients, and the completions per forward.
     """
 
     def __init__(
@@ -64,13 +53,8 @@ class TokenDiagnosticsCallback(TrainerCallback):
         batch = generation_batch(self.trainer)
         if batch is None:
             return {}
-        report = run_token_diagnostics(
-            self.trainer,
-            batch,
-            summed_gradients=self.summed_gradients,
-            probe_methods=(),
-            micro_batch_size=self.micro_batch_size,
-        )
+        options = dict(summed_gradients=self.summed_gradients, micro_batch_size=self.micro_batch_size)
+        report = run_token_diagnostics(self.trainer, batch, probe_methods=(), **options)
         self.last_report = report["gradients"]
         return flatten_report(report)
 

@@ -38,15 +38,11 @@ def generation_batch(trainer: GRPOTrainer) -> dict[str, Any] | None:
 
 
 def sample_generation_batch(trainer: GRPOTrainer, rows: Sequence[dict[str, Any]]) -> tuple[dict, dict]:
-    """
-    One generation batch of `rows` (dataset rows: a `prompt` and the columns the rewards read), generated, scored and
-    given advantages by the trainer (TRL's or a `LoptiGRPOTrainer`) exactly as in training: each row repeated
+    """One generation batch of `rows` (dataset rows: a `prompt` and the columns the rewards read), generated, scored
+    and given advantages by the trainer (TRL's or a `LoptiGRPOTrainer`) exactly as in training: each row repeated
     `num_generations` times, consecutively, as TRL's `RepeatSampler` does, through `_generate_and_score_completions`.
-
-    Returns:
-        `tuple[dict, dict]`: The batch (`trl_batch`) and a summary (rewards, lengths, zero-advantage completions, three
-        sample texts; from TRL's completions log `trainer._logs`).
-    """
+    Returns the batch (`trl_batch`) and a summary (rewards, lengths, zero-advantage completions, three sample texts;
+    from TRL's completions log `trainer._logs`)."""
     repeated = [dict(row) for row in rows for _ in range(trainer.num_generations)]
     with model_mode(trainer.model, training=True):
         inputs = trl_batch([trainer._generate_and_score_completions(repeated)])
@@ -83,31 +79,22 @@ def trl_loss_gradients(
     entropies: torch.Tensor,
     without_kl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """
-    `d L / d log pi_t` and `d L / d H_t` (B, T) of TRL's loss `L = GRPOTrainer._compute_loss(model, inputs)` at the
+    """`d L / d log pi_t` and `d L / d H_t` (B, T) of TRL's loss `L = GRPOTrainer._compute_loss(model, inputs)` at the
     values `per_token_logps` and `entropies` of TRL's forward on `inputs`: the weight TRL gives each token, for every
     loss type and option (a `LoptiGRPOTrainer`'s too: TRL's loss, without AR or Lopti).
 
     The one patch: for this call, the trainer's `_get_per_token_logps_and_entropies` returns these values as leaf
     tensors (the variables of the derivative). With `trainer.model` in eval mode the loss takes TRL's evaluation branch
-    (no gradient-accumulation factor, no entropy-controller update); what TRL logs meanwhile is discarded.
-
-    Args:
-        without_kl (`bool`, *optional*, defaults to `False`):
-            Differentiate TRL's loss at `beta = 0` on the same batch: `beta` touches nothing but the KL term, so that
-            is exactly the loss without it.
-    """
+    (no gradient-accumulation factor, no entropy-controller update); what TRL logs meanwhile is discarded. With
+    `without_kl`, TRL's loss at `beta = 0` on the same batch: `beta` touches nothing but the KL term, so that is
+    exactly the loss without it."""
     logps = per_token_logps.detach().clone().requires_grad_(True)
     entropy = entropies.detach().clone().requires_grad_(True)
     aux_loss = torch.zeros((), device=logps.device) if trainer.aux_loss_enabled else None  # not a token's: left out
-
-    def leaf_forward(*args: Any, **kwargs: Any):
-        return logps, entropy, aux_loss
-
+    leaf_forward = {"_get_per_token_logps_and_entropies": lambda *args, **kwargs: (logps, entropy, aux_loss)}
     beta = 0.0 if without_kl else trainer.beta  # TRL's loss at beta 0: the same loss without its KL term
-    # the one patch: TRL's forward returns the leaves, so that autograd differentiates TRL's loss w.r.t. them
     metrics = {mode: defaultdict(list) for mode in trainer._metrics}  # what TRL logs meanwhile goes there, then away
-    patch = temporarily_set(trainer, _get_per_token_logps_and_entropies=leaf_forward, beta=beta, _metrics=metrics)
+    patch = temporarily_set(trainer, **leaf_forward, beta=beta, _metrics=metrics)
     with patch, torch.enable_grad():
         loss = GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
     grads = torch.autograd.grad(loss, (logps, entropy), allow_unused=True)
@@ -127,15 +114,13 @@ def summed_parameter_gradients(
     token_gradients: Sequence[tuple[torch.Tensor, torch.Tensor]],
     micro_batch_size: int = 4,
 ) -> list[torch.Tensor]:
-    """
-    Flat parameter gradients `sum_t (g_t * d log pi_t / d theta + h_t * d H_t / d theta)`, one per `(g, h)` pair of
+    """Flat parameter gradients `sum_t (g_t * d log pi_t / d theta + h_t * d H_t / d theta)`, one per `(g, h)` pair of
     (B, T) weights in `token_gradients`.
 
     With `(g, h)` = `trl_loss_gradients` times a token mask, this is exactly the part of the gradient of TRL's loss
-    that flows through those tokens (the chain rule); masks that partition the tokens give gradients that add up to
-    the full one. Per micro-batch of `micro_batch_size` completions: one forward with grad (TRL's) and one
-    backward per pair (`torch.autograd.grad`: `param.grad` is not touched). Float32 buffers (float64 models: float64).
-    """
+    that flows through those tokens (the chain rule); masks that partition the tokens give gradients that add up to the
+    full one. Per micro-batch of `micro_batch_size` completions: one forward with grad (TRL's) and one backward per
+    pair (`torch.autograd.grad`: `param.grad` is not touched). Float32 buffers (float64 models: float64)."""
     params = trainable_parameters(model)
     dtype = torch.promote_types(params[0].dtype, torch.float32)
     sums = [torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device) for _ in token_gradients]
@@ -145,20 +130,14 @@ def summed_parameter_gradients(
         pairs = [(index, g, h) for index, g, h in pairs if g.any() or h.any()]
         if not pairs:  # e.g. a group whose rewards are all equal and no KL: no gradient, no forward
             continue
-        micro_batch = {
-            key: inputs[key][rows] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-        }
+        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+        micro_batch = {key: inputs[key][rows] for key in keys}
         with torch.enable_grad():
             logps, entropies = trl_completion_logps(trainer, micro_batch, model, compute_entropy=True)
         for position, (index, g, h) in enumerate(pairs):
             outputs, weights = ((logps, entropies), (g, h)) if h.any() else ((logps,), (g,))
-            grads = torch.autograd.grad(
-                outputs, params, weights, retain_graph=position < len(pairs) - 1, allow_unused=True
-            )
-            sums[index] += torch.cat(
-                [
-                    (grad if grad is not None else torch.zeros_like(param)).reshape(-1).to(dtype)
-                    for grad, param in zip(grads, params, strict=True)
-                ]
-            )
+            retain = position < len(pairs) - 1
+            grads = torch.autograd.grad(outputs, params, weights, retain_graph=retain, allow_unused=True)
+            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+            sums[index] += torch.cat([grad.reshape(-1).to(dtype) for grad in grads])
     return sums

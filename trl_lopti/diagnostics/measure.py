@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -29,38 +28,21 @@ from .loss import model_mode, summed_parameter_gradients, trainable_parameters, 
 logger = logging.getLogger(__name__)
 
 QUARTILE_LABELS = ("Q1 (lowest)", "Q2", "Q3", "Q4 (highest)")
-PROBE_METHODS = ("grpo", "ar", "lopti", "lopti_ar", "lowest_quartile_only", "highest_quartile_only")
-DEFAULT_PROBE_METHODS = ("grpo", "ar", "lopti", "lowest_quartile_only", "highest_quartile_only")
 FIRST_UPDATE = {  # probe method -> (advantages, active tokens) of its first update; Lopti's second updates "high"
-    "grpo": ("A", "all"),
-    "ar": ("AR", "all"),
-    "lopti": ("A", "low"),
-    "lopti_ar": ("AR", "low"),
-    "lowest_quartile_only": ("A", "q0"),
-    "highest_quartile_only": ("A", "q3"),
-}
-LOPTI_DEFAULTS = {field.name: field.default for field in dataclasses.fields(LoptiGRPOConfig)}
+    "grpo": ("A", "all"), "ar": ("AR", "all"), "lopti": ("A", "low"), "lopti_ar": ("AR", "low"),
+    "lowest_quartile_only": ("A", "q0"), "highest_quartile_only": ("A", "q3"),
+}  # fmt: skip
+PROBE_METHODS = tuple(FIRST_UPDATE)
+DEFAULT_PROBE_METHODS = ("grpo", "ar", "lopti", "lowest_quartile_only", "highest_quartile_only")
 LOSS_SETTINGS = (
-    "loss_type",
-    "importance_sampling_level",
-    "beta",
-    "epsilon",
-    "epsilon_high",
-    "delta",
-    "temperature",
-    "use_bias_correction_kl",
-    "top_entropy_quantile",
-    "entropy_coef",
-    "use_adaptive_entropy",
-    "off_policy_mask_threshold",
-    "use_vllm",
-    "vllm_importance_sampling_correction",
-)
+    "loss_type", "importance_sampling_level", "beta", "epsilon", "epsilon_high", "delta", "temperature",
+    "use_bias_correction_kl", "top_entropy_quantile", "entropy_coef", "use_adaptive_entropy",
+    "off_policy_mask_threshold", "use_vllm", "vllm_importance_sampling_correction",
+)  # fmt: skip
 
 
 def probability_quartiles(logps: torch.Tensor, mask: torch.Tensor) -> tuple[list[float], torch.Tensor]:
-    """
-    Groups the tokens of `mask` by the batch's quartiles of the probabilities `exp(logps)` (B, T): the quantiles at
+    """Groups the tokens of `mask` by the batch's quartiles of the probabilities `exp(logps)` (B, T): the quantiles at
     0.25, 0.5 and 0.75 as the Lopti quantile split computes them ([`~trl_lopti.core_algos.lopti_batch_threshold`]).
 
     Returns:
@@ -79,10 +61,9 @@ def probability_quartiles(logps: torch.Tensor, mask: torch.Tensor) -> tuple[list
 def probability_shift(
     logps_before: torch.Tensor, logps_after: torch.Tensor, advantages: torch.Tensor, quartile: torch.Tensor
 ) -> dict[str, Any]:
-    """
-    The paper's Fig.-3 statistic of one update: per pi_old quartile (`quartile`, (B, T), from [`probability_quartiles`])
-    and sign of the advantage (`advantages`, (B,) or (B, T)), how the sampled tokens' probabilities moved from
-    `logps_before` to `logps_after` (B, T).
+    """The paper's Fig.-3 statistic of one update: per pi_old quartile (`quartile`, (B, T), from
+    [`probability_quartiles`]) and sign of the advantage (`advantages`, (B,) or (B, T)), how the sampled tokens'
+    probabilities moved from `logps_before` to `logps_after` (B, T).
 
     Returns:
         `dict`: For `all`, `q0` ... `q3`: `label`, `zero_advantage_count` and, for `positive` and `negative`
@@ -118,8 +99,7 @@ def hidden_state_gradient_norms(
     d_logps: torch.Tensor | None = None,
     d_entropies: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """
-    Closed-form norms of gradients w.r.t. the last hidden state `h_t` (the LM head's input, `logits = h @ W.T + b`).
+    """Closed-form norms of gradients w.r.t. the last hidden state `h_t` (the LM head's input, `logits = h @ W.T + b`).
 
     With `z = logits / temperature`, `p = softmax(z)` and `k` the sampled token: `d log pi_t / d h_t = W.T (e_k - p)
     / temperature` and `d H_t / d h_t = -W.T (p * (log p + H_t)) / temperature`; `h_t` reaches no other token's
@@ -180,12 +160,9 @@ def completion_statistics(
         ids, scaled = inputs["completion_ids"][rows], logits[:, :-1].double() / temperature  # predict the completion
         values = {"logps": scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)}
         if d_logps is not None:
-            weight, d_entropies_of_rows = lm_head_weight(model), d_entropies[rows]
-            values.update(
-                hidden_state_gradient_norms(
-                    logits[:, :-1], ids, weight, temperature, d_logps[rows], d_entropies_of_rows
-                )
-            )
+            d_rows = (d_logps[rows], d_entropies[rows])
+            norms = hidden_state_gradient_norms(logits[:, :-1], ids, lm_head_weight(model), temperature, *d_rows)
+            values.update(norms)
         for key, value in values.items():
             stats.setdefault(key, []).append(value.double())
     mask = loss_token_mask(inputs).bool()
@@ -220,8 +197,7 @@ def run_token_diagnostics(
     micro_batch_size: int = 4,
     ref_model: torch.nn.Module | None = None,
 ) -> dict[str, Any]:
-    """
-    The token diagnostics of one batch under the loss `trainer` trains (TRL's `_compute_loss`, by autograd).
+    """The token diagnostics of one batch under the loss `trainer` trains (TRL's `_compute_loss`, by autograd).
 
     Cost: two no-grad forwards (TRL's, and a plain one for the logits); with `summed_gradients`, one forward with grad
     and four backward passes, and `4 x num_trainable_params` float32; per probe method, one forward with grad and one
@@ -264,15 +240,9 @@ def run_token_diagnostics(
         edges, quartile = probability_quartiles(old_logps, mask)
         groups = {"all": mask, **{f"q{j}": quartile == j for j in range(4)}}
         scale = max(int(mask.sum()), 1)  # w = -N dL/dlog pi: for dapo and bnpo, each token's own weight
-        stats.update(
-            w=-scale * d_logps,
-            w_no_kl=-scale * d_no_kl,
-            entropy_weight=-scale * d_entropies,
-            loss=scale * stats["loss"],
-            advantages=token_level_advantages(batch["advantages"], mask.size(1)),
-            pi_old=old_logps.exp(),
-            quartile=quartile,
-        )
+        stats.update(w=-scale * d_logps, w_no_kl=-scale * d_no_kl, entropy_weight=-scale * d_entropies)
+        advantages = token_level_advantages(batch["advantages"], mask.size(1))
+        stats.update(loss=scale * stats["loss"], advantages=advantages, pi_old=old_logps.exp(), quartile=quartile)
         quartile_grads = None
         if summed_gradients:
             pairs = [(d_logps * groups[f"q{j}"], d_entropies * groups[f"q{j}"]) for j in range(4)]
@@ -293,9 +263,9 @@ def probe_split(trainer: GRPOTrainer, old_logps: torch.Tensor, mask: torch.Tenso
     """The probe's AR alpha and Lopti eta: the trainer's `LoptiGRPOConfig` fields (`LoptiGRPOConfig`'s defaults for
     a TRL `GRPOConfig`); with `lopti_quantile`, eta is that quantile of the batch's pi_old."""
     args = trainer.args
-    alpha = getattr(args, "advantage_reweighting_alpha", LOPTI_DEFAULTS["advantage_reweighting_alpha"])
+    alpha = getattr(args, "advantage_reweighting_alpha", LoptiGRPOConfig.advantage_reweighting_alpha)
     quantile = getattr(args, "lopti_quantile", None)
-    eta = getattr(args, "lopti_threshold", LOPTI_DEFAULTS["lopti_threshold"])
+    eta = getattr(args, "lopti_threshold", LoptiGRPOConfig.lopti_threshold)
     if quantile is not None:
         eta = lopti_batch_threshold(old_logps, mask, quantile)
     return {"alpha": alpha, "eta": eta, "lopti_quantile": quantile}
@@ -304,8 +274,7 @@ def probe_split(trainer: GRPOTrainer, old_logps: torch.Tensor, mask: torch.Tenso
 def check_probe_methods(methods: Sequence[str], args: Any) -> None:
     """Raises `ValueError` for a probe method not in `PROBE_METHODS`, or for a Lopti probe (`lopti`, `lopti_ar`) under
     a `LoptiGRPOConfig` `args` that turns Lopti off (TRL's `GRPOConfig` gets the paper's eta)."""
-    unknown = [method for method in methods if method not in PROBE_METHODS]
-    if unknown:
+    if unknown := [method for method in methods if method not in PROBE_METHODS]:
         raise ValueError(f"probe_methods: unknown {unknown}; choose from {list(PROBE_METHODS)}")
     if not getattr(args, "lopti_enabled", True) and any(FIRST_UPDATE[method][1] == "low" for method in methods):
         raise ValueError("probe_methods: the Lopti probes need Lopti on (a lopti_threshold or a lopti_quantile)")
@@ -347,38 +316,28 @@ def quartile_table(
             "ratio_to_one_minus_p_max": _stat(ratio[group], "max"),
         }
         if full is not None:
-            row.update(
-                summed_grad_norm=_norm(quartile_grads[j]),
-                cos_with_full=_cosine(quartile_grads[j], full),
-                contribution_to_full=_dot(quartile_grads[j], full) / max(_dot(full, full), 1e-300),
-            )
+            grad = quartile_grads[j]
+            row.update(summed_grad_norm=_norm(grad), cos_with_full=_cosine(grad, full))
+            row["contribution_to_full"] = _dot(grad, full) / max(_dot(full, full), 1e-300)
         rows.append(row)
     sigma = float(torch.linalg.matrix_norm(lm_head_weight(model).detach().double(), ord=2))
+    bound = math.sqrt(2) * sigma / trainer.temperature
     table = {
         "num_completions": int(groups["all"].size(0)),
         "num_tokens": int(groups["all"].sum()),
         "quartile_edges": [edge if math.isfinite(edge) else None for edge in edges],
         "loss": {name: getattr(trainer.args, name, None) for name in LOSS_SETTINGS},
         "quartiles": rows,
-        "bound": {
-            "lm_head_spectral_norm": sigma,
-            "ratio_to_one_minus_p_upper_bound": math.sqrt(2) * sigma / trainer.temperature,
-        },
+        "bound": {"lm_head_spectral_norm": sigma, "ratio_to_one_minus_p_upper_bound": bound},
     }
     if full is not None:
         table["full_grad_norm"] = _norm(full)
         table["summed_grad_cosine"] = [[_cosine(a, b) for b in quartile_grads] for a in quartile_grads]
     keys = (
-        "hidden_grad_norm_mean",
-        "unit_hidden_grad_norm_mean",
-        "summed_grad_norm",
-        "abs_w_mean",
-        "abs_w_no_kl_mean",
-    )
-    ratios = [(rows[0].get(key), rows[-1].get(key)) for key in keys]
-    table["lowest_over_highest"] = {
-        key: low / high if low is not None and high else None for key, (low, high) in zip(keys, ratios, strict=True)
-    }
+        "hidden_grad_norm_mean", "unit_hidden_grad_norm_mean", "summed_grad_norm", "abs_w_mean", "abs_w_no_kl_mean"
+    )  # fmt: skip
+    ratios = ((key, rows[0].get(key), rows[-1].get(key)) for key in keys)
+    table["lowest_over_highest"] = {key: low / high if low is not None and high else None for key, low, high in ratios}
     return table
 
 
@@ -399,19 +358,16 @@ def probe(
     if settings["eta"] is not None:
         low = low_probability_token_mask(old_logps, mask, settings["eta"])
         groups = dict(groups, low=token_group_mask(low, mask, "low"), high=token_group_mask(low, mask, "high"))
-    variants = {
-        "A": batch,
-        "AR": dict(batch, advantages=reweight_advantages(batch["advantages"], old_logps, settings["alpha"])),
-    }
+    reweighted = reweight_advantages(batch["advantages"], old_logps, settings["alpha"])
+    variants = {"A": batch, "AR": dict(batch, advantages=reweighted)}
     params = trainable_parameters(model)
     start = [param.detach().clone() for param in params]
     results = {}
     try:
         for method in methods:
             advantages, tokens = FIRST_UPDATE[method]
-            update = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[settings["optimizer"]](
-                params, lr=settings["lr"]
-            )
+            optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[settings["optimizer"]]
+            update = optimizer(params, lr=settings["lr"])
             gradient_step(trainer, model, variants[advantages], update, groups[tokens], micro_batch_size, values)
             if tokens == "low":  # Lopti's high pass: from the new parameters, ratio and clipping against pi_old
                 gradient_step(trainer, model, variants[advantages], update, groups["high"], micro_batch_size)
@@ -444,10 +400,9 @@ def gradient_step(
     pair = tuple(value * tokens for value in trl_loss_gradients(trainer, batch, *values))
     flat = summed_parameter_gradients(trainer, model, batch, [pair], micro_batch_size)[0]
     params = trainable_parameters(model)
-    previous, offset = [param.grad for param in params], 0
-    for param in params:
-        param.grad = flat[offset : offset + param.numel()].view_as(param).to(param.dtype)
-        offset += param.numel()
+    previous = [param.grad for param in params]
+    for param, grad in zip(params, flat.split([param.numel() for param in params]), strict=True):
+        param.grad = grad.view_as(param).to(param.dtype)
     optimizer.step()
     for param, grad in zip(params, previous, strict=True):
         param.grad = grad
@@ -463,15 +418,11 @@ def restore(params: list[torch.nn.Parameter], values: list[torch.Tensor]) -> Non
 def advance_policy_on_batch(
     trainer: GRPOTrainer, inputs: dict[str, Any], steps: int, lr: float, micro_batch_size: int = 4
 ) -> dict[str, Any]:
-    """
-    Takes `steps` Adam steps (learning rate `lr`) of TRL's loss on the batch `inputs`, updating the trainer's model in
-    place as TRL does with `num_iterations = steps + 1`: the diagnostics then see ratios away from one, clipping and,
-    with `beta > 0`, a KL part. First the batch's log-probabilities under the model (TRL's forward) are stored in
-    `inputs` as `old_per_token_logps` (the behaviour policy) and, with `beta > 0` and none there, `ref_per_token_logps`.
-
-    Returns:
-        `dict[str, Any]`: `{"steps", "lr", "update_norm"}`.
-    """
+    """Takes `steps` Adam steps (learning rate `lr`) of TRL's loss on the batch `inputs`, updating the trainer's model
+    in place as TRL does with `num_iterations = steps + 1`: the diagnostics then see ratios away from one, clipping
+    and, with `beta > 0`, a KL part. First the batch's log-probabilities under the model (TRL's forward) are stored in
+    `inputs` as `old_per_token_logps` (the behaviour policy) and, with `beta > 0` and none there,
+    `ref_per_token_logps`. Returns `{"steps", "lr", "update_norm"}`."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     params = trainable_parameters(model)
     start = [param.detach().clone() for param in params]
@@ -504,8 +455,7 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
 
 
 def _stat(values: torch.Tensor, how: str = "mean") -> float | None:
-    values = values.double()
-    values = values[torch.isfinite(values)]
+    values = values.double()[torch.isfinite(values)]
     if values.numel() == 0:
         return None
     return float(torch.quantile(values, 0.5) if how == "median" else getattr(values, how)())  # median: mid-point mean

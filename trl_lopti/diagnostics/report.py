@@ -12,20 +12,12 @@ from .measure import QUARTILE_LABELS
 
 SIGNS = ("positive", "negative")
 TABLE_COLUMNS = {
-    "quartile": "label",
-    "n": "count",
-    "mean π_old": "prob_mean",
-    "mean |w| (KL)": "abs_w_mean",
-    "median |w| (KL)": "abs_w_median",
-    "mean |w| (no KL)": "abs_w_no_kl_mean",
-    "median |w| (no KL)": "abs_w_no_kl_median",
-    "mean ‖dL/dh‖": "hidden_grad_norm_mean",
-    "mean ‖dlogπ/dh‖/(1-π)": "ratio_to_one_minus_p_mean",
-    "max ratio": "ratio_to_one_minus_p_max",
-    "‖Σ grad‖": "summed_grad_norm",
-    "cos(full)": "cos_with_full",
-    "share of full": "contribution_to_full",
-}
+    "quartile": "label", "n": "count", "mean π_old": "prob_mean", "mean |w| (KL)": "abs_w_mean",
+    "median |w| (KL)": "abs_w_median", "mean |w| (no KL)": "abs_w_no_kl_mean",
+    "median |w| (no KL)": "abs_w_no_kl_median", "mean ‖dL/dh‖": "hidden_grad_norm_mean",
+    "mean ‖dlogπ/dh‖/(1-π)": "ratio_to_one_minus_p_mean", "max ratio": "ratio_to_one_minus_p_max",
+    "‖Σ grad‖": "summed_grad_norm", "cos(full)": "cos_with_full", "share of full": "contribution_to_full",
+}  # fmt: skip
 
 
 def _fmt(value: Any) -> str:
@@ -45,49 +37,34 @@ def format_tables(report: dict[str, Any]) -> str:
     """The main figures of a `run_token_diagnostics` report (with an `inner_steps` entry, from
     `advance_policy_on_batch`, shown) as Markdown text."""
     gradients, lines = report["gradients"], []
-    if report.get("inner_steps"):
-        inner = report["inner_steps"]
-        lines += [
-            (
-                f"Measured after {inner['steps']} Adam step(s) (lr {_fmt(inner['lr'])}, ‖Δθ‖ "
-                f"{_fmt(inner['update_norm'])}) of TRL's loss on the batch; π_old = the sampling model."
-            ),
-            "",
-        ]
+    if inner := report.get("inner_steps"):
+        steps = f"{inner['steps']} Adam step(s) (lr {_fmt(inner['lr'])}, ‖Δθ‖ {_fmt(inner['update_norm'])})"
+        lines += [f"Measured after {steps} of TRL's loss on the batch; π_old = the sampling model.", ""]
     loss = ", ".join(f"{key} {_fmt(value)}" for key, value in gradients["loss"].items() if value is not None)
     quartiles = [[row.get(key) for key in TABLE_COLUMNS.values()] for row in gradients["quartiles"]]
+    bound = _fmt(gradients["bound"]["ratio_to_one_minus_p_upper_bound"])
     lines += [
         f"TRL's loss ({loss}); {gradients['num_tokens']} tokens in {gradients['num_completions']} completions; "
         "quartile edges of π_old: " + ", ".join(_fmt(edge) for edge in gradients["quartile_edges"]),
         "",
         *markdown_table(" | ".join(TABLE_COLUMNS), quartiles),
         "",
-        (
-            f"Bound on ‖dlogπ/dh‖/(1-π): {_fmt(gradients['bound']['ratio_to_one_minus_p_upper_bound'])}; "
-            f"KL reference: {_fmt(gradients['kl_reference'])}"
-        ),
+        f"Bound on ‖dlogπ/dh‖/(1-π): {bound}; KL reference: {_fmt(gradients['kl_reference'])}",
         "Lowest/highest quartile: "
         + ", ".join(f"{key} {_fmt(value)}" for key, value in gradients["lowest_over_highest"].items()),
     ]
     if gradients.get("summed_grad_cosine"):
         cosines = [[f"Q{j + 1}", *row] for j, row in enumerate(gradients["summed_grad_cosine"])]
-        lines += [
-            "",
-            "Cosine between quartiles' summed gradients:",
-            "",
-            *markdown_table(" | Q1 | Q2 | Q3 | Q4", cosines),
-        ]
+        table = markdown_table(" | Q1 | Q2 | Q3 | Q4", cosines)
+        lines += ["", "Cosine between quartiles' summed gradients:", "", *table]
     probe = report.get("probe")
     if probe and probe.get("methods"):
-        lines += [
-            "",
-            (
-                f"Probability shift after one {probe['optimizer']} update (lr {_fmt(probe['lr'])}, alpha "
-                f"{_fmt(probe['alpha'])}, eta {_fmt(probe['eta'])}): share of tokens moved in the direction of "
-                "their advantage (mean Δπ)"
-            ),
-            "",
-        ]
+        title = (
+            f"Probability shift after one {probe['optimizer']} update (lr {_fmt(probe['lr'])}, alpha "
+            f"{_fmt(probe['alpha'])}, eta {_fmt(probe['eta'])}): share of tokens moved in the direction of "
+            "their advantage (mean Δπ)"
+        )
+        lines += ["", title, ""]
         for sign in SIGNS:
             count = probe["methods"][next(iter(probe["methods"]))]["groups"]["all"][sign]["count"]
             rows = []
@@ -101,12 +78,8 @@ def format_tables(report: dict[str, Any]) -> str:
 
 
 def plot_report(report: dict[str, Any], output_dir: str | os.PathLike) -> list[str]:
-    """
-    Writes bar charts by probability quartile (the paper's Fig. 1 and Fig. 3) of a `run_token_diagnostics` report.
-
-    Args:
-        report (`dict[str, Any]`), output_dir (`str` or `os.PathLike`):
-            Output of `run_token_diagnostics`, and the folder for the PNG files (created if missing).
+    """Writes bar charts by probability quartile (the paper's Fig. 1 and Fig. 3) of a `run_token_diagnostics` report as
+    PNG files in `output_dir` (created if missing).
 
     Returns:
         `list[str]`: The files written: `gradients.png`, and `probability_shift.png` when the report has a probe.
@@ -137,9 +110,8 @@ def plot_report(report: dict[str, Any], output_dir: str | os.PathLike) -> list[s
     for axis in list(axes.flat)[len(panels) :]:
         axis.set_axis_off()
     edges = ", ".join(_fmt(edge) for edge in gradients["quartile_edges"])
-    written.append(
-        save_figure(figure, output_dir / "gradients.png", f"Token diagnostics by π_old quartile (edges {edges})")
-    )
+    title = f"Token diagnostics by π_old quartile (edges {edges})"
+    written.append(save_figure(figure, output_dir / "gradients.png", title))
     probe = report.get("probe")
     if probe and probe.get("methods"):
         figure, axes = new_figure(2, 2, figsize=(12, 8))
@@ -151,9 +123,8 @@ def plot_report(report: dict[str, Any], output_dir: str | os.PathLike) -> list[s
                     for method, result in probe["methods"].items()
                 }
                 ylim = (0, 1) if key == "share_in_direction" else None
-                pd.DataFrame(values, index=QUARTILE_LABELS).plot.bar(
-                    ax=axis, title=title.format(f"{sign}-advantage"), rot=0, fontsize=8, ylim=ylim
-                )
+                frame = pd.DataFrame(values, index=QUARTILE_LABELS)
+                frame.plot.bar(ax=axis, title=title.format(f"{sign}-advantage"), rot=0, fontsize=8, ylim=ylim)
         title = f"One {probe['optimizer']} update (lr={probe['lr']:g}, α={probe['alpha']:g}, η={_fmt(probe['eta'])})"
         written.append(save_figure(figure, output_dir / "probability_shift.png", title))
     return written

@@ -11,16 +11,11 @@
 Example:
 
 ```python
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 from trl_lopti.tasks import generate_dataset, knights_knaves_reward
 
-train_dataset = generate_dataset([3, 4, 5, 6, 7], num_samples=5000, seed=0)
-trainer = GRPOTrainer(
-    model="Qwen/Qwen2.5-3B-Instruct",
-    reward_funcs=knights_knaves_reward,
-    args=GRPOConfig(output_dir="kk"),
-    train_dataset=train_dataset,
-)
+dataset = generate_dataset([3, 4, 5, 6, 7], num_samples=5000, seed=0)
+trainer = GRPOTrainer(model="Qwen/Qwen2.5-3B-Instruct", reward_funcs=knights_knaves_reward, train_dataset=dataset)
 ```
 """
 

@@ -1,8 +1,5 @@
 """Where the authors of arXiv 2505.12929 publish their data: their repository (a verl fork), pinned to one commit."""
 
-from __future__ import annotations
-
-
 AUTHORS_REPOSITORY = "zhyang2226/AR-Lopti"
 """The authors' public code and data (GitHub)."""
 

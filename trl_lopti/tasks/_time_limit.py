@@ -1,10 +1,7 @@
 """Running work under a wall-clock limit: in this process (a `SIGALRM` timer or a helper thread) or in a worker
-process.
-
-A worker process serves one function of a `trl_lopti.tasks` module in its own main thread, where the `SIGALRM` limit
-can interrupt it; the parent kills the worker when it does not answer in time (stuck in C code) and starts a new one
-on the next call. The worker imports the task module and what it needs; `import trl_lopti` imports no TRL.
-"""
+process ([`WorkerProcess`]: one function of a `trl_lopti.tasks` module served in the worker's main thread, the worker
+killed when it does not answer in time). The worker imports the task module and what it needs; `import trl_lopti`
+imports no TRL."""
 
 from __future__ import annotations
 
@@ -20,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from subprocess import DEVNULL, PIPE
 from typing import Any, TypeVar
 
 
@@ -36,11 +34,9 @@ sys.path.insert(0, sys.argv[1])
 module_name, _, function_name = sys.argv[2].partition(":")
 function = getattr(importlib.import_module(module_name), function_name)
 function(*json.loads(sys.argv[3]))
-sys.stdout.write("ready\\n")
-sys.stdout.flush()
+print("ready", flush=True)
 for line in sys.stdin:
-    sys.stdout.write(json.dumps(function(*json.loads(line))) + "\\n")
-    sys.stdout.flush()
+    print(json.dumps(function(*json.loads(line))), flush=True)
 """
 
 
@@ -82,11 +78,9 @@ def _run_in_thread(func: Callable[[], _T], seconds: float) -> _T:
     helper.start()
     helper.join(seconds)
     if helper.is_alive():
-        stopped = ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(helper.ident), ctypes.py_object(DeadlineExceeded)
-        )
-        if stopped > 1:  # should not happen; undo rather than disturb other threads
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(helper.ident), None)
+        thread_id = ctypes.c_ulong(helper.ident)
+        if ctypes.pythonapi.PyThreadState_SetAsyncExc(thread_id, ctypes.py_object(DeadlineExceeded)) > 1:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(thread_id, None)  # should not happen: don't disturb others
         raise DeadlineExceeded()
     if "error" in outcome:
         raise outcome["error"]
@@ -99,11 +93,9 @@ def in_main_thread() -> bool:
 
 
 def run_with_time_limit(func: Callable[[], _T], seconds: float | None) -> _T:
-    """
-    Runs `func()` in this process and raises [`DeadlineExceeded`] after `seconds` of wall-clock time (`None` or `<= 0`:
-    no limit): in the main thread by a `SIGALRM` timer (any timer already set is restored afterwards), elsewhere in a
-    helper thread, which cannot interrupt a long call into C code (a [`WorkerProcess`] can).
-    """
+    """Runs `func()` in this process and raises [`DeadlineExceeded`] after `seconds` of wall-clock time (`None` or
+    `<= 0`: no limit): in the main thread by a `SIGALRM` timer (any timer already set is restored afterwards),
+    elsewhere in a helper thread, which cannot interrupt a long call into C code (a [`WorkerProcess`] can)."""
     if seconds is None or seconds <= 0:
         return func()
     if in_main_thread():
@@ -116,18 +108,16 @@ def run_with_time_limit(func: Callable[[], _T], seconds: float | None) -> _T:
 
 
 class WorkerProcess:
-    """
-    A child Python process that calls one function for the parent, one JSON-encoded call at a time (calls from several
-    threads wait their turn). A call that gets no answer in time kills the child (stuck, e.g. in C code) and returns
-    `None`; the next call starts a new child.
+    """A child Python process that calls one function for the parent, one JSON-encoded call at a time (calls from
+    several threads wait their turn). A call that gets no answer in time kills the child (stuck, e.g. in C code) and
+    returns `None`; the next call starts a new child.
 
     Args:
         target (`str`):
             `"module:function"` of a module under `trl_lopti` (e.g. `"trl_lopti.tasks.math.grading:score_in_process"`),
             with JSON-serialisable arguments and result. It runs in the child's main thread, where
             [`run_with_time_limit`] can enforce its own limit.
-        warmup_args (`tuple`):
-            Arguments of a first call made before the child reports ready (imports, caches).
+        warmup_args (`tuple`): Arguments of a first call made before the child reports ready (imports, caches).
     """
 
     def __init__(self, target: str, warmup_args: tuple = ()):
@@ -147,13 +137,8 @@ class WorkerProcess:
 
     def _start(self) -> None:
         package_root = str(Path(__file__).resolve().parents[2])
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_SCRIPT, package_root, self.target, json.dumps(self.warmup_args)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
+        command = [sys.executable, "-c", _WORKER_SCRIPT, package_root, self.target, json.dumps(self.warmup_args)]
+        self._process = subprocess.Popen(command, stdin=PIPE, stdout=PIPE, stderr=DEVNULL, text=True)
         if self._wait_for_line(WORKER_STARTUP_SECONDS) != "ready\n":
             self._stop()
             raise RuntimeError(f"The worker process for {self.target} did not start")

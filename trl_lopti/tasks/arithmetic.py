@@ -2,9 +2,8 @@
 
 A prompt is `"What is 7 - 3? The answer is"`, so that a completion is a few tokens, and the reward is 1 when the first
 integer of the completion is the result, else 0. A small pretrained model (SmolLM2-135M-Instruct) partly solves it, so
-the rewards of a GRPO group differ and training has a signal. Families: `add` (a + b), `sub` (a - b, a >= b), `mul`
-(a * b), `add3` (a + b + c), operands 0-9. Held-out problems come from a fixed split per family and are never trained
-on. [`evaluate_held_out`] measures greedy accuracy and the mean reward of sampled answers.
+the rewards of a GRPO group differ and training has a signal. Held-out problems come from a fixed split per family
+([`FAMILIES`], operands 0-9) and are never trained on.
 """
 
 from __future__ import annotations
@@ -104,14 +103,12 @@ def evaluate_held_out(
     samples: int,
     seed: int,
 ) -> dict[str, Any]:
-    """
-    Greedy accuracy and mean reward of sampled answers on held-out problems, overall and per family.
+    """Greedy accuracy and mean reward of sampled answers on held-out problems, overall and per family.
 
     Args:
         model (`PreTrainedModel`), tokenizer (`PreTrainedTokenizerBase`):
             The model (in eval mode for the call) and its tokenizer (left padding for the call).
-        held_out (`Sequence[tuple[str, str, int]]`):
-            `(family, prompt, answer)`, from [`split_problems`].
+        held_out (`Sequence[tuple[str, str, int]]`): `(family, prompt, answer)`, from [`split_problems`].
         reward_func (`Callable`):
             A reward of `REWARDS`, called as TRL calls it (completions, `answer`, `completion_ids`).
         max_new_tokens (`int`), temperature (`float`), samples (`int`), seed (`int`):
@@ -144,9 +141,8 @@ def evaluate_held_out(
             greedy = model.generate(**common, do_sample=False, temperature=None, top_p=None, top_k=None)
             greedy_rewards = rewards(greedy, 1)
             torch.manual_seed(seed)
-            sampled = model.generate(
-                **common, do_sample=True, temperature=temperature, top_p=1.0, top_k=0, num_return_sequences=samples
-            )
+            sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0, num_return_sequences=samples)
+            sampled = model.generate(**common, **sampling)
             sampled_rewards = rewards(sampled, samples)
     finally:
         tokenizer.padding_side = padding_side
@@ -155,10 +151,8 @@ def evaluate_held_out(
     for family in dict.fromkeys(families):
         rows = [i for i, f in enumerate(families) if f == family]
         sampled_rows = [sampled_rewards[i * samples + k] for i in rows for k in range(samples)]
-        per_family[family] = {
-            "accuracy": sum(greedy_rewards[i] for i in rows) / len(rows),
-            "reward": sum(sampled_rows) / len(sampled_rows),
-        }
+        accuracy = sum(greedy_rewards[i] for i in rows) / len(rows)
+        per_family[family] = {"accuracy": accuracy, "reward": sum(sampled_rows) / len(sampled_rows)}
     return {
         "accuracy": sum(greedy_rewards) / len(greedy_rewards),
         "reward": sum(sampled_rewards) / len(sampled_rewards),

@@ -1,11 +1,6 @@
-"""Knights & Knaves (K&K) logic puzzles and their reward, ready for TRL's `GRPOTrainer` (arXiv 2505.12929).
-
-- puzzles ([`solve`], [`generate_puzzles`], [`render_quiz`], ...): the solver, a seeded generator, the published
-  phrasing (its 51 names and 18 speech templates).
-- rewards ([`knights_knaves_reward`] and its parts): the paper's (Logic-RL's) rule-based reward.
-- data ([`paper_prompt`], [`load_knights_knaves_dataset`], [`generate_dataset`]): the authors' split and exact prompt
-  text, the Hub set, generated puzzles.
-"""
+"""Knights & Knaves (K&K) logic puzzles and their reward, ready for TRL's `GRPOTrainer` (arXiv 2505.12929): the
+solver, a seeded generator and the published phrasing (`puzzles`), the paper's (Logic-RL's) rule-based reward
+(`rewards`), and the authors' split and exact prompt text, the Hub set and generated puzzles (`data`)."""
 
 from .._text import completion_to_text
 from .data import (
@@ -30,7 +25,6 @@ from .puzzles import (
     MAX_PEOPLE,
     MIN_PEOPLE,
     NAMES,
-    OPERATORS,
     SPEECH_TEMPLATES,
     Statement,
     generate_puzzles,

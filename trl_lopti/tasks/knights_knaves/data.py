@@ -1,16 +1,11 @@
-"""K&K data for TRL: the authors' paper split and prompt, the Hub's published puzzles, and generated puzzles.
-
-- [`paper_prompt`]: the exact text the paper's model saw for a quiz (Qwen2.5 chat markup written out, the Logic-RL
-  instruction, `<think>` pre-filled), byte for byte the `prompt` column of the authors' parquet files.
-- [`load_knights_knaves_dataset`]: `source="paper"` (default): the authors' puzzles and split (train 4,500 = 900 per
-  size, `index` 100-999; test 500 = 100 per size, `index` 1000-1099; disjoint) with [`paper_prompt`] prompts;
-  `source="hub"`: `K-and-K/knights-and-knaves` from the Hub, with conversational prompts.
-- [`generate_dataset`]: puzzles from the seeded generator ([`generate_puzzles`]) with conversational prompts.
-"""
+"""K&K data for TRL ([`load_knights_knaves_dataset`]): the authors' split with the exact text their model saw
+(`source="paper"`; [`paper_prompt`], byte for byte the `prompt` column of their parquet files) or the Hub's published
+puzzles (`source="hub"`), and generated puzzles ([`generate_dataset`])."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from .._paper import AUTHORS_DATA_URL
@@ -56,14 +51,12 @@ PAPER_KK_DIR = "data/kk/instruct"
 
 
 def paper_prompt(quiz: str) -> str:
-    """
-    The exact prompt text of the paper's K&K runs for a quiz (the `quiz` column).
+    """The exact prompt text of the paper's K&K runs for a quiz (the `quiz` column).
 
     Qwen2.5's chat markup written out as text: a system turn with [`PAPER_SYSTEM_PROMPT`], a user turn with the quiz,
     each ending in a newline before `<|im_end|>`, then an open assistant turn pre-filled with `<think>`. It equals the
-    `prompt` column of all 5,500 rows of the authors' `data/kk/instruct/{3..7}ppl/{train,test,test_new}.parquet`
-    byte for byte. Give it to TRL as a plain-text prompt: no chat template goes on top.
-    """
+    `prompt` column of all 5,500 rows of the authors' `data/kk/instruct/{3..7}ppl/{train,test,test_new}.parquet` byte
+    for byte. Give it to TRL as a plain-text prompt: no chat template goes on top."""
     return (
         f"<|im_start|>system\n{PAPER_SYSTEM_PROMPT}\n<|im_end|>\n"
         f"<|im_start|>user\n{quiz}\n<|im_end|>\n"
@@ -72,15 +65,10 @@ def paper_prompt(quiz: str) -> str:
 
 
 def make_prompt(quiz: str, system_prompt: str = SYSTEM_PROMPT, prefill_think: bool = False) -> list[dict[str, str]]:
-    """
-    The conversational prompt of a puzzle: the system message and the quiz, then with `prefill_think` an assistant
-    message holding `"<think>"` for the model to continue, as the paper prompts.
-
-    TRL 1.16's GRPOTrainer renders conversational prompts with `add_generation_prompt=True` only (it would close that
-    assistant turn and open a new one), so render such prompts to text first with [`render_prompts_as_text`] (the CLI
-    does this). The `<think>` is then part of the prompt, not of the completion: score with `think_prefilled=True` (the
-    `think_prefilled` column does this automatically).
-    """
+    """The conversational prompt of a puzzle: the system message and the quiz, then with `prefill_think` an assistant
+    message holding `"<think>"` for the model to continue, as the paper prompts. Give such prompts to TRL as text
+    ([`render_prompts_as_text`], as the CLI does): the `<think>` is then part of the prompt, not of the completion, and
+    scored with `think_prefilled=True` (the `think_prefilled` column does this automatically)."""
     messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": quiz}]
     if prefill_think:
         messages.append({"role": "assistant", "content": THINK_PREFILL})
@@ -100,30 +88,21 @@ def generate_dataset(
     prefill_think: bool = False,
     **generator_options: Any,
 ):
-    """
-    `num_samples` Knights & Knaves puzzles with exactly one solution ([`generate_puzzles`], which takes
+    """`num_samples` Knights & Knaves puzzles with exactly one solution ([`generate_puzzles`], which takes
     `**generator_options`: `seed`, `max_width`, `max_attempts`) as a TRL-ready dataset: columns `prompt` (see
     [`make_prompt`]), the puzzle columns and `think_prefilled` (`prefill_think`, which the K&K reward functions read to
-    count the pre-filled `<think>` as part of the response).
-    """
+    count the pre-filled `<think>` as part of the response)."""
     from datasets import Dataset
 
     puzzles = generate_puzzles(num_people, num_samples, **generator_options)
     return Dataset.from_list([_example(puzzle, system_prompt, prefill_think) for puzzle in puzzles])
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Published data
-# ---------------------------------------------------------------------------------------------------------------------
 def _published_record(record: dict[str, Any]) -> dict[str, Any]:
-    return puzzle_record(
-        quiz=record["quiz"],
-        names=[str(name) for name in record["names"]],
-        solution=record["solution"],
-        statements=str(parse_statements(record["statements"])),
-        solution_text_format=record.get("solution_text_format"),
-        solution_text=record.get("solution_text"),
-    )
+    quiz, names, solution = record["quiz"], [str(name) for name in record["names"]], record["solution"]
+    statements = str(parse_statements(record["statements"]))
+    texts = {"solution_text_format": record.get("solution_text_format"), "solution_text": record.get("solution_text")}
+    return puzzle_record(quiz, names, solution, statements, **texts)
 
 
 def knights_knaves_record_to_example(
@@ -142,38 +121,29 @@ def prepare_knights_knaves_dataset(dataset, system_prompt: str = SYSTEM_PROMPT, 
 
 
 def paper_record_to_example(record: dict[str, Any]) -> dict[str, Any]:
-    """One row of the authors' `data/kk/instruct/{n}ppl/{train,test}.parquet` with the columns of
-    [`generate_dataset`] plus `index`, and the paper's text prompt (its `prompt` checked to be [`paper_prompt`] of the
-    quiz)."""
+    """One row of the authors' `data/kk/instruct/{n}ppl/{train,test}.parquet` with the columns of [`generate_dataset`]
+    plus `index`, and the paper's text prompt (its `prompt` checked to be [`paper_prompt`] of the quiz)."""
     prompt = paper_prompt(record["quiz"])
     published = record.get("prompt")
     if published is not None:
         messages = list(published)
         text = messages[0].get("content") if len(messages) == 1 and isinstance(messages[0], dict) else None
         if text != prompt:
-            raise ValueError(
-                f"prompt: row index {record.get('index')} does not hold the paper's prompt text for its quiz"
-            )
+            index = record.get("index")
+            raise ValueError(f"prompt: row index {index} does not hold the paper's prompt text for its quiz")
     return {"prompt": prompt, **_published_record(record), "think_prefilled": True, "index": int(record["index"])}
-
-
-def _paper_files(split: str, sizes: Sequence[int], data_dir: str | None) -> list[str]:
-    if data_dir is None:
-        return [f"{AUTHORS_DATA_URL}/{PAPER_KK_DIR}/{size}ppl/{split}.parquet" for size in sizes]
-    from pathlib import Path
-
-    files = [Path(data_dir).expanduser() / f"{size}ppl" / f"{split}.parquet" for size in sizes]
-    missing = [str(file) for file in files if not file.is_file()]
-    if missing:
-        layout = "{3..7}ppl/{train,test}.parquet"
-        raise FileNotFoundError(f"data_dir: missing {missing} (expected the layout {layout})")
-    return [str(file) for file in files]
 
 
 def _load_paper_split(split: str, sizes: Sequence[int], data_dir: str | None):
     import datasets
 
-    rows = datasets.load_dataset("parquet", data_files=_paper_files(split, sizes, data_dir), split="train")
+    files = [f"{AUTHORS_DATA_URL}/{PAPER_KK_DIR}/{size}ppl/{split}.parquet" for size in sizes]
+    if data_dir is not None:
+        files = [str(Path(data_dir).expanduser() / f"{size}ppl" / f"{split}.parquet") for size in sizes]
+        if missing := [file for file in files if not Path(file).is_file()]:
+            layout = "{3..7}ppl/{train,test}.parquet"
+            raise FileNotFoundError(f"data_dir: missing {missing} (expected the layout {layout})")
+    rows = datasets.load_dataset("parquet", data_files=files, split="train")
     indices = PAPER_SPLITS[split]
     rows = rows.filter(lambda index: index in indices, input_columns="index")
     return rows.map(paper_record_to_example, remove_columns=rows.column_names)
@@ -182,8 +152,7 @@ def _load_paper_split(split: str, sizes: Sequence[int], data_dir: str | None):
 def load_paper_knights_knaves(
     split: str = "train", num_people: Sequence[int] = PAPER_SIZES, data_dir: str | None = None
 ):
-    """
-    The paper's K&K split: the authors' puzzles with the text prompt their model saw.
+    """The paper's K&K split: the authors' puzzles with the text prompt their model saw.
 
     Rows are kept by `index` ([`PAPER_SPLITS`]: train 100-999, test 1000-1099 per size), so a file that holds more
     (the Hub's 1,000-per-size `train`) still gives the paper's split. The train and test quizzes are checked to be
@@ -193,22 +162,18 @@ def load_paper_knights_knaves(
         split (`str`, *optional*, defaults to `"train"`):
             `"train"` (900 per size: 4,500 for sizes 3-7) or `"test"` (100 per size: 500; the authors' `test.parquet`,
             which holds the same puzzles as their `test_new.parquet`).
-        num_people (`Sequence[int]`, *optional*, defaults to `(3, 4, 5, 6, 7)`):
-            Sizes to load, concatenated in this order.
-        data_dir (`str`, *optional*):
-            A local folder laid out as `{n}ppl/{split}.parquet`; by default the files are read from the authors'
-            repository by URL ([`AUTHORS_DATA_URL`]).
+        num_people (`Sequence[int]`, *optional*, defaults to `(3, 4, 5, 6, 7)`), data_dir (`str`, *optional*):
+            Sizes to load, concatenated in this order; a local folder laid out as `{n}ppl/{split}.parquet` to read
+            instead of the authors' repository ([`AUTHORS_DATA_URL`]).
 
     Returns:
-        `datasets.Dataset`: Columns `prompt` (text, [`paper_prompt`]), `quiz`, `names`, `solution`,
-        `solution_text`, `solution_text_format`, `statements`, `num_people`, `think_prefilled` and `index`.
+        `datasets.Dataset`: The columns of [`generate_dataset`] (`prompt`: the text of [`paper_prompt`]) and `index`.
     """
     if split not in PAPER_SPLITS:
         raise ValueError(f"split: must be one of {list(PAPER_SPLITS)}, got {split!r}")
     sizes = puzzle_sizes(num_people)
     loaded = {name: _load_paper_split(name, sizes, data_dir) for name in PAPER_SPLITS}
-    shared = set(loaded["train"]["quiz"]) & set(loaded["test"]["quiz"])
-    if shared:
+    if shared := set(loaded["train"]["quiz"]) & set(loaded["test"]["quiz"]):
         raise ValueError(f"The paper's train and test splits share {len(shared)} puzzles; check the files in use")
     return loaded[split]
 
@@ -227,65 +192,52 @@ def load_knights_knaves_dataset(
     prefill_think: bool = False,
     **load_dataset_kwargs: Any,
 ):
-    """
-    Loads published K&K puzzles: the paper's split and prompt (`source="paper"`) or the Hub set (`source="hub"`).
+    """Loads published K&K puzzles: the paper's split and prompt (`source="paper"`) or the Hub set (`source="hub"`).
 
     Args:
         num_people (`int` or `Sequence[int]`, *optional*, defaults to `(3, 4, 5, 6, 7)`):
             Puzzle sizes, 2 to 8 (the paper's files: 3 to 7); several are concatenated in the given order.
         split (`str`, *optional*, defaults to `"train"`):
-            `"train"` or `"test"`. Paper: see [`load_paper_knights_knaves`]. Hub: the config of
-            `K-and-K/knights-and-knaves` (`"train"`: 1,000 per size, holding the paper's test puzzles; `"test"`: 100
-            per size).
+            `"train"` or `"test"`: the paper's split ([`load_paper_knights_knaves`]) or the Hub set's config
+            ([`KNIGHTS_KNAVES_HUB_ID`]: its `"train"` holds the paper's test puzzles).
         source (`str`, *optional*, defaults to `"paper"`):
             `"paper"`: the authors' parquet files (by URL, or from `data_dir`), text prompts ([`paper_prompt`]), the
             paper's index split. `"hub"`: the Hub set (or a local copy at `path`), conversational prompts.
-        data_dir (`str`, *optional*):
-            Paper source: a local folder laid out as `{n}ppl/{split}.parquet`.
+        data_dir (`str`, *optional*): Paper source: a local folder laid out as `{n}ppl/{split}.parquet`.
         path (`str`, *optional*, defaults to `"K-and-K/knights-and-knaves"`):
-            Hub source: Hub id (or a local copy with the same layout).
-        system_prompt (`str`, *optional*, defaults to [`SYSTEM_PROMPT`]):
-            Hub source: system message of each prompt.
-        prefill_think (`bool`, *optional*, defaults to `False`):
-            Hub source: see [`generate_dataset`] (the paper's prompts always pre-fill `<think>`).
-        **load_dataset_kwargs:
-            Hub source: passed to `datasets.load_dataset` (e.g. `revision`, `cache_dir`).
-
-    Returns:
-        `datasets.Dataset`: The puzzles, with a `prompt` column a trainer uses as is.
+            Hub source: the Hub id (or a local copy with the same layout); `**load_dataset_kwargs` go to
+            `datasets.load_dataset` (e.g. `revision`, `cache_dir`).
+        system_prompt (`str`, *optional*, defaults to [`SYSTEM_PROMPT`]), prefill_think (`bool`, *optional*):
+            Hub source: the system message of each prompt, and whether to pre-fill `<think>` (see [`generate_dataset`];
+            the paper's prompts always do).
     """
     if source not in KNIGHTS_KNAVES_SOURCES:
         raise ValueError(f"source: must be one of {list(KNIGHTS_KNAVES_SOURCES)}, got {source!r}")
+    sizes = puzzle_sizes(num_people)
     if source == "paper":
-        return load_paper_knights_knaves(split, puzzle_sizes(num_people), data_dir)
+        return load_paper_knights_knaves(split, sizes, data_dir)
     import datasets
 
-    parts = []
-    for size in puzzle_sizes(num_people):
-        raw = datasets.load_dataset(path, split, split=f"{size}ppl", **load_dataset_kwargs)
-        parts.append(prepare_knights_knaves_dataset(raw, system_prompt, prefill_think))
+    raws = [datasets.load_dataset(path, split, split=f"{size}ppl", **load_dataset_kwargs) for size in sizes]
+    parts = [prepare_knights_knaves_dataset(raw, system_prompt, prefill_think) for raw in raws]
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
 def render_prompts_as_text(dataset, tokenizer, prompt_column: str = "prompt"):
-    """
-    `dataset` with its conversational prompts rendered to text by the chat template of `tokenizer` (the model's),
+    """`dataset` with its conversational prompts rendered to text by the chat template of `tokenizer` (the model's),
     continuing a final assistant message.
 
     TRL 1.16's `GRPOTrainer` applies the chat template with `add_generation_prompt=True` and never continues a final
-    assistant message, so a prompt that pre-fills `"<think>"` (the paper's format, `prefill_think=True`) must be
-    given to it as text: this opens the assistant turn and leaves `"<think>"` open for the model to continue.
-    Prompts without a final assistant message get the usual generation prompt.
-    """
+    assistant message, so a prompt that pre-fills `"<think>"` (the paper's format, `prefill_think=True`) must be given
+    to it as text: this opens the assistant turn and leaves `"<think>"` open for the model to continue. Prompts without
+    a final assistant message get the usual generation prompt."""
 
     def render(example: dict[str, Any]) -> dict[str, str]:
         messages = example[prompt_column]
         if isinstance(messages, str):
             return {prompt_column: messages}
         continues = messages[-1]["role"] == "assistant"
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=not continues, continue_final_message=continues
-        )
-        return {prompt_column: text}
+        flags = {"add_generation_prompt": not continues, "continue_final_message": continues}
+        return {prompt_column: tokenizer.apply_chat_template(messages, tokenize=False, **flags)}
 
     return dataset.map(render)

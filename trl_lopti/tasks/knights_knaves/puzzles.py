@@ -3,18 +3,11 @@
 On the puzzles' island every inhabitant is a knight (always tells the truth) or a knave (always lies). Each person
 makes one statement about the others; the task is to say who is a knight and who is a knave.
 
-Statements use the published machine notation, nested tuples whose first item is the operator:
-
-    ('telling-truth', i)            person i is a knight
-    ('lying', i)                    person i is a knave
-    ('not', s)                      s is false
-    ('and', s1, s2, ...)            all of s1, s2, ... are true
-    ('or', s1, s2, ...)             at least one of s1, s2, ... is true
-    ('->', s1, s2)                  if s1 then s2
-    ('<=>', s1, s2)                 s1 if and only if s2
-
-As in the published data, statements have nesting depth at most 2 (one operator applied to atoms), nobody says of
-themself that they are a knave (that claim is a paradox), and the operands of one operator are distinct.
+Statements use the published machine notation, nested tuples whose first item is the operator: `('telling-truth', i)`
+(person i is a knight), `('lying', i)` (a knave), `('not', s)`, `('and', s1, s2, ...)`, `('or', s1, s2, ...)`,
+`('->', s1, s2)` (if s1 then s2) and `('<=>', s1, s2)` (s1 if and only if s2). As in the published data, statements
+have nesting depth at most 2 (one operator applied to atoms), nobody says of themself that they are a knave (that claim
+is a paradox), and the operands of one operator are distinct.
 
 The rendering uses the published data's 51 names ([`NAMES`]) and 18 speech templates ([`SPEECH_TEMPLATES`]), checked
 against the 5,000 puzzles of the authors' `data/kk/instruct/{3..7}ppl/{train,test}.parquet`: each of their quizzes
@@ -34,7 +27,6 @@ from typing import Any
 
 Statement = tuple  # ('telling-truth', 0), ('and', ('lying', 1), ('telling-truth', 2)), ...
 
-OPERATORS = ("telling-truth", "lying", "not", "and", "or", "->", "<=>")
 MIN_PEOPLE, MAX_PEOPLE = 2, 8
 
 # fmt: skip below: a list of words reads best as lines of words, not as a column of one word a line
@@ -48,32 +40,17 @@ NAMES = (
 """The name pool of the published puzzles (all 51 occur in the authors' 5,000 puzzles, and no other name does)."""
 
 SPEECH_TEMPLATES = (
-    "{name} said that {claim}.",
-    "{name} told you that {claim}.",
-    '{name} said, "{claim}."',
-    '{name} stated, "{claim}".',
-    'According to {name}, "{claim}".',
-    'In {name}\'s words: "{claim}".',
-    '{name} remarked, "{claim}".',
-    '"{claim}," {name} declared.',
-    '{name} was heard saying, "{claim}".',
-    "{name} expressed that {claim}.",
-    '"{claim}" - {name}.',
-    'As {name} put it, "{claim}".',
-    '{name} asserted: "{claim}".',
-    '"{claim}," {name} mentioned.',
-    '{name} commented, "{claim}".',
-    'In a statement by {name}: "{claim}".',
-    '{name} noted, "{claim}".',
-    '"{claim}," {name} claimed.',
-)
+    "{name} said that {claim}.", "{name} told you that {claim}.", '{name} said, "{claim}."',
+    '{name} stated, "{claim}".', 'According to {name}, "{claim}".', 'In {name}\'s words: "{claim}".',
+    '{name} remarked, "{claim}".', '"{claim}," {name} declared.', '{name} was heard saying, "{claim}".',
+    "{name} expressed that {claim}.", '"{claim}" - {name}.', 'As {name} put it, "{claim}".',
+    '{name} asserted: "{claim}".', '"{claim}," {name} mentioned.', '{name} commented, "{claim}".',
+    'In a statement by {name}: "{claim}".', '{name} noted, "{claim}".', '"{claim}," {name} claimed.',
+)  # fmt: skip
 """How a person's claim is introduced, as in the published puzzles (punctuation included: only `said, "..."` puts the
 period inside the quotes; a claim "If A then B" keeps its capital also in reported speech, "said that If ...")."""
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Solving
-# ---------------------------------------------------------------------------------------------------------------------
 @cache
 def _knight_mask(person: int, num_people: int) -> int:
     """Bit `a` is set iff `person` is a knight in assignment `a` (bit `i` of `a` set means person `i` is a knight)."""
@@ -129,9 +106,6 @@ def parse_statements(statements: str | Sequence) -> tuple[Statement, ...]:
     return tuple(to_tuple(statement) for statement in statements)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Sampling
-# ---------------------------------------------------------------------------------------------------------------------
 def _sample_atom(rng: random.Random, speaker: int, num_people: int) -> Statement:
     while True:
         atom = (rng.choice(("telling-truth", "lying")), rng.randrange(num_people))
@@ -149,12 +123,10 @@ def _sample_distinct_atoms(rng: random.Random, speaker: int, num_people: int, co
 
 
 def sample_statement(rng: random.Random, speaker: int, num_people: int, max_width: int = 2) -> Statement:
-    """
-    One statement of person `speaker` with the published generator's distribution at nesting depth 2: the six kinds
+    """One statement of person `speaker` with the published generator's distribution at nesting depth 2: the six kinds
     (atom, `not`, `and`, `or`, `->`, `<=>`) equally likely; `and`/`or` over 2 to `max_width` distinct atoms, `->`/`<=>`
     over two. (Puzzles made of atoms alone never have a unique solution: flipping everyone's role keeps them
-    consistent.)
-    """
+    consistent.)"""
     kind = rng.randrange(6)
     if kind == 0:
         return _sample_atom(rng, speaker, num_people)
@@ -166,9 +138,6 @@ def sample_statement(rng: random.Random, speaker: int, num_people: int, max_widt
     return (("->", "<=>")[kind - 4],) + _sample_distinct_atoms(rng, speaker, num_people, 2)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Natural language
-# ---------------------------------------------------------------------------------------------------------------------
 def _render_atom(atom: Statement, names: Sequence[str], negated: bool = False) -> str:
     if atom[0] not in ("telling-truth", "lying"):
         raise ValueError(f"Only atoms can be rendered here (nesting depth <= 2), got {atom!r}")
@@ -177,12 +146,10 @@ def _render_atom(atom: Statement, names: Sequence[str], negated: bool = False) -
 
 
 def render_statement(statement: Statement, names: Sequence[str]) -> str:
-    """
-    A statement of nesting depth at most 2 in English, as the published data writes it, without final punctuation:
+    """A statement of nesting depth at most 2 in English, as the published data writes it, without final punctuation:
     `('telling-truth', i)` -> "N is a knight", `('lying', i)` -> "N is a knave", `('not', atom)` -> "N is not a
     knight/knave", `and`/`or` join their operands with " and "/" or ", `('->', a, b)` -> "If A then B" and
-    `('<=>', a, b)` -> "A if and only if B" (`names`: the people's names, by index).
-    """
+    `('<=>', a, b)` -> "A if and only if B" (`names`: the people's names, by index)."""
     operator = statement[0]
     if operator == "not":
         return _render_atom(statement[1], names, negated=True)
@@ -195,18 +162,13 @@ def render_statement(statement: Statement, names: Sequence[str]) -> str:
     return _render_atom(statement, names)
 
 
-def _join_names(names: Sequence[str]) -> str:
-    if len(names) == 2:
-        return f"{names[0]} and {names[1]}"
-    return ", ".join(names[:-1]) + ", and " + names[-1]
-
-
 def render_quiz(statements: Sequence[Statement], names: Sequence[str], rng: random.Random) -> str:
     """The puzzle text: the island's rules, the inhabitants, each one's claim in a phrasing of [`SPEECH_TEMPLATES`]
     that `rng` chooses, and the question."""
+    listed = f"{names[0]} and {names[1]}" if len(names) == 2 else ", ".join(names[:-1]) + ", and " + names[-1]
     introduction = (
         "A very special island is inhabited only by knights and knaves. Knights always tell the truth, and knaves "
-        f"always lie. You meet {len(names)} inhabitants: {_join_names(names)}."
+        f"always lie. You meet {len(names)} inhabitants: {listed}."
     )
     sentences = [introduction]
     for speaker, statement in enumerate(statements):
@@ -220,9 +182,8 @@ def solution_to_text(names: Sequence[str], solution: Sequence[bool]) -> tuple[st
     """A solution (`True`: a knight) in the two published forms: `solution_text` ("A is a knight, B is a knave, and C
     is a knight.") and `solution_text_format` ("(1) A is a knight\\n(2) B is a knave\\n(3) C is a knight"), the
     answer format the prompt asks for."""
-    clauses = [
-        f"{name} is {'a knight' if is_knight else 'a knave'}" for name, is_knight in zip(names, solution, strict=True)
-    ]
+    roles = ["a knight" if is_knight else "a knave" for is_knight in solution]
+    clauses = [f"{name} is {role}" for name, role in zip(names, roles, strict=True)]
     solution_text = ", ".join(clauses[:-1]) + ", and " + clauses[-1] + "." if len(clauses) > 1 else clauses[0] + "."
     solution_text_format = "\n".join(f"({index}) {clause}" for index, clause in enumerate(clauses, start=1))
     return solution_text, solution_text_format
@@ -265,14 +226,9 @@ def puzzle_sizes(num_people: int | Sequence[int]) -> list[int]:
 
 
 def generate_puzzles(
-    num_people: int | Sequence[int],
-    num_samples: int,
-    seed: int = 0,
-    max_width: int = 2,
-    max_attempts: int = 100_000,
+    num_people: int | Sequence[int], num_samples: int, seed: int = 0, max_width: int = 2, max_attempts: int = 100_000
 ) -> list[dict[str, Any]]:
-    """
-    Generates Knights & Knaves puzzles with exactly one solution, in the published data's columns.
+    """Generates Knights & Knaves puzzles with exactly one solution, in the published data's columns.
 
     Each puzzle draws one statement per person (see [`sample_statement`]; nesting depth 2 as in the published data)
     and is kept only if the solver finds exactly one consistent assignment and the same statements were not drawn
@@ -280,15 +236,11 @@ def generate_puzzles(
     the same puzzles. `knights_knaves.generate_dataset` turns them into a TRL-ready dataset.
 
     Args:
-        num_people (`int` or `Sequence[int]`):
-            People per puzzle, 2 to 8. A list gives a mixture: puzzle `k` has `num_people[k % len(num_people)]`
-            people.
-        num_samples (`int`):
-            Number of puzzles.
-        seed (`int`, *optional*, defaults to `0`):
-            Seed of the generator.
-        max_width (`int`, *optional*, defaults to `2`):
-            Largest number of operands of `and`/`or` (the published data uses 2).
+        num_people (`int` or `Sequence[int]`), num_samples (`int`):
+            People per puzzle, 2 to 8 (a list gives a mixture: puzzle `k` has `num_people[k % len(num_people)]`
+            people), and the number of puzzles.
+        seed (`int`, *optional*, defaults to `0`), max_width (`int`, *optional*, defaults to `2`):
+            The generator's seed, and the most operands of `and`/`or` (the published data uses 2).
         max_attempts (`int`, *optional*, defaults to `100000`):
             Draws per puzzle before giving up with a `RuntimeError`.
 
@@ -302,7 +254,6 @@ def generate_puzzles(
         raise ValueError(f"num_samples must be >= 0, got {num_samples}")
     if not 2 <= max_width <= 2 * min(sizes) - 1:
         raise ValueError(f"max_width must lie in [2, 2 * num_people - 1], got {max_width}")
-
     rng = random.Random(seed)
     seen: set[tuple[Statement, ...]] = set()
     rows = []

@@ -1,6 +1,4 @@
-"""The paper's K&K reward (Logic-RL's `compute_score`) as TRL reward functions.
-
-Scoring:
+"""The paper's K&K reward (Logic-RL's `compute_score`) as TRL reward functions. Scoring:
 
 - format: `+1` if the response holds exactly one `<think>`, `</think>`, `<answer>` and `</answer>`, in that order;
   `-1` otherwise.
@@ -59,21 +57,15 @@ def extract_answer(response: str) -> str | None:
 def parse_solution_text_format(solution_text_format: str) -> dict[str, str]:
     """Name -> `"knight"` or `"knave"`, in line order, from a ground truth with one person a line, name first, role
     last (`"(1) Zoey is a knight\\n(2) Oliver is a knave"`)."""
-    roles = {}
-    for line in solution_text_format.splitlines():
-        match = _SOLUTION_LINE.search(line)
-        if match:
-            roles[match.group(1)] = match.group(2).lower()
-    return roles
+    matches = (_SOLUTION_LINE.search(line) for line in solution_text_format.splitlines())
+    return {match.group(1): match.group(2).lower() for match in matches if match}
 
 
 def parse_answer_roles(answer: str, names: Sequence[str]) -> dict[str, str] | None:
-    """
-    Name -> `"knight"`/`"knave"` for each of `names`, read from the content of an `<answer>` block as the paper's
+    """Name -> `"knight"`/`"knave"` for each of `names`, read from the content of an `<answer>` block as the paper's
     reward reads it; `None` (unparsable) when the words "knight" and "knave" (case-insensitive, also inside longer
-    words) occur in total a different number of times than there are people, or when some name is not followed by "is
-    a knight" / "is a knave" (whole-word, case-insensitive; the first such phrase per name counts).
-    """
+    words) occur in total a different number of times than there are people, or when some name is not followed by "is a
+    knight" / "is a knave" (whole-word, case-insensitive; the first such phrase per name counts)."""
     lowered = answer.lower()
     if lowered.count("knight") + lowered.count("knave") != len(names):
         return None
@@ -95,9 +87,7 @@ def score_answer(response: str, solution_text_format: str) -> float:
     """Answer part of the paper's reward for `response` (with a pre-filled `<think>`) against the ground truth (see
     [`parse_solution_text_format`]): `2.0` all identities right, `-1.5` parsed but wrong, `-2.0` unparsable, empty or
     format failed."""
-    if not has_valid_format(response):
-        return ANSWER_UNPARSABLE_REWARD
-    answer = extract_answer(response)
+    answer = extract_answer(response) if has_valid_format(response) else None
     if not answer:
         return ANSWER_UNPARSABLE_REWARD
     expected = parse_solution_text_format(solution_text_format)
@@ -128,14 +118,12 @@ def _responses(completions: Sequence[Any], think_prefilled: bool | Sequence[bool
 def knights_knaves_format_reward(
     completions: Sequence[Any], think_prefilled: bool | Sequence[bool] | None = False, **kwargs: Any
 ) -> list[float]:
-    """
-    TRL reward function: the format part of the paper's K&K reward (`+1` / `-1`), arguments as
+    """TRL reward function: the format part of the paper's K&K reward (`+1` / `-1`), arguments as
     [`knights_knaves_reward`]'s.
 
     With [`knights_knaves_answer_reward`] (`reward_funcs=[knights_knaves_format_reward, knights_knaves_answer_reward]`,
     default weights 1) it trains on exactly [`knights_knaves_reward`] while TRL logs both parts
-    (`rewards/knights_knaves_format_reward/mean`, `rewards/knights_knaves_answer_reward/mean`).
-    """
+    (`rewards/knights_knaves_format_reward/mean`, `rewards/knights_knaves_answer_reward/mean`)."""
     return [score_format(response) for response in _responses(completions, think_prefilled)]
 
 
@@ -158,30 +146,24 @@ def knights_knaves_reward(
     log_metric: Callable[[str, float], None] | None = None,
     **kwargs: Any,
 ) -> list[float]:
-    """
-    TRL reward function: the paper's K&K reward, format plus answer (3, -0.5, -1 or -3 per completion).
+    """TRL reward function: the paper's K&K reward, format plus answer (3, -0.5, -1 or -3 per completion).
 
     Equals `knights_knaves_format_reward + knights_knaves_answer_reward` exactly. Inside TRL's `GRPOTrainer` it also
     logs its parts through TRL's `log_metric` hook: `knights_knaves/format` and `knights_knaves/answer` (batch means)
     and `knights_knaves/accuracy` (share of completions with every identity right).
 
     Args:
-        completions (`Sequence[str]` or `Sequence[list[dict]]`):
-            Plain-text or conversational completions.
-        solution_text_format (`Sequence[str]`):
-            Ground truth per completion (the dataset column), e.g. `"(1) Zoey is a knight\\n(2) Oliver is a knave"`.
+        completions (`Sequence[str]` or `Sequence[list[dict]]`), solution_text_format (`Sequence[str]`):
+            Plain-text or conversational completions, and the ground truth of each (the dataset column), e.g.
+            `"(1) Zoey is a knight\\n(2) Oliver is a knave"`.
         think_prefilled (`bool` or `Sequence[bool]`, *optional*, defaults to `False`):
             Whether the prompt ends with a pre-filled `<think>` that the completion continues; it is then counted as
             the response's first tag. TRL passes the dataset's `think_prefilled` column (one value per completion),
             which [`generate_dataset`] and [`load_knights_knaves_dataset`] write; for other datasets set it with
             `functools.partial(knights_knaves_reward, think_prefilled=True)`.
         log_metric (`Callable[[str, float], None]`, *optional*):
-            Passed by TRL; receives the sub-scores.
-        **kwargs:
-            Other dataset columns and trainer arguments, ignored.
-
-    Returns:
-        `list[float]`: One score per completion.
+            Passed by TRL; receives the sub-scores. Other keyword arguments (dataset columns, trainer arguments) are
+            ignored.
     """
     format_scores = knights_knaves_format_reward(completions, think_prefilled=think_prefilled)
     answer_scores = knights_knaves_answer_reward(completions, solution_text_format, think_prefilled=think_prefilled)
@@ -190,6 +172,5 @@ def knights_knaves_reward(
         log_metric("knights_knaves/format", sum(format_scores) / count)
         log_metric("knights_knaves/answer", sum(answer_scores) / count)
         log_metric("knights_knaves/accuracy", sum(s == ANSWER_CORRECT_REWARD for s in answer_scores) / count)
-    return [
-        format_score + answer_score for format_score, answer_score in zip(format_scores, answer_scores, strict=True)
-    ]
+    scores = zip(format_scores, answer_scores, strict=True)
+    return [format_score + answer_score for format_score, answer_score in scores]

@@ -1,17 +1,13 @@
-"""Math data of arXiv 2505.12929 for TRL: the authors' DSR-uniform training set and evaluation sets, and Hub sets.
-
-- [`load_paper_math_dataset`]: the authors' parquet files (DSR-uniform: `deepscaler_uniform_train.parquet`, 10,000
-  DeepScaleR problems spread evenly over difficulty; their `*_dsr.parquet` evaluation sets), by URL or local path,
-  with the raw-text prompt the authors fed the model (no chat template).
-- [`load_math_dataset`]: a set by short name from the Hub (see [`MATH_DATASETS`]) or local files with the same
-  columns, mapped to `prompt` + `solution` (conversational prompts by default, raw text with `text_prompt=True`).
-"""
+"""Math data of arXiv 2505.12929 for TRL: the authors' DSR-uniform training set (10,000 DeepScaleR problems spread
+evenly over difficulty) and evaluation sets, with the raw-text prompts their model saw ([`load_paper_math_dataset`]),
+and Hub sets or local files with the same columns ([`load_math_dataset`], see [`MATH_DATASETS`])."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .._paper import AUTHORS_DATA_URL
@@ -70,14 +66,10 @@ MATH_DATASETS: dict[str, MathDatasetSpec] = {
     "olympiadbench": MathDatasetSpec("math-ai/olympiadbench", "test", "question", "final_answer"),
 }
 """The paper's math sets by short name. `"aime"` is AIME 2021-2024 (the paper's AIME set), `"aime24"` AIME 2024 only;
-`"amc"` is AMC 2022-2023 (83 problems), `"minerva"` Minerva-Math (272), `"olympiadbench"` the 675 open-ended
-English text-only math problems of OlympiadBench. Pass a [`MathDatasetSpec`] to [`load_math_dataset`] for another
-mirror."""
+`"amc"` is AMC 2022-2023 (83 problems), `"minerva"` Minerva-Math (272), `"olympiadbench"` the 675 open-ended English
+text-only math problems of OlympiadBench. Pass a [`MathDatasetSpec`] to [`load_math_dataset`] for another mirror."""
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Datasets
-# ---------------------------------------------------------------------------------------------------------------------
 def make_math_prompt(
     problem: str, prompt_suffix: str = MATH_PROMPT_SUFFIX, system_prompt: str | None = None, text_prompt: bool = False
 ) -> list[dict[str, str]] | str:
@@ -104,23 +96,18 @@ def math_record_to_example(
     """One row of a math set as the TRL columns `prompt` ([`make_math_prompt`]) and `solution` (the reference answer),
     keeping the raw `problem`."""
     problem = str(record[problem_column])
-    return {
-        "prompt": make_math_prompt(problem, prompt_suffix, system_prompt, text_prompt),
-        "problem": problem,
-        "solution": normalize_reference(record[answer_column]),
-    }
+    prompt = make_math_prompt(problem, prompt_suffix, system_prompt, text_prompt)
+    return {"prompt": prompt, "problem": problem, "solution": normalize_reference(record[answer_column])}
 
 
 def orz_pairs_to_records(pairs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The JSON content of the ORZ file, `[{"from": "human", "value": question}, {"from": "assistant",
     "ground_truth": {"value": answer}}]` pairs, as rows with columns `value` (the question) and `ground_truth` (the
     answer, a string)."""
-    records = []
-    for question, answer in (pair[:2] for pair in pairs):
-        records.append(
-            {"value": question.get("value", ""), "ground_truth": normalize_reference(answer.get("ground_truth", ""))}
-        )
-    return records
+    return [
+        {"value": question.get("value", ""), "ground_truth": normalize_reference(answer.get("ground_truth", ""))}
+        for question, answer in (pair[:2] for pair in pairs)
+    ]
 
 
 def _load_raw(spec: MathDatasetSpec, data_files: str | Sequence[str] | None, **load_dataset_kwargs: Any):
@@ -132,11 +119,8 @@ def _load_raw(spec: MathDatasetSpec, data_files: str | Sequence[str] | None, **l
             from huggingface_hub import hf_hub_download
 
             paths = [hf_hub_download(spec.path, spec.data_file, repo_type="dataset")]
-        records = []
-        for path in paths:
-            with open(path, encoding="utf-8") as file:
-                records.extend(orz_pairs_to_records(json.load(file)))
-        return datasets.Dataset.from_list(records)
+        pairs = [pair for path in paths for pair in json.loads(Path(path).read_text(encoding="utf-8"))]
+        return datasets.Dataset.from_list(orz_pairs_to_records(pairs))
     if data_files is not None:  # local files with the Hub set's columns
         first = data_files if isinstance(data_files, str) else next(iter(data_files))
         builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[first.rsplit(".", 1)[-1]]
@@ -152,51 +136,33 @@ def load_math_dataset(
     text_prompt: bool = False,
     **load_dataset_kwargs: Any,
 ):
-    """
-    Loads one of the paper's math sets, mapped to `prompt` (conversational, the paper's prompt style), `problem` and
-    `solution` (the reference answer as a string, for [`math_reward`]). Other columns are dropped (DeepScaleR's
-    worked `solution` included: here `solution` is the final answer).
+    """Loads one of the paper's math sets, mapped to `prompt` (conversational, the paper's prompt style), `problem` and
+    `solution` (the reference answer as a string, for [`math_reward`]). Other columns are dropped (DeepScaleR's worked
+    `solution` included: here `solution` is the final answer).
 
     Args:
         name (`str` or [`MathDatasetSpec`]):
-            A key of [`MATH_DATASETS`] (`"deepscaler"`, `"orz"`, `"math500"`, `"aime"`, `"aime24"`, `"amc"`,
-            `"minerva"`, `"olympiadbench"`) or a spec of your own.
+            A key of [`MATH_DATASETS`] (`"deepscaler"`, `"orz"`, `"math500"`, `"aime"`, ...) or a spec of your own.
         data_files (`str` or `Sequence[str]`, *optional*):
             Local `.json`/`.jsonl`/`.parquet`/`.csv` files with the same columns as the Hub set, read instead of the
             Hub (for ORZ: its JSON file of message pairs).
-        prompt_suffix (`str`, *optional*, defaults to [`MATH_PROMPT_SUFFIX`]):
-            Instruction appended to each problem.
-        system_prompt (`str` or `None`, *optional*):
-            Optional system message.
+        prompt_suffix (`str`, *optional*, defaults to [`MATH_PROMPT_SUFFIX`]), system_prompt (`str`, *optional*):
+            The instruction appended to each problem, and an optional system message.
         text_prompt (`bool`, *optional*, defaults to `False`):
             Make `prompt` the raw text (problem + instruction) without a chat template, as the authors prompt.
-        **load_dataset_kwargs:
-            Passed to `datasets.load_dataset` (e.g. `revision`, `cache_dir`).
-
-    Returns:
-        `datasets.Dataset`: Columns `prompt`, `problem`, `solution`.
+        **load_dataset_kwargs: Passed to `datasets.load_dataset` (e.g. `revision`, `cache_dir`).
     """
-    if isinstance(name, MathDatasetSpec):
-        spec = name
-    elif name in MATH_DATASETS:
-        spec = MATH_DATASETS[name]
-    else:
+    if not isinstance(name, MathDatasetSpec) and name not in MATH_DATASETS:
         raise ValueError(f"Unknown math dataset {name!r}; choose one of {sorted(MATH_DATASETS)} or pass a spec")
+    spec = name if isinstance(name, MathDatasetSpec) else MATH_DATASETS[name]
     raw = _load_raw(spec, data_files, **load_dataset_kwargs)
     if spec.year_column is not None and spec.years is not None:
         first_year, last_year = spec.years
         raw = raw.filter(lambda year: first_year <= int(year) <= last_year, input_columns=spec.year_column)
-    return raw.map(
-        math_record_to_example,
-        fn_kwargs={
-            "problem_column": spec.problem_column,
-            "answer_column": spec.answer_column,
-            "prompt_suffix": prompt_suffix,
-            "system_prompt": system_prompt,
-            "text_prompt": text_prompt,
-        },
-        remove_columns=raw.column_names,
-    ).select_columns(["prompt", "problem", "solution"])
+    fn_kwargs = dict(problem_column=spec.problem_column, answer_column=spec.answer_column, prompt_suffix=prompt_suffix)
+    fn_kwargs.update(system_prompt=system_prompt, text_prompt=text_prompt)
+    mapped = raw.map(math_record_to_example, fn_kwargs=fn_kwargs, remove_columns=raw.column_names)
+    return mapped.select_columns(["prompt", "problem", "solution"])
 
 
 def paper_math_record_to_example(record: dict[str, Any]) -> dict[str, Any]:
@@ -213,26 +179,21 @@ def paper_math_record_to_example(record: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"reward_model.ground_truth: {len(alternatives)} alternative answers are not supported")
         answer = alternatives[0]
     difficulty = (record.get("extra_info") or {}).get("difficulty")
-    return {
-        "prompt": messages[0]["content"],
-        "solution": normalize_reference(answer),
-        "difficulty": None if difficulty is None else float(difficulty),
-    }
+    difficulty = None if difficulty is None else float(difficulty)
+    return {"prompt": messages[0]["content"], "solution": normalize_reference(answer), "difficulty": difficulty}
 
 
 def load_paper_math_dataset(name: str = "dsr_uniform", data_file: str | None = None):
-    """
-    Loads one of the authors' math parquet files, with the prompt text exactly as their model saw it.
+    """Loads one of the authors' math parquet files, with the prompt text exactly as their model saw it.
 
     Their prompts are raw text (`problem + " Let's think step by step and output the final answer within
     \\boxed{}."`) fed to the model without a chat template; `prompt` here is that string, which TRL's
     `GRPOTrainer` tokenizes as is. Grade with [`math_reward`] (the paper's grading).
 
     Args:
-        name (`str`, *optional*, defaults to `"dsr_uniform"`):
-            A key of [`PAPER_MATH_FILES`]: `"dsr_uniform"` (the training set) or an evaluation set.
-        data_file (`str`, *optional*):
-            A local copy of the file (or another URL); defaults to the file in the authors' repository.
+        name (`str`, *optional*, defaults to `"dsr_uniform"`), data_file (`str`, *optional*):
+            A key of [`PAPER_MATH_FILES`] (`"dsr_uniform"`: the training set; or an evaluation set), and a local copy
+            of the file (or another URL) to read instead of the file in the authors' repository.
 
     Returns:
         `datasets.Dataset`: Columns `prompt` (text), `solution`, `difficulty` (the authors' difficulty score, `None`

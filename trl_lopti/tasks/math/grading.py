@@ -1,14 +1,11 @@
-"""TRL reward functions for math answers: the paper's grading (`math_reward`) and TRL's own (`math_reward_lenient`).
-
-[`math_reward`] gives the authors' reward (their verl fork, DeepScaleR's `RewardMathFn`): 1 when the last
-`\\boxed{...}` in the text between the first and second `</think>` (the whole response without one) equals a reference
-under their string normaliser or their sympy check, else 0 (rules in [`~trl_lopti.tasks.math.paper_grading`]), under a
-wall-clock limit per completion; nothing raises. [`math_reward_lenient`] is TRL's `accuracy_reward` (math-verify) on
-the text after the last `</think>`; it is not the paper's grader. Dependencies: `pip install "trl_lopti[math]"`.
+"""TRL reward functions for math answers: the paper's grading ([`math_reward`]: the authors' reward, their verl fork's
+and DeepScaleR's `RewardMathFn`, under a wall-clock limit per completion) and TRL's own ([`math_reward_lenient`]:
+math-verify, not the paper's grader). Dependencies: `pip install "trl_lopti[math]"`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Sequence
@@ -29,8 +26,6 @@ def normalize_reference(answer: Any) -> str:
     ends."""
     if isinstance(answer, dict) and "value" in answer:  # ORZ's {"value": ..., "pass_at_n": ...}
         answer = answer["value"]
-    if isinstance(answer, bool):
-        return str(answer)
     if isinstance(answer, float) and math.isfinite(answer) and answer.is_integer():
         return str(int(answer))
     if isinstance(answer, (list, tuple)):
@@ -41,45 +36,33 @@ def normalize_reference(answer: Any) -> str:
 _HUGE_EXPONENT_DIGITS = 7  # 3^{999999} is exact in well under a second; 3^{12345678} or 10^{10^{10}} are not
 _HUGE_FACTORIAL_DIGITS = 6
 _NUMBER_POWER = re.compile(r"\d\s*(?:\^|\*\*)")
+_POWER_OPERATOR = re.compile(r"(?:\^|\*\*) *")  # and the spaces after it
+_TOKEN = re.compile(r"(?:[^\W_]|[.\\])*")  # letters and digits (`str.isalnum`), dots and backslashes
 
 
 def _exponent_groups(text: str) -> list[str]:
     """The exponents in `text`: what follows each `^` or `**` (a brace group, a parenthesised group or one token)."""
     groups = []
-    index = 0
-    while index < len(text):
-        if text[index] == "^" or text.startswith("**", index):
-            position = index + (1 if text[index] == "^" else 2)
-            while position < len(text) and text[position] == " ":
-                position += 1
-            if position < len(text) and text[position] in "{(":
-                opening, closing = text[position], "}" if text[position] == "{" else ")"
-                depth, end = 0, position
-                while end < len(text):
-                    depth += (text[end] == opening) - (text[end] == closing)
-                    if depth == 0:
-                        break
-                    end += 1
-                groups.append(text[position : end + 1])
-            else:
-                end = position
-                while end < len(text) and (text[end].isalnum() or text[end] in ".\\"):
-                    end += 1
-                groups.append(text[position:end])
-            index = position
-        else:
-            index += 1
+    for operator in _POWER_OPERATOR.finditer(text):
+        position = operator.end()
+        if text[position : position + 1] not in ("{", "("):
+            groups.append(_TOKEN.match(text, position).group())
+            continue
+        opening, closing, depth = text[position], "}" if text[position] == "{" else ")", 0
+        for end in range(position, len(text)):  # to the bracket that closes it, or to the end
+            depth += (text[end] == opening) - (text[end] == closing)
+            if depth == 0:
+                break
+        groups.append(text[position : end + 1])
     return groups
 
 
 def looks_explosive(answer: str) -> bool:
-    """
-    Whether a predicted answer could make sympy compute an astronomically large exact number: an exponent that holds
+    """Whether a predicted answer could make sympy compute an astronomically large exact number: an exponent that holds
     a power of a number (`2^{2^{40}}`), a number of 7 or more digits (`3^{12345678}`) or a factorial (`2^{100!}`), or
     the factorial of a number of 6 or more digits. Such numbers are computed in C code, which a time limit cannot
     always interrupt (not outside the main thread, nor with sympy's gmpy2 backend). Such answers get the string check
-    only, no sympy: no competition answer needs them. Symbolic towers (`e^{x^2}`) are fine.
-    """
+    only, no sympy: no competition answer needs them. Symbolic towers (`e^{x^2}`) are fine."""
     huge_number = re.compile(rf"\d{{{_HUGE_EXPONENT_DIGITS},}}")
     for group in _exponent_groups(answer):
         if _NUMBER_POWER.search(group) or huge_number.search(group) or re.search(r"\d\s*!", group):
@@ -92,10 +75,8 @@ def _sympy_allowed(answer: str) -> bool:
 
 
 def score_in_process(response: str, reference: list[str], timeout_seconds: float | None) -> float:
-    """
-    Scores a response by the paper's rules in this process under [`run_with_time_limit`]: `1.0` or `0.0`, never
-    raises. The function a worker process serves (its arguments and result are JSON).
-    """
+    """Scores a response by the paper's rules in this process under [`run_with_time_limit`]: `1.0` or `0.0`, never
+    raises. The function a worker process serves (its arguments and result are JSON)."""
     try:
         grade = run_with_time_limit(lambda: paper_is_correct(response, reference, _sympy_allowed), timeout_seconds)
         return 1.0 if grade else 0.0
@@ -113,10 +94,8 @@ def _score(completion: Any, solution: Any, timeout_seconds: float | None) -> flo
         if not in_main_thread():  # a worker process, whose main thread can interrupt sympy and be killed when stuck
             worker = shared_worker(WORKER_TARGET, warmup_args=("\\boxed{1}", ["1"], None))
             if worker is not None:
-                try:
+                with contextlib.suppress(OSError, RuntimeError, ValueError):  # no worker process: check in this one
                     return float(worker.call((response, reference, timeout_seconds), timeout_seconds) or 0.0)
-                except (OSError, RuntimeError, ValueError):
-                    pass  # no worker process here: check in this process
         return score_in_process(response, reference, timeout_seconds)
     except Exception:  # noqa: BLE001 - a bad answer scores 0
         return 0.0
@@ -125,8 +104,7 @@ def _score(completion: Any, solution: Any, timeout_seconds: float | None) -> flo
 def math_reward(
     completions: Sequence[Any], solution: Sequence[Any], timeout_seconds: float | None = 3.0, **kwargs: Any
 ) -> list[float]:
-    """
-    TRL reward function, the paper's math grading: the authors' reward, 1.0 or 0.0.
+    """TRL reward function, the paper's math grading: the authors' reward, 1.0 or 0.0.
 
     The answer is the content of the last `\\boxed{...}` (balanced braces) in the text between the first and second
     `</think>` (the whole response when there is none); no such box scores 0 (`\\fbox`, `\\boxed 7` and an unclosed
@@ -142,18 +120,11 @@ def math_reward(
     pylatexenc not installed).
 
     Args:
-        completions (`Sequence[str]` or `Sequence[list[dict]]`):
-            Plain-text or conversational completions.
-        solution (`Sequence[Any]`):
-            Reference answer per completion (the dataset's `solution` column): a string (with or without
-            `\\boxed{}`), a number, or a list of alternatives (any one counts, as the authors' grader reads a list).
+        completions (`Sequence[str]` or `Sequence[list[dict]]`), solution (`Sequence[Any]`):
+            Plain-text or conversational completions, and the reference answer of each (the dataset's `solution`
+            column): a string (with or without `\\boxed{}`), a number, or a list of alternatives (any one counts).
         timeout_seconds (`float` or `None`, *optional*, defaults to `3.0`):
-            Time limit per completion.
-        **kwargs:
-            Other dataset columns and trainer arguments, ignored.
-
-    Returns:
-        `list[float]`: One score per completion.
+            Time limit per completion. Other keyword arguments (dataset columns, trainer arguments) are ignored.
     """
     import pylatexenc  # noqa: F401  (the one error that escapes: the grader's libraries are not installed)
     import sympy  # noqa: F401
@@ -162,13 +133,11 @@ def math_reward(
 
 
 def math_reward_lenient(completions: Sequence[Any], solution: Sequence[Any], **kwargs: Any) -> list[float | None]:
-    """
-    TRL reward function: TRL's `trl.rewards.accuracy_reward` (math-verify: equivalent forms, unboxed answers) on the
+    """TRL reward function: TRL's `trl.rewards.accuracy_reward` (math-verify: equivalent forms, unboxed answers) on the
     text after the last `</think>`. An adapter, because TRL's takes conversational completions only and parses a
     reference as it stands (a bare `x^2+1` or `\\frac12` does not parse): here completions may be text, and each
     reference is [`normalize_reference`]d and boxed. `None` (TRL: skip the completion) where math-verify cannot parse
-    the reference. Not the paper's grader; its time limits are math-verify's (in the main thread only).
-    """
+    the reference. Not the paper's grader; its time limits are math-verify's (in the main thread only)."""
     from trl.rewards import accuracy_reward
 
     texts = [completion_to_text(completion).rsplit("</think>", 1)[-1] for completion in completions]

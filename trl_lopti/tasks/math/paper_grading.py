@@ -31,22 +31,18 @@ _BOX = "\\boxed"
 _BOX_OPEN = "\\boxed{"
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Extraction
-# ---------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------- extraction
 def graded_text(response: str) -> str:
     """The part of a response the authors grade: between the first and second `</think>`, or all of it."""
     return response.split(THINK_END)[1] if THINK_END in response else response
 
 
 def last_box_content(text: str) -> str | None:
-    r"""
-    The answer of the authors' extraction from the graded text: the content of the last `\boxed{...}`, unstripped.
+    r"""The answer of the authors' extraction from the graded text: the content of the last `\boxed{...}`, unstripped.
 
     Braces are counted from the last `\boxed` (escaped ones included); the box ends at the first `}` that brings the
     count back to zero. `None` when `text` holds no `\boxed`, when the count never returns to zero, or when the last
-    `\boxed` is not directly followed by `{`.
-    """
+    `\boxed` is not directly followed by `{`."""
     start = text.rfind(_BOX)
     if start < 0:
         return None
@@ -62,21 +58,13 @@ def last_box_content(text: str) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The MATH ("mathd") string normaliser
-# ---------------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------- the MATH ("mathd") string normaliser
 _WHOLE_TEXT = re.compile(r"^\\text\{(?P<inner>.+?)\}$")
 _MATHD_DELETIONS = ("\\!",)
 _MATHD_REPLACEMENTS = (
-    ("\\\\", "\\"),
-    ("tfrac", "frac"),
-    ("dfrac", "frac"),
-    ("\\left", ""),
-    ("\\right", ""),
-    ("^{\\circ}", ""),
-    ("^\\circ", ""),
-    ("\\$", ""),
-)
+    ("\\\\", "\\"), ("tfrac", "frac"), ("dfrac", "frac"), ("\\left", ""), ("\\right", ""), ("^{\\circ}", ""),
+    ("^\\circ", ""), ("\\$", ""),
+)  # fmt: skip
 
 
 class _Unnormalisable(Exception):
@@ -158,14 +146,12 @@ def _mathd_clean(text: str) -> str:
 
 
 def mathd_normalize(answer: str) -> str:
-    r"""
-    The MATH dataset's answer normaliser as the authors apply it to an answer or a reference: an enclosing
+    r"""The MATH dataset's answer normaliser as the authors apply it to an answer or a reference: an enclosing
     `\text{...}` is unwrapped, then line breaks, `\!`, `\left`, `\right`, degree signs, `\$`, `\%` and spaces are
     removed, a trailing unit after `\text{ ` is dropped, `\dfrac`/`\tfrac` become `\frac`, `x = ` (one or two
     characters before a single `=`) is dropped, `\frac12` and `\sqrt3` get braces, `0.5` and integer `a/b` become
     `\frac{...}{...}`. Where the rules give up (two `\text{ `, a bare `\sqrt` or `\frac` at the end) the stripped
-    string is returned.
-    """
+    string is returned."""
     answer = answer.strip()
     whole_text = _WHOLE_TEXT.search(answer)
     if whole_text is not None:
@@ -176,9 +162,7 @@ def mathd_normalize(answer: str) -> str:
         return answer
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The sympy check and its normaliser
-# ---------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------- the sympy check and its normaliser
 # fmt: skip below: a list of words reads best as lines of words, not as a column of one word a line
 _UNIT_WORDS = (
     "degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week", "month", "year",
@@ -236,13 +220,11 @@ def _latex_to_plain(text: str) -> str:
 
 
 def sympy_normalize(answer: str) -> str:
-    r"""
-    The second normaliser of the authors' grader (before its sympy check), of an answer or a reference: an enclosing
-    `\text{...}` unwrapped; `$`, `%` and unit words (degree, cm, meter, mile, second, ..., yard, with plural and power)
-    removed; "million", "billion", "trillion" become powers of ten; " or " / " and " become commas; one pair of
-    enclosing braces dropped; a number within 1e-7 of an integer becomes that integer; LaTeX rendered to text with
-    pylatexenc; spaces and braces removed; lower case; an integer with thousands commas loses them.
-    """
+    r"""The second normaliser of the authors' grader (before its sympy check), of an answer or a reference: an
+    enclosing `\text{...}` unwrapped; `$`, `%` and unit words (degree, cm, meter, mile, second, ..., yard, with plural
+    and power) removed; "million", "billion", "trillion" become powers of ten; " or " / " and " become commas; one pair
+    of enclosing braces dropped; a number within 1e-7 of an integer becomes that integer; LaTeX rendered to text with
+    pylatexenc; spaces and braces removed; lower case; an integer with thousands commas loses them."""
     whole_text = _WHOLE_TEXT.search(answer)
     if whole_text is not None:
         answer = whole_text.group("inner")
@@ -296,10 +278,8 @@ def _sympy_difference_is_zero(reference: str, answer: str) -> bool:
     if not _safe_for_sympy(difference):
         return False
     try:
-        parsed = parse_expr(
-            difference.replace("^", "**"),
-            transformations=standard_transformations + (implicit_multiplication_application,),
-        )
+        transformations = standard_transformations + (implicit_multiplication_application,)
+        parsed = parse_expr(difference.replace("^", "**"), transformations=transformations)
         return bool(simplify(parsed) == 0)
     except Exception:  # noqa: BLE001 - whatever sympy cannot read or compare is not equal
         return False
@@ -329,9 +309,7 @@ def sympy_equal(answer: str, reference: str) -> bool:
     return all(_parts_equal(ref, ans) for ref, ans in zip(reference_parts, answer_parts, strict=True))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The reward
-# ---------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------- the reward
 def reference_answers(solution: object) -> list[str]:
     r"""The reference answers of `solution` (a string, a number, a list of those, or ORZ's `{"value": ...}`) as the
     authors read them: each value as `str(...)`, a list as alternatives (any one counts), the `\boxed{}` content of a
