@@ -6,8 +6,6 @@ trainers and their configs are imported on first use (`from trl_lopti import Lop
 installed TRL version (see `trl_lopti._compat`) and fails with a clear message outside the tested range.
 """
 
-from __future__ import annotations
-
 import importlib
 from typing import TYPE_CHECKING, Any
 

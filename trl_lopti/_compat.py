@@ -62,8 +62,6 @@ No release is refused at import: on one outside `TESTED_TRL_RELEASES` the import
 only once `trl-lopti check` has passed on the machine for that stack (`require_verified_contract`; docs/releases.md).
 """
 
-from __future__ import annotations
-
 import contextlib
 import functools
 import inspect

@@ -10,8 +10,6 @@ Tolerances, relative to the largest value compared: `TOLERANCES` (TRL's fused lo
 float64 weights); zeros must be exact in every precision.
 """
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import io
@@ -33,18 +31,30 @@ TOLERANCES = {"fp64": 1e-6, "fp32": 1e-4, "bf16": 2e-2}
 """The relative tolerance of a relation, by precision."""
 KNOWN_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 """GRPO's loss types in TRL 1.16, tried beside those the installed `GRPOConfig`'s help names."""
+CHECKS: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "off": (("S1", "S2", "S3", "S5", "S6"), None),
+    "cycle": (("S1", "S2", "S3", "S5", "S6"), "off"),
+    "resume": (("S4",), "cycle"),
+    "isolation": (("S3", "S6"), "off"),
+    "ar": (("S3", "S6"), "off"),
+    "upgrade": ((), None),
+}
+"""The checks, in order: the TRL facts each relies on besides its trainer's own (`TRAINER_FACTS`), and the check whose
+run it needs."""
+TRAINER_FACTS = {"grpo": {"off": ("G2",), "cycle": ("G2", "G3", "G4"), "isolation": ("G1",), "ar": ("G1",)},
+                 "rloo": {"off": ("R1", "R2"), "cycle": ("R1", "R2"), "isolation": ("R2",), "ar": ("R2",)}}  # fmt: skip
 
 
 @dataclasses.dataclass
 class CheckResult:
     """One check: its `name`, the TRL `facts` it relies on, whether it `passed`, what it measured or why it failed
-    (`detail`), the facts found broken (`broken`), its `seconds`, and the `error` of a failed one."""
+    (`detail`), its `seconds`, the facts found broken (`broken`), and the `error` of a failed one."""
 
     name: str
     facts: tuple[str, ...]
     passed: bool
     detail: str
-    seconds: float
+    seconds: float = 0.0
     broken: tuple[str, ...] = ()
     error: Exception | None = None
 
@@ -61,10 +71,15 @@ class Relation(AssertionError):
         self.facts = facts
 
 
+class TRLFails(Relation):
+    """TRL's own trainer fails on this machine: no relation to it can be checked (no fact of trl_lopti is shown broken)."""
+
+
 def close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float, what: str) -> float:
     """The largest `|actual - expected|` relative to the largest `|expected|`; raises `Relation` above `tolerance`."""
-    scale = float(expected.abs().max()) if expected.numel() else 0.0
-    difference = float((actual.double() - expected.double()).abs().max()) / (scale or 1.0) if expected.numel() else 0.0
+    if not expected.numel():
+        return 0.0
+    difference = float((actual.double() - expected.double()).abs().max()) / (float(expected.abs().max()) or 1.0)
     if not difference <= tolerance:  # NaN fails too
         raise Relation(f"{what}: relative difference {difference:.3g} > {tolerance:g}")
     return difference
@@ -72,52 +87,50 @@ def close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float, what: 
 
 def exactly_zero(values: torch.Tensor, what: str, facts: tuple[str, ...] = ()) -> None:
     """Raises `Relation` (showing `facts` broken) unless every one of `values` is exactly zero."""
-    if torch.count_nonzero(values):
-        nonzero, largest = int(torch.count_nonzero(values)), float(values.abs().max())
-        raise Relation(f"{what}: {nonzero} non-zero values, the largest {largest:.3g}", facts)
-
-
-@dataclasses.dataclass
-class Forwards:
-    """What TRL's own log-prob forward did in a block: its calls without and with gradient (`calls`), and the
-    log-probabilities it returned with gradient (`kept`, each keeping its `.grad`)."""
-
-    calls: list[int] = dataclasses.field(default_factory=lambda: [0, 0])
-    kept: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    if nonzero := int(torch.count_nonzero(values)):
+        raise Relation(f"{what}: {nonzero} non-zero values, the largest {float(values.abs().max()):.3g}", facts)
 
 
 @contextlib.contextmanager
-def observed_forwards(trl_class: type) -> Iterator[Forwards]:
-    """Observes TRL's own log-prob forward (`_get_per_token_logps_and_entropies` of `trl_class`) in the block."""
-    observed, name = Forwards(), "_get_per_token_logps_and_entropies"
+def observed_forwards(trl_class: type) -> Iterator[tuple[list[int], list[torch.Tensor]]]:
+    """Observes TRL's own log-prob forward (`trl_class`'s) in the block: its calls without and with gradient, and the
+    log-probabilities it returned with gradient (each keeping its `.grad`)."""
+    calls, kept, name = [0, 0], [], "_get_per_token_logps_and_entropies"
     forward = trl_class.__dict__[name]
 
     def observing(self, *args, **kwargs):
         output = forward(self, *args, **kwargs)
-        observed.calls[torch.is_grad_enabled()] += 1
+        calls[torch.is_grad_enabled()] += 1
         if output[0].requires_grad:
             output[0].retain_grad()
-            observed.kept.append(output[0])
+            kept.append(output[0])
         return output
 
     setattr(trl_class, name, observing)
     try:
-        yield observed
+        yield calls, kept
     finally:
         setattr(trl_class, name, forward)
 
 
 def candidate_loss_types() -> tuple[str, ...]:
-    """The loss types to try: TRL 1.16's and those the installed `GRPOConfig` names in its help; a type the installed
-    TRL does not know is skipped (its `_compute_loss` raises "Unknown loss type")."""
+    """TRL 1.16's loss types and those the installed `GRPOConfig` names in its help (one it does not know is skipped:
+    its loss raises "Unknown loss type")."""
     from trl import GRPOConfig
 
     named = re.search(r"Supported values are (.+?)\.\s", GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"])
     return tuple(dict.fromkeys((*KNOWN_LOSS_TYPES, *re.findall(r"'(\w+)'", named.group(1) if named else ""))))
 
 
-class TRLFails(Relation):
-    """TRL's own trainer fails on this machine: no relation to it can be checked (no fact of trl_lopti is shown broken)."""
+def classes(trainer: str) -> tuple[type, type, type, type]:
+    """TRL's config and trainer, and the Lopti config and trainer, of `trainer` ("grpo" or "rloo")."""
+    import trl
+
+    import trl_lopti
+
+    name = trainer.upper()
+    return (*(getattr(trl, f"{name}{kind}") for kind in ("Config", "Trainer")),
+            *(getattr(trl_lopti, f"Lopti{name}{kind}") for kind in ("Config", "Trainer")))  # fmt: skip
 
 
 class Contract:
@@ -136,28 +149,18 @@ class Contract:
         )
         model.save_pretrained(self.model_path)
         self.initial = {name: p.detach().to(device) for name, p in model.named_parameters()}
-        self.trl_counts: dict[str, list[int]] = {}
-
-    def classes(self, trainer: str) -> tuple[type, type, type, type]:
-        """TRL's config and trainer, and the Lopti config and trainer, of `trainer` ("grpo" or "rloo")."""
-        from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-
-        from . import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer
-
-        if trainer == "grpo":
-            return GRPOConfig, GRPOTrainer, LoptiGRPOConfig, LoptiGRPOTrainer
-        return RLOOConfig, RLOOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer
+        self.trl_passes: dict[str, list[int]] = {}
+        self.cycle_runs: dict[str, tuple[Any, dict[str, Any]]] = {}
 
     def fields(self, name: str, **overrides: Any) -> dict[str, Any]:
-        """A run's config fields: a generation batch of 8 completions trained in 2 optimizer steps of plain SGD per pass
-        (TRL computes pi_old: the batch is trained off-policy), on this device and precision."""
+        """A run's config fields: 2 generation batches of 8 completions, each trained in 2 optimizer steps of plain SGD
+        per pass (TRL computes pi_old: off-policy), on this device and precision."""
         return {
             **dict(output_dir=str(self.folder / name), per_device_train_batch_size=4, num_generations=4),
             **dict(steps_per_generation=2, gradient_accumulation_steps=1, max_completion_length=6, beta=0.0, seed=0),
             **dict(optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1),
             **dict(report_to="none", save_strategy="no", disable_tqdm=True, model_init_kwargs={"dtype": "auto"}),
-            **dict(num_train_epochs=1),
-            **dict(use_cpu=self.device == "cpu", bf16=self.precision == "bf16"),
+            **dict(num_train_epochs=1, use_cpu=self.device == "cpu", bf16=self.precision == "bf16"),
             **overrides,
         }
 
@@ -166,7 +169,7 @@ class Contract:
 
         from .tasks import token_parity_reward
 
-        prompts = Dataset.from_dict({"prompt": [f"Count to {number}:" for number in range(4)]})  # 2 generation batches
+        prompts = Dataset.from_dict({"prompt": [f"Count to {number}:" for number in range(4)]})
         return trainer_class(self.model_path, token_parity_reward, args, prompts)
 
     def train(self, trainer_class: type, args: Any, checkpoint: str | None = None) -> tuple[Any, list[int]]:
@@ -174,71 +177,71 @@ class Contract:
         and without, backward passes (reaching the input embedding), optimizer steps."""
         trainer, backward = self.trainer(trainer_class, args), []
         trainer.model.get_input_embeddings().weight.register_post_accumulate_grad_hook(lambda _: backward.append(1))
-        with observed_forwards(getattr(trainer_class, "trl_trainer_class", trainer_class)) as forwards:
+        with observed_forwards(getattr(trainer_class, "trl_trainer_class", trainer_class)) as (calls, _):
             trainer.train(resume_from_checkpoint=checkpoint)
-        return trainer, [forwards.calls[1], forwards.calls[0], len(backward), trainer.state.global_step]
+        return trainer, [calls[1], calls[0], len(backward), trainer.state.global_step]
 
-    def moves(self, trainer) -> dict[str, torch.Tensor]:
-        return {name: p.detach() - self.initial[name] for name, p in trainer.model.named_parameters()}
+    def moved_like(self, trainer, expected) -> float:
+        """How far `trainer`'s parameters moved from the initial ones unlike `expected`'s (relative, the largest)."""
+        moves = {name: (p.detach() - self.initial[name], q.detach() - self.initial[name]) for (name, p), (_, q)
+                 in zip(trainer.model.named_parameters(), expected.model.named_parameters(), strict=True)}  # fmt: skip
+        if not any(move.any() for _, move in moves.values()):
+            raise Relation("no parameter moved")
+        return max(close(actual, move, self.tolerance, name) for name, (actual, move) in moves.items())
 
     # ---------------------------------------------------------------------------------------------------- the checks
     def off(self, trainer: str) -> str:
-        trl_config, trl_trainer, lopti_config, lopti_trainer = self.classes(trainer)
+        trl_config, trl_trainer, lopti_config, lopti_trainer = classes(trainer)
         try:
-            plain, self.trl_counts[trainer] = self.train(trl_trainer, trl_config(**self.fields(f"{trainer}-trl")))
+            plain, self.trl_passes[trainer] = self.train(trl_trainer, trl_config(**self.fields(f"{trainer}-trl")))
         except Exception as error:
-            raise TRLFails(
-                f"TRL's own {trl_trainer.__name__} fails on this machine: {type(error).__name__}: {error}"
-            ) from error
+            message = f"TRL's own {trl_trainer.__name__} fails on this machine: {type(error).__name__}: {error}"
+            raise TRLFails(message) from error
         fields = self.fields(f"{trainer}-off", advantage_reweighting_alpha=0.0, lopti_threshold=None)
-        lopti, counts = self.train(lopti_trainer, lopti_config(**fields))
-        expected, actual = self.moves(plain), self.moves(lopti)
-        if counts != self.trl_counts[trainer] or not any(move.any() for move in expected.values()):
-            raise Relation(f"passes {counts}, TRL's {self.trl_counts[trainer]}; or no parameter moved")
-        differences = [close(actual[name], expected[name], self.tolerance, name) for name in expected]
+        lopti, passes = self.train(lopti_trainer, lopti_config(**fields))
+        if passes != self.trl_passes[trainer]:
+            raise Relation(f"passes {passes}, TRL's {self.trl_passes[trainer]}")
+        differences = [self.moved_like(lopti, plain)]
         for key in ("loss", "grad_norm"):
             logged = [torch.tensor([e[key] for e in t.state.log_history if key in e]) for t in (lopti, plain)]
             differences.append(close(*logged, self.tolerance, key))
         return f"losses, gradient norms, parameters: {trl_trainer.__name__}'s to {max(differences):.2g}"
 
     def cycle(self, trainer: str) -> str:
-        _, _, lopti_config, lopti_trainer = self.classes(trainer)
+        _, _, lopti_config, lopti_trainer = classes(trainer)
         estimator = {"advantage_estimator": "reinforce_plus_plus"} if trainer == "grpo" else {}  # facts G3, G4
         fields = self.fields(
             f"{trainer}-cycle", log_completions=True, save_strategy="steps", save_steps=1, **estimator
         )
-        self.cycle_trainer, counts = self.train(lopti_trainer, lopti_config(**fields))
-        forwards, no_grad, backward, steps = self.trl_counts[trainer]
-        if counts != [2 * forwards, no_grad, 2 * backward, 2 * steps]:
+        run, passes = self.train(lopti_trainer, lopti_config(**fields))
+        self.cycle_runs[trainer] = run, fields
+        forwards, no_grad, backward, steps = self.trl_passes[trainer]
+        if passes != [2 * forwards, no_grad, 2 * backward, 2 * steps]:
             raise Relation(
-                f"passes {counts}, TRL's {self.trl_counts[trainer]}: expected twice, no extra no-grad forward"
+                f"passes {passes}, TRL's {self.trl_passes[trainer]}: expected twice, no extra no-grad forward"
             )
-        shares = [
-            e["lopti/low_token_share"] for e in self.cycle_trainer.state.log_history if "lopti/low_token_share" in e
-        ]
+        shares = [e["lopti/low_token_share"] for e in run.state.log_history if "lopti/low_token_share" in e]
         if not shares or not 0 < shares[0] < 1:
             raise Relation(f"the split left a pass without tokens (low-token share {shares})")
-        passes = f"{'/'.join(map(str, counts))}, TRL's {forwards}/{no_grad}/{backward}/{steps}"
+        passes = f"{'/'.join(map(str, passes))}, TRL's {forwards}/{no_grad}/{backward}/{steps}"
         return (
             f"forwards with gradient / without / backward / optimizer steps {passes}; low-token share {shares[0]:.2f}"
         )
 
     def resume(self, trainer: str) -> str:
-        _, _, lopti_config, lopti_trainer = self.classes(trainer)
-        between = self.cycle_trainer.args.lopti_pass_micro_steps // self.cycle_trainer.args.gradient_accumulation_steps
-        checkpoint = Path(self.cycle_trainer.args.output_dir) / f"checkpoint-{between}"
-        fields = self.fields(f"{trainer}-resumed", log_completions=True)
-        if trainer == "grpo":
-            fields["advantage_estimator"] = "reinforce_plus_plus"
+        _, _, lopti_config, lopti_trainer = classes(trainer)
+        run, fields = self.cycle_runs[trainer]
+        between = run.args.lopti_pass_micro_steps // run.args.gradient_accumulation_steps  # optimizer steps in a pass
+        checkpoint = Path(run.args.output_dir) / f"checkpoint-{between}"
+        fields = {**fields, "output_dir": str(self.folder / f"{trainer}-resumed"), "save_strategy": "no"}
         resumed, _ = self.train(lopti_trainer, lopti_config(**fields), str(checkpoint))
-        expected, actual = self.moves(self.cycle_trainer), self.moves(resumed)
-        difference = max(close(actual[name], expected[name], self.tolerance, name) for name in expected)
+        difference = self.moved_like(resumed, run)
         return f"from {checkpoint.name}, between the passes: the uninterrupted parameters to {difference:.2g}"
 
     def losses(self, trainer: str) -> dict[str, str | Relation]:
-        """The `isolation` and `ar` relations at equal parameters, over every loss configuration: a detail or the first
-        relation that failed, for each."""
-        _, trl_trainer, lopti_config, lopti_trainer = self.classes(trainer)
+        """The `isolation` and `ar` relations at equal parameters, over every loss configuration: for each, a detail or
+        the first relation that failed."""
+        _, trl_trainer, lopti_config, lopti_trainer = classes(trainer)
         configurations = [{}]
         if trainer == "grpo":  # with a KL term at token level (AR refuses one with a sequence's shared ratio)
             configurations = [
@@ -248,20 +251,18 @@ class Contract:
             ]
         generator = self.trainer(lopti_trainer, lopti_config(**self.fields("batch", beta=0.04 * (trainer == "grpo"))))
         batch, eta = generation_batch_off_policy(generator)
-        mask = batch["completion_mask"].bool()
-        low_mask = (batch["old_per_token_logps"].exp() < eta) & mask
-        weights = 0.3 * batch["old_per_token_logps"].exp() + 0.7
+        mask, old_probabilities = batch["completion_mask"].bool(), batch["old_per_token_logps"].exp()
+        low_mask, weights = (old_probabilities < eta) & mask, 0.3 * old_probabilities + 0.7
         worst, failures, checked = {"isolation": 0.0, "ar": 0.0}, {}, []
         for configuration in configurations:
             fields = self.fields(f"{trainer}-loss", **configuration, advantage_reweighting_alpha=0.3)
-            whole = lopti_config(**fields | {"lopti_threshold": None})  # the configs first: building one resets
-            plain = lopti_config(
-                **fields | {"lopti_threshold": None, "advantage_reweighting_alpha": 0.0}
-            )  # accelerate
+            # the configs first: building one resets accelerate's state, which a trainer built before would need
+            whole = lopti_config(**fields | {"lopti_threshold": None})
+            plain = lopti_config(**fields | {"lopti_threshold": None, "advantage_reweighting_alpha": 0.0})
             lopti = self.trainer(lopti_trainer, lopti_config(**fields, lopti_threshold=eta))
             what = f"{trainer} {' '.join(map(str, configuration.values()))}".strip()
             try:
-                self.gradients(lopti, trl_trainer, batch, plain)
+                unweighted = self.gradients(lopti, trl_trainer, batch, plain, kl=False)
             except ValueError as error:  # a loss type this TRL does not know
                 if "loss type" in str(error).lower():
                     continue
@@ -279,7 +280,6 @@ class Contract:
                 worst["isolation"] = max(worst["isolation"], difference)
             with self.failure(failures, "ar"):
                 reweighted = self.gradients(lopti, trl_trainer, batch, whole, kl=False)
-                unweighted = self.gradients(lopti, trl_trainer, batch, plain, kl=False)
                 exactly_zero(reweighted[unweighted == 0], f"{what}: AR where plain TRL has no gradient")
                 worst["ar"] = max(worst["ar"], close(reweighted, weights * unweighted, self.tolerance, f"{what}: AR"))
         names = ", ".join(dict.fromkeys(c.get("loss_type", "rloo") for c in checked))
@@ -306,15 +306,15 @@ class Contract:
         values = dict(args=args, _step=pass_index * args.lopti_pass_micro_steps, beta=trainer.beta if kl else 0.0)
         trainer.current_gradient_accumulation_steps = 1
         trainer.model.train()
-        with _compat.temporarily_set(trainer, **values), observed_forwards(trl_class) as forwards:
+        with _compat.temporarily_set(trainer, **values), observed_forwards(trl_class) as (_, kept):
             trainer.compute_loss(trainer.model, dict(batch)).backward()
         trainer.model.zero_grad(set_to_none=True)
-        return forwards.kept[-1].grad
+        return kept[-1].grad
 
     def upgrade(self, trainer: str) -> str:
         from .config import as_lopti_config
 
-        trl_config, _, lopti_config, _ = self.classes(trainer)
+        trl_config, _, lopti_config, _ = classes(trainer)
         fields = self.fields("upgrade", learning_rate=3e-6, max_steps=6, temperature=0.7, beta=0.02, epsilon_high=0.3)
         upgraded = as_lopti_config(trl_config(**fields), self.model_path, lopti_config)  # (warnings: quiet)
         direct, names = lopti_config(**fields), [field.name for field in dataclasses.fields(lopti_config)]
@@ -325,45 +325,27 @@ class Contract:
 
 def generation_batch_off_policy(trainer) -> tuple[dict[str, Any], float]:
     """A generation batch of `trainer` (its TRL keys, pi_old included) moved off-policy so that ratios clip on some
-    tokens and sequences, and an eta half-way in the widest gap of its pi_old near the median."""
+    tokens and sequences, with padding, and an eta half-way in the widest gap of its pi_old near the median."""
     from .lopti_mixin import LOPTI_BATCH_KEYS
 
     trainer.model.train()
-    prompts = trainer.train_dataset["prompt"][:2]
-    rows = [{"prompt": prompt} for prompt in prompts for _ in range(trainer.num_generations)]
+    rows = [
+        {"prompt": prompt} for prompt in trainer.train_dataset["prompt"][:2] for _ in range(trainer.num_generations)
+    ]
     batch = {k: v for k, v in trainer._generate_and_score_completions(rows).items() if k not in LOPTI_BATCH_KEYS}
-    generator = torch.Generator().manual_seed(0)
-    old = batch["old_per_token_logps"]
-    noise = 0.3 * torch.randn(old.shape, generator=generator, dtype=torch.float64).to(old)
-    old = old + noise
+    old, advantages, mask = (batch[key].clone() for key in ("old_per_token_logps", "advantages", "completion_mask"))
+    old += 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(old)
     old[0], old[-1] = old[0] + 0.5, old[-1] - 0.5  # two sequences whose ratios leave the clip range...
-    advantages = batch["advantages"].clone()
     advantages[0], advantages[-1] = -advantages[0].abs() - 0.1, advantages[-1].abs() + 0.1  # ...on their clipped side
-    completion_mask = batch["completion_mask"].clone()
-    completion_mask[1, -2:] = 0  # two completions end early: padding, which no loss may count (fact S6)
-    completion_mask[2, -1:] = 0
-    batch.update(old_per_token_logps=old.clamp(max=-1e-6), advantages=advantages, completion_mask=completion_mask)
-    batch["num_items_in_batch"] = completion_mask.sum()
+    mask[1, -2:], mask[2, -1:] = 0, 0  # two completions end early: padding, which no loss may count (fact S6)
+    batch.update(old_per_token_logps=old.clamp(max=-1e-6), advantages=advantages, completion_mask=mask)
+    batch["num_items_in_batch"] = mask.sum()
     if "old_logps" in batch:  # RLOO's: the masked sum
-        batch["old_logps"] = (batch["old_per_token_logps"] * batch["completion_mask"]).sum(1)
-    probabilities = torch.sort(batch["old_per_token_logps"].exp()[batch["completion_mask"].bool()].double()).values
+        batch["old_logps"] = (batch["old_per_token_logps"] * mask).sum(1)
+    probabilities = torch.sort(batch["old_per_token_logps"].exp()[mask.bool()].double()).values
     middle = probabilities[len(probabilities) // 4 : max(len(probabilities) * 3 // 4, len(probabilities) // 4 + 2)]
     widest = int(torch.argmax(middle[1:] - middle[:-1]))
     return batch, float(middle[widest] + middle[widest + 1]) / 2
-
-
-CHECKS: dict[str, tuple[tuple[str, ...], str | None]] = {
-    "off": (("S1", "S2", "S3", "S5", "S6"), None),
-    "cycle": (("S1", "S2", "S3", "S5", "S6"), "off"),
-    "resume": (("S4",), "cycle"),
-    "isolation": (("S3", "S6"), "off"),
-    "ar": (("S3", "S6"), "off"),
-    "upgrade": ((), None),
-}
-"""The checks, in order: the TRL facts each relies on besides its trainer's own (`TRAINER_FACTS`), and the check whose
-run it needs."""
-TRAINER_FACTS = {"grpo": {"off": ("G2",), "cycle": ("G2", "G3", "G4"), "isolation": ("G1",), "ar": ("G1",)},
-                 "rloo": {"off": ("R1", "R2"), "cycle": ("R1", "R2"), "isolation": ("R2",), "ar": ("R2",)}}  # fmt: skip
 
 
 def default_device_and_precision(device: str | None, precision: str | None) -> tuple[str, str]:
@@ -377,9 +359,9 @@ def run_checks(
     report: Callable[[CheckResult], None] = lambda result: None,
 ) -> list[CheckResult]:  # fmt: skip
     """
-    Runs every check of the contract for `trainers` on `device` (default: CUDA where present, else the CPU) in
-    `precision` (`"fp64"`, the CPU's default; `"fp32"`, CUDA's; `"bf16"`: autocast over float32 weights); each result
-    goes to `report` as soon as it is known. A check that fails, for any reason, fails alone, and the others still run.
+    Runs every check of the contract for `trainers` on `device` in `precision` (`default_device_and_precision`;
+    `"bf16"`: autocast over float32 weights); each result goes to `report` as soon as it is known. A check that fails,
+    for any reason, fails alone: the others still run, and those that need its run say so, blaming no fact.
     """
     device, precision = default_device_and_precision(device, precision)
     results, threads = [], torch.get_num_threads()
@@ -388,27 +370,27 @@ def run_checks(
         with quiet():
             contract = Contract(Path(folder), device, precision)
         for trainer in trainers:
-            computed: dict[str, str | Relation] = {}
-            failed: dict[str, CheckResult] = {}
+            losses, failed = {}, {}
             for check, (facts, needs) in CHECKS.items():
-                facts, start = (*facts, *TRAINER_FACTS[trainer].get(check, ())), time.perf_counter()
+                result = CheckResult(f"{trainer} {check}", (*facts, *TRAINER_FACTS[trainer].get(check, ())), True, "")
+                start = time.perf_counter()
                 try:
-                    if needs in failed:  # blames no fact: the check it needs said what broke
+                    if needs in failed:  # the check it needs said what broke
                         trl_fails = isinstance(failed[needs].error, TRLFails)
                         raise Relation(f"not run: {'TRL fails here' if trl_fails else 'it needs'} (the {needs} check)")
                     with quiet():
-                        if check in ("isolation", "ar") and not computed:
-                            computed = contract.losses(trainer)
-                        detail = computed[check] if check in ("isolation", "ar") else getattr(contract, check)(trainer)
-                    if isinstance(detail, Relation):
-                        raise detail
-                    result = CheckResult(f"{trainer} {check}", facts, True, detail, 0.0)
+                        if check in ("isolation", "ar"):
+                            losses = losses or contract.losses(trainer)
+                        result.detail = losses[check] if check in losses else getattr(contract, check)(trainer)
+                    if isinstance(result.detail, Relation):
+                        raise result.detail
                 except Exception as error:  # noqa: BLE001 - a verdict for every check, whatever breaks
                     named = tuple(re.findall(r"broke fact ([SGR]\d) of trl_lopti", str(error)))
-                    broken = named or (error.facts if isinstance(error, Relation) else facts)
-                    detail = str(error) if isinstance(error, Relation) else f"{type(error).__name__}: {error}"
-                    result = failed[check] = CheckResult(f"{trainer} {check}", facts, False, detail[:600], 0.0, broken)
-                    result.error = error
+                    result.broken = named or (error.facts if isinstance(error, Relation) else result.facts)
+                    result.detail = (
+                        str(error) if isinstance(error, Relation) else f"{type(error).__name__}: {error}"
+                    )[:600]
+                    result.passed, result.error, failed[check] = False, error, result
                 result.seconds = time.perf_counter() - start
                 results.append(result)
                 report(result)
@@ -419,7 +401,7 @@ def run_checks(
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """Keeps what TRL, transformers and the trainers print (warnings, progress bars, completion tables, logs) out of
-    the check's own lines, which `report` writes."""
+    the check's own lines."""
     from transformers.utils import logging
 
     verbosity, sink = logging.get_verbosity(), io.StringIO()
@@ -434,21 +416,13 @@ def quiet() -> Iterator[None]:
 
 def write_verdict(results: list[CheckResult], device: str, precision: str, seconds: float) -> Path:
     """Caches the verdict of `results` for this stack (`_compat.verdict_path`), for the trainers' gate."""
-    path = _compat.verdict_path()
+    path, failed = _compat.verdict_path(), [result for result in results if not result.passed]
+    broken = sorted({fact for result in failed for fact in result.broken})
+    verdict = {"passed": not failed, "broken_facts": broken, "failed": [result.line() for result in failed]}
+    verdict |= {"stack": _compat.stack_versions(), "device": device, "precision": precision, "seconds": round(seconds)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    verdict = {
-        "passed": all(result.passed for result in results),
-        "broken_facts": sorted({fact for result in results for fact in result.broken}),
-        "failed": [result.line() for result in results if not result.passed],
-        "stack": _compat.stack_versions(),
-        "device": device,
-        "precision": precision,
-        "seconds": round(seconds, 1),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(verdict, indent=1) + "\n")
-    partial.replace(path)  # atomic: processes of other nodes may read it
+    path.with_suffix(".partial").write_text(json.dumps(verdict, indent=1) + "\n")
+    path.with_suffix(".partial").replace(path)  # atomic: processes of other machines may read it
     return path
 
 

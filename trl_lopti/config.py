@@ -1,7 +1,5 @@
 """The configs: TRL's `GRPOConfig` and `RLOOConfig`, each plus the fields of Advantage Reweighting and Lopti."""
 
-from __future__ import annotations
-
 import dataclasses
 import math
 import numbers

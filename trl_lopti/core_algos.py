@@ -14,8 +14,6 @@ under the policy that produced the batch, at the loss's temperature (a constant:
 - REINFORCE++ (outcome reward, gamma 1): [`reinforce_plus_plus_advantages`].
 """
 
-from __future__ import annotations
-
 import torch
 
 

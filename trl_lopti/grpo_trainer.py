@@ -17,8 +17,6 @@ KL, clipping, importance-sampling and normalisation term itself.
 The TRL facts it relies on besides the shared ones are G1-G4, stated and checked in `trl_lopti/_compat.py`.
 """
 
-from __future__ import annotations
-
 from typing import Any, ClassVar
 
 import torch

@@ -28,8 +28,6 @@ eta and the split of a new batch; TRL's pi_old decision at the user's `num_itera
 batch; checks S5).
 """
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 import glob

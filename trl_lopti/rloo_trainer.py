@@ -17,8 +17,6 @@ a reward penalty, computed before the leave-one-out baseline).
 The TRL facts it relies on besides the shared ones are R1-R2, stated and checked in `trl_lopti/_compat.py`.
 """
 
-from __future__ import annotations
-
 from typing import Any, ClassVar
 
 import torch

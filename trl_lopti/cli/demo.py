@@ -3,8 +3,6 @@ Instruct ([`~trl_lopti.models.get_smollm2`]) trained by [`LoptiGRPOTrainer`] (AR
 single-digit addition ([`trl_lopti.tasks.arithmetic`]), which it partly solves; held-out reward and greedy accuracy
 before and after go to a table, `results.json` and `training_curve.png`. Without an accelerator: on the CPU, said."""
 
-from __future__ import annotations
-
 import json
 import math
 import time

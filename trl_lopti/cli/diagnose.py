@@ -3,8 +3,6 @@
 `num_iterations - 1` Adam steps (`learning_rate`) of TRL's loss on the batch come first. `--model_name_or_path smollm2`
 is the demo's model. On a machine without an accelerator it runs on the CPU (`use_cpu`), and says so."""
 
-from __future__ import annotations
-
 import json
 import sys
 from collections.abc import Sequence

@@ -14,8 +14,6 @@ follow an update, instead of kernels that prepack the weights at load (`VLLM_FAC
 Nothing here runs where CUDA exists: there NCCL is the transport.
 """
 
-from __future__ import annotations
-
 import datetime
 import inspect
 from dataclasses import dataclass

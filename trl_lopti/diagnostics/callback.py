@@ -1,7 +1,5 @@
 """`TokenDiagnosticsCallback`: the token diagnostics of the current generation batch, logged during training."""
 
-from __future__ import annotations
-
 from typing import Any
 
 from transformers import TrainerCallback

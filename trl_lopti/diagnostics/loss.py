@@ -1,7 +1,5 @@
 """The oracle: the gradient of TRL's own `GRPOTrainer._compute_loss` w.r.t. each token's log-probability and entropy."""
 
-from __future__ import annotations
-
 import contextlib
 from collections import defaultdict
 from collections.abc import Iterator, Sequence

@@ -1,7 +1,5 @@
 """What the diagnostics measure on one batch: the quartile table, the probability-shift probe and inner steps."""
 
-from __future__ import annotations
-
 import logging
 import math
 import time

@@ -1,7 +1,5 @@
 """Reports of the token diagnostics: Markdown tables, and bar charts by probability quartile (pandas and matplotlib)."""
 
-from __future__ import annotations
-
 import os
 from collections.abc import Sequence
 from pathlib import Path

@@ -1,7 +1,5 @@
 """Completion text extraction shared by the tasks' reward functions, and a reward that varies on any model."""
 
-from __future__ import annotations
-
 from typing import Any
 
 

@@ -3,8 +3,6 @@ process ([`WorkerProcess`]: one function of a `trl_lopti.tasks` module served in
 killed when it does not answer in time). The worker imports the task module and what it needs; `import trl_lopti`
 imports no TRL."""
 
-from __future__ import annotations
-
 import atexit
 import ctypes
 import json

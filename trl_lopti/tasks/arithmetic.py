@@ -6,8 +6,6 @@ the rewards of a GRPO group differ and training has a signal. Held-out problems 
 ([`FAMILIES`], operands 0-9) and are never trained on.
 """
 
-from __future__ import annotations
-
 import random
 import re
 from collections.abc import Callable, Sequence

@@ -2,8 +2,6 @@
 (`source="paper"`; [`paper_prompt`], byte for byte the `prompt` column of their parquet files) or the Hub's published
 puzzles (`source="hub"`), and generated puzzles ([`generate_dataset`])."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any

@@ -16,8 +16,6 @@ published generator's random stream), so it never reproduces a published puzzle 
 puzzles use `load_knights_knaves_dataset(source="paper")`.
 """
 
-from __future__ import annotations
-
 import ast
 import random
 from collections.abc import Sequence

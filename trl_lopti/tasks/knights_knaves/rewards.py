@@ -14,8 +14,6 @@ prompt has none), a completion containing `Assistant:` is scored on the text aft
 without the pre-filled `<think>` ([`scored_response`]).
 """
 
-from __future__ import annotations
-
 import re
 from collections.abc import Callable, Sequence
 from typing import Any

@@ -2,8 +2,6 @@
 evenly over difficulty) and evaluation sets, with the raw-text prompts their model saw ([`load_paper_math_dataset`]),
 and Hub sets or local files with the same columns ([`load_math_dataset`], see [`MATH_DATASETS`])."""
 
-from __future__ import annotations
-
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass

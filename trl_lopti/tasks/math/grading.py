@@ -3,8 +3,6 @@ and DeepScaleR's `RewardMathFn`, under a wall-clock limit per completion) and TR
 math-verify, not the paper's grader). Dependencies: `pip install "trl_lopti[math]"`.
 """
 
-from __future__ import annotations
-
 import contextlib
 import math
 import re

@@ -19,8 +19,6 @@ table of adversarial answers. The rules, in order:
 Requires `sympy` and `pylatexenc` (the `math` extra).
 """
 
-from __future__ import annotations
-
 import contextlib
 import re
 from collections.abc import Callable
