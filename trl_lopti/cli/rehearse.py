@@ -144,9 +144,8 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
             "transformers' generate"
         )
     elif training_args.use_vllm:  # seeded sampling: the resumed run samples the second batch as the uninterrupted one
-        flags["generation_kwargs"] = json.dumps(
-            {**(training_args.generation_kwargs or {}), "seed": training_args.seed}
-        )
+        seeded = {**(training_args.generation_kwargs or {}), "seed": training_args.seed}
+        flags["generation_kwargs"] = json.dumps(seeded)
         say(
             f"rehearse: vLLM server mode: a CPU `vllm serve` of {model} (log {folder / 'vllm_server.log'}), two "
             "generation batches, seeded sampling"
@@ -177,11 +176,9 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
 def _passes(trainer) -> dict[str, Any]:
     """From the logs: each pass's optimizer steps and gradient norms, eta, the low-token share, and what failed."""
     logs, lopti = [entry for entry in trainer.state.log_history if "grad_norm" in entry], trainer.args.lopti_enabled
+    eta = [entry["lopti/threshold"] for entry in logs if "lopti/threshold" in entry]
     shares = [entry["lopti/low_token_share"] for entry in logs if "lopti/low_token_share" in entry]
-    report = {
-        "eta": [entry["lopti/threshold"] for entry in logs if "lopti/threshold" in entry],
-        "low_token_share": shares,
-    }
+    report = {"eta": eta, "low_token_share": shares}
     failures = [
         f"the {'low' if share == 0 else 'high'} pass trained no token (low-token share {share})"
         for share in shares

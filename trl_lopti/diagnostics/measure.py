@@ -231,7 +231,6 @@ def run_token_diagnostics(
         if trainer.beta and "ref_per_token_logps" not in batch:
             raise ValueError("beta > 0: the batch needs ref_per_token_logps (TRL adds them), or pass a ref_model")
         mask, old_logps = loss_token_mask(batch).bool(), batch["old_per_token_logps"]
-        settings = {"optimizer": optimizer, "lr": lr, **probe_split(trainer, old_logps, mask)}
         d_logps, d_entropies = trl_loss_gradients(trainer, batch, *values)
         d_no_kl = trl_loss_gradients(trainer, batch, *values, without_kl=True)[0] if trainer.beta else d_logps
         stats = completion_statistics(model, batch, trainer.temperature, micro_batch_size, d_logps, d_entropies)
@@ -250,23 +249,12 @@ def run_token_diagnostics(
         report["gradients"]["kl_reference"] = kl_reference
         report["time_s"] = {"gradients": time.perf_counter() - started}
         if probe_methods:
+            update = {"optimizer": optimizer, "lr": lr}
             report["probe"] = probe(
-                trainer, model, batch, values, groups, stats, settings, probe_methods, micro_batch_size
+                trainer, model, batch, values, groups, stats, update, probe_methods, micro_batch_size
             )
             report["time_s"]["probe"] = time.perf_counter() - started - report["time_s"]["gradients"]
     return report
-
-
-def probe_split(trainer: GRPOTrainer, old_logps: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
-    """The probe's AR alpha and Lopti eta: the trainer's `LoptiGRPOConfig` fields (`LoptiGRPOConfig`'s defaults for
-    a TRL `GRPOConfig`); with `lopti_quantile`, eta is that quantile of the batch's pi_old."""
-    args = trainer.args
-    alpha = getattr(args, "advantage_reweighting_alpha", LoptiGRPOConfig.advantage_reweighting_alpha)
-    quantile = getattr(args, "lopti_quantile", None)
-    eta = getattr(args, "lopti_threshold", LoptiGRPOConfig.lopti_threshold)
-    if quantile is not None:
-        eta = lopti_batch_threshold(old_logps, mask, quantile)
-    return {"alpha": alpha, "eta": eta, "lopti_quantile": quantile}
 
 
 def check_probe_methods(methods: Sequence[str], args: Any) -> None:
@@ -350,22 +338,28 @@ def probe(
     methods: Sequence[str],
     micro_batch_size: int,
 ) -> dict[str, Any]:
-    """One update of the model per method (`settings`: its `optimizer` and `lr`, AR's `alpha` and Lopti's `eta`), the
-    shift of every token's probability, then the parameters restored."""
-    mask, old_logps = groups["all"], batch["old_per_token_logps"]
-    if settings["eta"] is not None:
-        low = low_probability_token_mask(old_logps, mask, settings["eta"])
+    """One update of the model per method (`settings`: its `optimizer` and `lr`), the shift of every token's
+    probability, then the parameters restored. AR's alpha and Lopti's eta are the trainer's `LoptiGRPOConfig` fields
+    (`LoptiGRPOConfig`'s defaults for a TRL `GRPOConfig`); with `lopti_quantile`, eta is that quantile of pi_old."""
+    mask, old_logps, args = groups["all"], batch["old_per_token_logps"], trainer.args
+    alpha = getattr(args, "advantage_reweighting_alpha", LoptiGRPOConfig.advantage_reweighting_alpha)
+    quantile = getattr(args, "lopti_quantile", None)
+    eta = getattr(args, "lopti_threshold", LoptiGRPOConfig.lopti_threshold)
+    if quantile is not None:
+        eta = lopti_batch_threshold(old_logps, mask, quantile)
+    settings = {**settings, "alpha": alpha, "eta": eta, "lopti_quantile": quantile}
+    if eta is not None:
+        low = low_probability_token_mask(old_logps, mask, eta)
         groups = dict(groups, low=token_group_mask(low, mask, "low"), high=token_group_mask(low, mask, "high"))
-    reweighted = reweight_advantages(batch["advantages"], old_logps, settings["alpha"])
-    variants = {"A": batch, "AR": dict(batch, advantages=reweighted)}
+    variants = {"A": batch, "AR": dict(batch, advantages=reweight_advantages(batch["advantages"], old_logps, alpha))}
     params = trainable_parameters(model)
     start = [param.detach().clone() for param in params]
     results = {}
-    try:
-        for method in methods:
-            advantages, tokens = FIRST_UPDATE[method]
-            optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[settings["optimizer"]]
-            update = optimizer(params, lr=settings["lr"])
+    for method in methods:
+        advantages, tokens = FIRST_UPDATE[method]
+        optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[settings["optimizer"]]
+        update = optimizer(params, lr=settings["lr"])
+        try:
             gradient_step(trainer, model, variants[advantages], update, groups[tokens], micro_batch_size, values)
             if tokens == "low":  # Lopti's high pass: from the new parameters, ratio and clipping against pi_old
                 gradient_step(trainer, model, variants[advantages], update, groups["high"], micro_batch_size)
@@ -373,10 +367,11 @@ def probe(
             after = completion_log_probs(model, batch, trainer.temperature, micro_batch_size)
             shift = probability_shift(stats["logps"], after, stats["advantages"], stats["quartile"])
             results[method] = {"update_norm": _norm(moved), "groups": shift}
-            restore(params, start)
-            logger.info("probe %s done", method)
-    finally:
-        restore(params, start)
+        finally:  # the parameters back, exactly
+            with torch.no_grad():
+                for param, value in zip(params, start, strict=True):
+                    param.copy_(value)
+        logger.info("probe %s done", method)
     low_count = int(groups["low"].sum()) if "low" in groups else None
     return {**settings, "low_token_count": low_count, "methods": results}
 
@@ -404,13 +399,6 @@ def gradient_step(
     optimizer.step()
     for param, grad in zip(params, previous, strict=True):
         param.grad = grad
-
-
-@torch.no_grad()
-def restore(params: list[torch.nn.Parameter], values: list[torch.Tensor]) -> None:
-    """Copies `values` back into `params`, exactly."""
-    for param, value in zip(params, values, strict=True):
-        param.copy_(value)
 
 
 def advance_policy_on_batch(

@@ -101,21 +101,13 @@ def evaluate_held_out(
     samples: int,
     seed: int,
 ) -> dict[str, Any]:
-    """Greedy accuracy and mean reward of sampled answers on held-out problems, overall and per family.
+    """Greedy accuracy and mean reward of sampled answers on the held-out `(family, prompt, answer)` problems of
+    [`split_problems`], overall and per family: `accuracy` (greedy reward), `reward` (mean sampled reward),
+    `per_family` (both per family), `num_prompts`, `num_samples`.
 
-    Args:
-        model (`PreTrainedModel`), tokenizer (`PreTrainedTokenizerBase`):
-            The model (in eval mode for the call) and its tokenizer (left padding for the call).
-        held_out (`Sequence[tuple[str, str, int]]`): `(family, prompt, answer)`, from [`split_problems`].
-        reward_func (`Callable`):
-            A reward of `REWARDS`, called as TRL calls it (completions, `answer`, `completion_ids`).
-        max_new_tokens (`int`), temperature (`float`), samples (`int`), seed (`int`):
-            Tokens per answer; the temperature, number (one batched `generate` call) and seed of the sampled answers.
-
-    Returns:
-        `dict`: `accuracy` (greedy reward), `reward` (mean sampled reward), `per_family` (both per family),
-        `num_prompts`, `num_samples`.
-    """
+    `reward_func` is a reward of `REWARDS`, called as TRL calls it (completions, `answer`, `completion_ids`). Answers
+    have at most `max_new_tokens` tokens; `samples` per problem are sampled at `temperature` in one batched `generate`
+    call, seeded by `seed`. The model is in eval mode, and the tokenizer pads on the left, for the call."""
     import torch
 
     families = [family for family, _, _ in held_out]

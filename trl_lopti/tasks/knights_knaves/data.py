@@ -73,12 +73,6 @@ def make_prompt(quiz: str, system_prompt: str = SYSTEM_PROMPT, prefill_think: bo
     return messages
 
 
-def _example(record: dict[str, Any], system_prompt: str, prefill_think: bool) -> dict[str, Any]:
-    """A puzzle record (see `puzzle_record`) with its conversational `prompt` and `think_prefilled`."""
-    prompt = make_prompt(record["quiz"], system_prompt, prefill_think)
-    return {"prompt": prompt, **record, "think_prefilled": prefill_think}
-
-
 def generate_dataset(
     num_people: int | Sequence[int],
     num_samples: int,
@@ -93,22 +87,20 @@ def generate_dataset(
     from datasets import Dataset
 
     puzzles = generate_puzzles(num_people, num_samples, **generator_options)
-    return Dataset.from_list([_example(puzzle, system_prompt, prefill_think) for puzzle in puzzles])
-
-
-def _published_record(record: dict[str, Any]) -> dict[str, Any]:
-    quiz, names, solution = record["quiz"], [str(name) for name in record["names"]], record["solution"]
-    statements = str(parse_statements(record["statements"]))
-    texts = {"solution_text_format": record.get("solution_text_format"), "solution_text": record.get("solution_text")}
-    return puzzle_record(quiz, names, solution, statements, **texts)
+    return Dataset.from_list([knights_knaves_record_to_example(row, system_prompt, prefill_think) for row in puzzles])
 
 
 def knights_knaves_record_to_example(
     record: dict[str, Any], system_prompt: str = SYSTEM_PROMPT, prefill_think: bool = False
 ) -> dict[str, Any]:
     """One row of the published K&K data (`quiz`, `names`, `solution`, `solution_text`, `solution_text_format`,
-    `statements`, ...) with the columns of [`generate_dataset`]."""
-    return _example(_published_record(record), system_prompt, prefill_think)
+    `statements`, ...) or of [`generate_puzzles`] with the columns of [`generate_dataset`]: its conversational
+    `prompt` ([`make_prompt`]), the puzzle columns of [`puzzle_record`] and `think_prefilled`."""
+    quiz, names, solution = record["quiz"], [str(name) for name in record["names"]], record["solution"]
+    statements = str(parse_statements(record["statements"]))
+    texts = {"solution_text_format": record.get("solution_text_format"), "solution_text": record.get("solution_text")}
+    puzzle = puzzle_record(quiz, names, solution, statements, **texts)
+    return {"prompt": make_prompt(quiz, system_prompt, prefill_think), **puzzle, "think_prefilled": prefill_think}
 
 
 def prepare_knights_knaves_dataset(dataset, system_prompt: str = SYSTEM_PROMPT, prefill_think: bool = False):
@@ -129,7 +121,8 @@ def paper_record_to_example(record: dict[str, Any]) -> dict[str, Any]:
         if text != prompt:
             index = record.get("index")
             raise ValueError(f"prompt: row index {index} does not hold the paper's prompt text for its quiz")
-    return {"prompt": prompt, **_published_record(record), "think_prefilled": True, "index": int(record["index"])}
+    example = knights_knaves_record_to_example(record, prefill_think=True)  # its `prompt` (first) replaced by the text
+    return {**example, "prompt": prompt, "index": int(record["index"])}
 
 
 def _load_paper_split(split: str, sizes: Sequence[int], data_dir: str | None):
@@ -150,23 +143,14 @@ def _load_paper_split(split: str, sizes: Sequence[int], data_dir: str | None):
 def load_paper_knights_knaves(
     split: str = "train", num_people: Sequence[int] = PAPER_SIZES, data_dir: str | None = None
 ):
-    """The paper's K&K split: the authors' puzzles with the text prompt their model saw.
+    """The paper's K&K `split`, `"train"` (900 puzzles per size: 4,500 for sizes 3-7) or `"test"` (100 per size: the
+    authors' `test.parquet`, which holds the same puzzles as their `test_new.parquet`), of the sizes `num_people` in
+    this order, from the authors' repository ([`AUTHORS_DATA_URL`]) or a local `data_dir` laid out as
+    `{n}ppl/{split}.parquet`: the columns of [`generate_dataset`] (`prompt`: the text of [`paper_prompt`]) and `index`.
 
     Rows are kept by `index` ([`PAPER_SPLITS`]: train 100-999, test 1000-1099 per size), so a file that holds more
     (the Hub's 1,000-per-size `train`) still gives the paper's split. The train and test quizzes are checked to be
-    disjoint (both splits are read).
-
-    Args:
-        split (`str`, *optional*, defaults to `"train"`):
-            `"train"` (900 per size: 4,500 for sizes 3-7) or `"test"` (100 per size: 500; the authors' `test.parquet`,
-            which holds the same puzzles as their `test_new.parquet`).
-        num_people (`Sequence[int]`, *optional*, defaults to `(3, 4, 5, 6, 7)`), data_dir (`str`, *optional*):
-            Sizes to load, concatenated in this order; a local folder laid out as `{n}ppl/{split}.parquet` to read
-            instead of the authors' repository ([`AUTHORS_DATA_URL`]).
-
-    Returns:
-        `datasets.Dataset`: The columns of [`generate_dataset`] (`prompt`: the text of [`paper_prompt`]) and `index`.
-    """
+    disjoint (both splits are read)."""
     if split not in PAPER_SPLITS:
         raise ValueError(f"split: must be one of {list(PAPER_SPLITS)}, got {split!r}")
     sizes = puzzle_sizes(num_people)

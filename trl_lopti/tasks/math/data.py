@@ -108,24 +108,6 @@ def orz_pairs_to_records(pairs: Sequence[Sequence[dict[str, Any]]]) -> list[dict
     ]
 
 
-def _load_raw(spec: MathDatasetSpec, data_files: str | Sequence[str] | None, **load_dataset_kwargs: Any):
-    import datasets
-
-    if spec.data_file is not None:  # a single JSON file of message pairs (ORZ)
-        paths = [data_files] if isinstance(data_files, str) else list(data_files or [])
-        if not paths:
-            from huggingface_hub import hf_hub_download
-
-            paths = [hf_hub_download(spec.path, spec.data_file, repo_type="dataset")]
-        pairs = [pair for path in paths for pair in json.loads(Path(path).read_text(encoding="utf-8"))]
-        return datasets.Dataset.from_list(orz_pairs_to_records(pairs))
-    if data_files is not None:  # local files with the Hub set's columns
-        first = data_files if isinstance(data_files, str) else next(iter(data_files))
-        builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[first.rsplit(".", 1)[-1]]
-        return datasets.load_dataset(builder, data_files=data_files, split="train", **load_dataset_kwargs)
-    return datasets.load_dataset(spec.path, spec.name, split=spec.split, **load_dataset_kwargs)
-
-
 def load_math_dataset(
     name: str | MathDatasetSpec,
     data_files: str | Sequence[str] | None = None,
@@ -153,7 +135,22 @@ def load_math_dataset(
     if not isinstance(name, MathDatasetSpec) and name not in MATH_DATASETS:
         raise ValueError(f"Unknown math dataset {name!r}; choose one of {sorted(MATH_DATASETS)} or pass a spec")
     spec = name if isinstance(name, MathDatasetSpec) else MATH_DATASETS[name]
-    raw = _load_raw(spec, data_files, **load_dataset_kwargs)
+    import datasets
+
+    if spec.data_file is not None:  # a single JSON file of message pairs (ORZ)
+        paths = [data_files] if isinstance(data_files, str) else list(data_files or [])
+        if not paths:
+            from huggingface_hub import hf_hub_download
+
+            paths = [hf_hub_download(spec.path, spec.data_file, repo_type="dataset")]
+        pairs = [pair for path in paths for pair in json.loads(Path(path).read_text(encoding="utf-8"))]
+        raw = datasets.Dataset.from_list(orz_pairs_to_records(pairs))
+    elif data_files is not None:  # local files with the Hub set's columns
+        first = data_files if isinstance(data_files, str) else next(iter(data_files))
+        builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[first.rsplit(".", 1)[-1]]
+        raw = datasets.load_dataset(builder, data_files=data_files, split="train", **load_dataset_kwargs)
+    else:
+        raw = datasets.load_dataset(spec.path, spec.name, split=spec.split, **load_dataset_kwargs)
     if spec.year_column is not None and spec.years is not None:
         first_year, last_year = spec.years
         raw = raw.filter(lambda year: first_year <= int(year) <= last_year, input_columns=spec.year_column)
@@ -182,21 +179,11 @@ def paper_math_record_to_example(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_paper_math_dataset(name: str = "dsr_uniform", data_file: str | None = None):
-    """Loads one of the authors' math parquet files, with the prompt text exactly as their model saw it.
-
-    Their prompts are raw text (`problem + " Let's think step by step and output the final answer within
-    \\boxed{}."`) fed to the model without a chat template; `prompt` here is that string, which TRL's
-    `GRPOTrainer` tokenizes as is. Grade with [`math_reward`] (the paper's grading).
-
-    Args:
-        name (`str`, *optional*, defaults to `"dsr_uniform"`), data_file (`str`, *optional*):
-            A key of [`PAPER_MATH_FILES`] (`"dsr_uniform"`: the training set; or an evaluation set), and a local copy
-            of the file (or another URL) to read instead of the file in the authors' repository.
-
-    Returns:
-        `datasets.Dataset`: Columns `prompt` (text), `solution`, `difficulty` (the authors' difficulty score, `None`
-        where absent).
-    """
+    """Loads one of the authors' math parquet files (`name`: a key of [`PAPER_MATH_FILES`], `"dsr_uniform"` the
+    training set; `data_file`: a local copy, or another URL, to read instead), with the prompt text exactly as their
+    model saw it: raw text (the problem, a space, [`MATH_PROMPT_SUFFIX`]) fed without a chat template, which TRL's
+    `GRPOTrainer` tokenizes as is. Columns `prompt` (that text), `solution` and `difficulty` (the authors' difficulty
+    score, `None` where absent). Grade with [`math_reward`] (the paper's grading)."""
     if name not in PAPER_MATH_FILES:
         raise ValueError(f"name: unknown paper math set {name!r}; choose one of {sorted(PAPER_MATH_FILES)}")
     import datasets
