@@ -42,12 +42,8 @@ LOSS_SETTINGS = (
 def probability_quartiles(logps: torch.Tensor, mask: torch.Tensor) -> tuple[list[float], torch.Tensor]:
     """Groups the tokens of `mask` by the batch's quartiles of the probabilities `exp(logps)` (B, T): the quantiles at
     0.25, 0.5 and 0.75 as the Lopti quantile split computes them ([`~trl_lopti.core_algos.lopti_batch_threshold`]).
-
-    Returns:
-        `tuple[list[float], torch.Tensor]`: The three edges (NaN without tokens) and the quartile of every token
-        (B, T): `j` in [0, 3] for `[edge_j, edge_{j+1})` (the first from the minimum, the last to the maximum
-        included), `-1` outside the mask.
-    """
+    Returns the three edges (NaN without tokens) and the quartile of every token (B, T): `j` in [0, 3] for
+    `[edge_j, edge_{j+1})` (the first from the minimum, the last to the maximum included), `-1` outside the mask."""
     logps, mask = logps.detach().double(), mask.bool()
     if not mask.any():
         return [math.nan] * 3, torch.full_like(mask, -1, dtype=torch.long)
@@ -61,12 +57,9 @@ def probability_shift(
 ) -> dict[str, Any]:
     """The paper's Fig.-3 statistic of one update: per pi_old quartile (`quartile`, (B, T), from
     [`probability_quartiles`]) and sign of the advantage (`advantages`, (B,) or (B, T)), how the sampled tokens'
-    probabilities moved from `logps_before` to `logps_after` (B, T).
-
-    Returns:
-        `dict`: For `all`, `q0` ... `q3`: `label`, `zero_advantage_count` and, for `positive` and `negative`
-        advantages, `count`, `in_direction` (tokens whose probability rose for A > 0, fell for A < 0), their share
-        `share_in_direction`, and `mean_delta_prob`, `mean_delta_logp`.
+    probabilities moved from `logps_before` to `logps_after` (B, T). For `all`, `q0` ... `q3`: `label`,
+    `zero_advantage_count` and, for `positive` and `negative` advantages, `count`, `in_direction` (tokens whose
+    probability rose for A > 0, fell for A < 0), their share `share_in_direction`, `mean_delta_prob`, `mean_delta_logp`.
     """
     delta_logp = logps_after.double() - logps_before.double()
     delta_p = logps_before.double().exp() * torch.expm1(delta_logp)
@@ -103,18 +96,9 @@ def hidden_state_gradient_norms(
     / temperature` and `d H_t / d h_t = -W.T (p * (log p + H_t)) / temperature`; `h_t` reaches no other token's
     log-probability or entropy. `1 - pi` is formed as the sum of the other tokens' probabilities (precise at pi ~ 1).
 
-    Args:
-        logits (`torch.Tensor`), token_ids (`torch.Tensor`):
-            Raw logits (B, T, V) of the positions that predict the sampled tokens (B, T).
-        lm_head_weight (`torch.Tensor`), temperature (`float`, *optional*, defaults to `1.0`):
-            `W` (V, H), and the temperature of the log-probabilities.
-        d_logps (`torch.Tensor`, *optional*), d_entropies (`torch.Tensor`, *optional*):
-            `d L / d log pi_t` and `d L / d H_t` of a loss `L` (B, T), for the norm of `d L / d h_t`.
-
-    Returns:
-        `dict[str, torch.Tensor]`: (B, T) each: `one_minus_p`, `unit` (`||d log pi_t / d h_t||`) and, with
-        `d_logps`, `loss` (`||d L / d h_t||`).
-    """
+    `logits` (B, T, V) are the raw logits of the positions that predict the sampled `token_ids` (B, T), `lm_head_weight`
+    is `W` (V, H); `d_logps` and `d_entropies` (B, T) are `d L / d log pi_t` and `d L / d H_t` of a loss `L`. Returns
+    (B, T) each: `one_minus_p`, `unit` (`||d log pi_t / d h_t||`) and, with `d_logps`, `loss` (`||d L / d h_t||`)."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
     index = token_ids.long().unsqueeze(-1)
     log_p = torch.log_softmax(logits.detach().to(dtype) / temperature, dim=-1)
@@ -195,28 +179,18 @@ def run_token_diagnostics(
     micro_batch_size: int = 4,
     ref_model: torch.nn.Module | None = None,
 ) -> dict[str, Any]:
-    """The token diagnostics of one batch under the loss `trainer` trains (TRL's `_compute_loss`, by autograd).
+    """The token diagnostics of `inputs` (a batch of TRL's `_generate_and_score_completions`: `sample_generation_batch`,
+    `generation_batch`) under the loss that `trainer` (TRL's or a `LoptiGRPOTrainer`) trains, TRL's `_compute_loss` by
+    autograd: `{"gradients": ..., "probe": ... or None, "time_s": ...}`, JSON-serialisable (see the package docstring).
+
+    With `summed_gradients`, each quartile's summed parameter gradient too. The probe's methods are `probe_methods` (of
+    `PROBE_METHODS`; none: no probe), each one step of `optimizer`, `"sgd"` or a fresh `"adam"` (Lopti: one per pass,
+    the same optimizer), at `lr`. `micro_batch_size` completions go per forward; `ref_model` is a reference model for
+    the KL term in place of the batch's `ref_per_token_logps`.
 
     Cost: two no-grad forwards (TRL's, and a plain one for the logits); with `summed_gradients`, one forward with grad
     and four backward passes, and `4 x num_trainable_params` float32; per probe method, one forward with grad and one
-    backward per update and a no-grad forward. The model (`trainer.model`, in eval mode meanwhile) is left as it was.
-
-    Args:
-        trainer (`trl.GRPOTrainer`):
-            The trainer (TRL's or a `LoptiGRPOTrainer`); its loss settings, temperature and model are used.
-        inputs (`dict[str, Any]`):
-            A batch of TRL's `_generate_and_score_completions` (see `sample_generation_batch`, `generation_batch`).
-        summed_gradients (`bool`, *optional*, defaults to `True`), probe_methods (`Sequence[str]`, *optional*):
-            Compute each quartile's summed parameter gradient; the probe's methods (`PROBE_METHODS`; empty: no probe).
-        lr (`float`, *optional*, defaults to `1e-3`), optimizer (`str`, *optional*, defaults to `"sgd"`):
-            The probe's update: one step of `"sgd"` or of a fresh `"adam"` (Lopti: one per pass, the same optimizer).
-        micro_batch_size (`int`, *optional*, defaults to `4`), ref_model (`torch.nn.Module`, *optional*):
-            Completions per forward; a reference model for the KL term in place of the batch's `ref_per_token_logps`.
-
-    Returns:
-        `dict[str, Any]`: `{"gradients": ..., "probe": ... or None, "time_s": ...}`, JSON-serialisable (see the
-        package docstring).
-    """
+    backward per update and a no-grad forward. The model (`trainer.model`, in eval mode meanwhile) is left as it was."""
     check_probe_methods(probe_methods, trainer.args)
     model = trainer.accelerator.unwrap_model(trainer.model)
     started = time.perf_counter()

@@ -110,12 +110,9 @@ class WorkerProcess:
     several threads wait their turn). A call that gets no answer in time kills the child (stuck, e.g. in C code) and
     returns `None`; the next call starts a new child.
 
-    Args:
-        target (`str`):
-            `"module:function"` of a module under `trl_lopti` (e.g. `"trl_lopti.tasks.math.grading:score_in_process"`),
-            with JSON-serialisable arguments and result. It runs in the child's main thread, where
-            [`run_with_time_limit`] can enforce its own limit.
-        warmup_args (`tuple`): Arguments of a first call made before the child reports ready (imports, caches).
+    `target`: the `"module:function"` of a module under `trl_lopti` (`"trl_lopti.tasks.math.grading:score_in_process"`)
+    with JSON-serialisable arguments and result; it runs in the child's main thread, where [`run_with_time_limit`] can
+    enforce its own limit. `warmup_args`: those of a first call made before the child reports ready (imports, caches).
     """
 
     def __init__(self, target: str, warmup_args: tuple = ()):

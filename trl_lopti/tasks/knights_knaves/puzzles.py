@@ -226,27 +226,15 @@ def puzzle_sizes(num_people: int | Sequence[int]) -> list[int]:
 def generate_puzzles(
     num_people: int | Sequence[int], num_samples: int, seed: int = 0, max_width: int = 2, max_attempts: int = 100_000
 ) -> list[dict[str, Any]]:
-    """Generates Knights & Knaves puzzles with exactly one solution, in the published data's columns.
+    """`num_samples` Knights & Knaves puzzles with exactly one solution, in the published data's columns
+    ([`puzzle_record`]; `solution`: `True` for a knight; `statements`: the `str` of the tuple notation). The same
+    arguments always give the same puzzles; `knights_knaves.generate_dataset` turns them into a TRL-ready dataset.
 
-    Each puzzle draws one statement per person (see [`sample_statement`]; nesting depth 2 as in the published data)
-    and is kept only if the solver finds exactly one consistent assignment and the same statements were not drawn
-    before. Names come from [`NAMES`], claims are phrased with [`SPEECH_TEMPLATES`]. The same arguments always give
-    the same puzzles. `knights_knaves.generate_dataset` turns them into a TRL-ready dataset.
-
-    Args:
-        num_people (`int` or `Sequence[int]`), num_samples (`int`):
-            People per puzzle, 2 to 8 (a list gives a mixture: puzzle `k` has `num_people[k % len(num_people)]`
-            people), and the number of puzzles.
-        seed (`int`, *optional*, defaults to `0`), max_width (`int`, *optional*, defaults to `2`):
-            The generator's seed, and the most operands of `and`/`or` (the published data uses 2).
-        max_attempts (`int`, *optional*, defaults to `100000`):
-            Draws per puzzle before giving up with a `RuntimeError`.
-
-    Returns:
-        `list[dict[str, Any]]`: One row per puzzle: `quiz` (the text), `names`, `solution` (list of bools, `True` =
-        knight), `solution_text`, `solution_text_format` (`"(1) Name is a knight\\n(2) ..."`), `statements` (the `str`
-        of the tuple notation) and `num_people`.
-    """
+    `num_people` is 2 to 8, or a list of sizes for a mixture (puzzle `k` has `num_people[k % len(num_people)]` people).
+    Each puzzle draws one statement per person ([`sample_statement`]: nesting depth 2, at most `max_width` operands of
+    `and`/`or`; 2 in the published data) from the generator seeded by `seed`, and is kept only if the solver finds
+    exactly one consistent assignment and the same statements were not drawn before (a `RuntimeError` after
+    `max_attempts` draws). Names come from [`NAMES`], claims are phrased with [`SPEECH_TEMPLATES`]."""
     sizes = puzzle_sizes(num_people)
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0, got {num_samples}")
