@@ -2,6 +2,7 @@
 the broken fact's number, the verdict is cached per stack, and the trainers' gate of an untested release."""
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -70,6 +71,8 @@ def untested(monkeypatch, tmp_path):
     """The installed TRL as if it were an untested release, with an empty Hugging Face cache."""
     monkeypatch.setattr(compat, "TESTED_TRL_RELEASES", ("0.0.0",))  # not the installed release
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    for variable in ("GROUP_RANK", "ACCELERATE_TEST_MARKER", "TORCHELASTIC_TEST_MARKER", "NOT_A_LAUNCHER_RANK"):
+        monkeypatch.setenv(variable, "0")
     checks = []
 
     def run_check(command, env, check):  # what the gate runs, recorded; it writes a verdict
@@ -77,7 +80,9 @@ def untested(monkeypatch, tmp_path):
         verdict = {"passed": True, "broken_facts": [], "failed": []}
         compat.verdict_path().parent.mkdir(parents=True, exist_ok=True)
         compat.verdict_path().write_text(json.dumps(verdict))
-        assert not any(variable in env for variable in compat.LAUNCHER_VARIABLES)
+        launcher = {"GROUP_RANK", "ACCELERATE_TEST_MARKER", "TORCHELASTIC_TEST_MARKER"}  # set by the fixture
+        assert not launcher & set(env) and env["NOT_A_LAUNCHER_RANK"] == "0", sorted(env)
+        assert env["HF_HOME"] == os.environ["HF_HOME"]
         return subprocess.CompletedProcess(command, 0)
 
     monkeypatch.setattr(compat.subprocess, "run", run_check)

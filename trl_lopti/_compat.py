@@ -85,9 +85,10 @@ TESTED_TRL_RELEASES = ("1.10.0", "1.11.0", "1.12.0", "1.13.0", "1.14.2", "1.16.0
 """The releases `.ci/run` tests (the newest patch of each minor release it passes on); on any other, the trainers train
 once `trl-lopti check` has passed on the machine (`require_verified_contract`)."""
 CHECK_COMMAND = "trl-lopti check"
-LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-                      "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")  # fmt: skip
-"""What a launcher sets in each process it starts: not passed to the check's own process."""
+LAUNCHER_VARIABLES = re.compile(r"(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_RANK|MASTER_ADDR|MASTER_PORT"
+                                r"|OMP_NUM_THREADS)$|ACCELERATE_|TORCHELASTIC")  # fmt: skip
+"""What a launcher sets in each process it starts (accelerate's and torchelastic's by prefix): not passed to the check's
+own process."""
 
 TRL_FACTS = dict(re.findall(r"^- ([SGR]\d)\. ([^.]+)\.", __doc__, re.MULTILINE))
 """The TRL facts the trainers rely on, by number, each stated in this module's docstring (its heading here), checked
@@ -266,9 +267,7 @@ def check_on_policy(step: int, position: int, accumulation: int) -> None:
 def check_log(kept_metrics: list[str], rewrote_table: bool) -> None:
     """Fact S5, after a log: the metrics `log` kept, and whether it read the completions table while told not to."""
     if kept_metrics:
-        raise broken_fact(
-            "S5", f"log kept {len(kept_metrics)} metrics it averaged, e.g. {', '.join(kept_metrics[:3])}"
-        )
+        raise broken_fact("S5", f"log kept {len(kept_metrics)} averaged metrics, e.g. {', '.join(kept_metrics[:3])}")
     if rewrote_table:
         raise broken_fact("S5", "log wrote a generation batch's completions table again, with log_completions off")
 
@@ -343,10 +342,7 @@ def require_verified_contract() -> None:
         with PartialState().local_main_process_first():
             verdict = read_verdict()
             if verdict is None:  # the first process here: it runs the check (the others read its verdict)
-                environment = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-                environment = {
-                    k: v for k, v in environment.items() if not k.startswith(("ACCELERATE_", "TORCHELASTIC"))
-                }
+                environment = {k: v for k, v in os.environ.items() if not LAUNCHER_VARIABLES.match(k)}
                 sys.stderr.write(f"trl_lopti: TRL {TRL_VERSION} is untested: running `{CHECK_COMMAND}` once\n")
                 subprocess.run([sys.executable, "-m", "trl_lopti", "check"], env=environment, check=False)
                 verdict = read_verdict()

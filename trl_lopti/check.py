@@ -1,13 +1,10 @@
 """`trl-lopti check`: trl_lopti's contract with TRL, verified on this machine's own stack (TRL, transformers, torch, device).
 
-On a tiny random model built here ([`~trl_lopti.models.build_tiny_model`]: nothing is downloaded), `LoptiGRPOTrainer`
-and `LoptiRLOOTrainer` are checked by relations against TRL's own trainers and losses (`CHECKS`; docs/releases.md
-says what each one asserts): `off` (both methods off = TRL's trainer), `cycle` (the passes of a Lopti cycle), `resume`
-(a checkpoint between the passes), `isolation` and `ar` (every loss type and level the installed TRL knows, at equal
-parameters), `upgrade` (a plain TRL config becomes the Lopti config, field by field). Every training run in them runs
-the runtime checks of the TRL facts (`trl_lopti._compat`), so a broken fact fails its check with the fact's number.
-Tolerances, relative to the largest value compared: `TOLERANCES` (TRL's fused log-prob head computes in float32 under
-float64 weights); zeros must be exact in every precision.
+On a tiny random model built here (nothing is downloaded), `LoptiGRPOTrainer` and `LoptiRLOOTrainer` are checked by
+relations against TRL's own trainers and losses, `CHECKS` (docs/releases.md says what each one asserts). Every training
+run in them runs the runtime checks of the TRL facts (`trl_lopti._compat`), so a broken fact fails its check with the
+fact's number. Tolerances, relative to the largest value compared: `TOLERANCES` (TRL's fused log-prob head computes in
+float32 under float64 weights); zeros must be exact in every precision.
 """
 
 import contextlib
@@ -329,9 +326,7 @@ def generation_batch_off_policy(trainer) -> tuple[dict[str, Any], float]:
     from .lopti_mixin import LOPTI_BATCH_KEYS
 
     trainer.model.train()
-    rows = [
-        {"prompt": prompt} for prompt in trainer.train_dataset["prompt"][:2] for _ in range(trainer.num_generations)
-    ]
+    rows = [{"prompt": p} for p in trainer.train_dataset["prompt"][:2] for _ in range(trainer.num_generations)]
     batch = {k: v for k, v in trainer._generate_and_score_completions(rows).items() if k not in LOPTI_BATCH_KEYS}
     old, advantages, mask = (batch[key].clone() for key in ("old_per_token_logps", "advantages", "completion_mask"))
     old += 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(old)
@@ -444,9 +439,7 @@ def main(argv: list[str]) -> int:
         f"trl-lopti check: {', '.join(f'{k} {v}' for k, v in _compat.stack_versions().items())}; {device}, {precision}"
     )
     start = time.perf_counter()
-    results = run_checks(
-        device, precision, tuple(args.trainers), report=lambda result: print(result.line(), flush=True)
-    )
+    results = run_checks(device, precision, tuple(args.trainers), report=lambda r: print(r.line(), flush=True))
     seconds, failed = time.perf_counter() - start, [result for result in results if not result.passed]
     where = ""
     if set(args.trainers) == {"grpo", "rloo"}:  # the whole contract: the trainers' gate reads its verdict
