@@ -57,7 +57,7 @@ def floors() -> dict[str, Version]:
     return result
 
 
-def tested_pythons() -> set[str]:
+def pythons_ci_tests() -> set[str]:
     return set(legs().values())
 
 
@@ -93,7 +93,7 @@ def test_the_minimum_leg_runs_the_oldest_tested_trl_release():
 
 def test_the_minimum_leg_runs_on_the_oldest_admitted_python():
     (minimum,) = [name for name in legs() if name.endswith("-minimum.txt")]
-    assert Version(legs()[minimum]) == min(map(Version, tested_pythons()))
+    assert Version(legs()[minimum]) == min(map(Version, pythons_ci_tests()))
 
 
 def test_the_newest_legs_pin_nothing():
@@ -102,15 +102,15 @@ def test_the_newest_legs_pin_nothing():
 
 
 def test_the_classifiers_list_exactly_the_tested_pythons():
-    assert classifier_pythons() == tested_pythons()
+    assert classifier_pythons() == pythons_ci_tests()
 
 
 @pytest.mark.parametrize("minor", range(30))
 def test_python_requires_admits_the_tested_pythons_and_nothing_else(minor):
     admitted = SpecifierSet(setup_cfg()["options"]["python_requires"])
     version = f"3.{minor}"
-    assert (version in admitted) == (version in tested_pythons()), (version, str(admitted))
-    assert (f"{version}.5" in admitted) == (version in tested_pythons())  # patch releases alike
+    assert (version in admitted) == (version in pythons_ci_tests()), (version, str(admitted))
+    assert (f"{version}.5" in admitted) == (version in pythons_ci_tests())  # patch releases alike
 
 
 def test_ci_run_names_an_interpreter_for_every_leg_but_main():
