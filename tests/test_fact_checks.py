@@ -6,7 +6,7 @@ number; the same run with TRL as it is trains to the end (the control).
 """
 
 import pytest
-from testing_utils import TRL_MUTATIONS, conversational_dataset, length_reward
+from testing_utils import TRL_MUTATIONS, conversational_dataset, length_reward, small_config
 from trl import GRPOTrainer, RLOOTrainer
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer
@@ -21,29 +21,12 @@ TRAINERS = {
 def run(trainer_name: str, model_path: str, output_dir, resume_from_checkpoint=None, **overrides):
     """Trains one Lopti cycle: one generation batch, 4 optimizer steps (2 per pass), TRL computing pi_old."""
     trainer_class, config_class, _ = TRAINERS[trainer_name]
-    values = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=2,
-        num_generations=2,
-        gradient_accumulation_steps=1,
-        steps_per_generation=2,
-        max_completion_length=4,
-        max_steps=4,
-        learning_rate=1e-3,
-        advantage_reweighting_alpha=0.3,
-        lopti_threshold=0.5,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        logging_steps=1,
-    )
-    values.update(overrides)
+    values = dict(per_device_train_batch_size=2, num_generations=2, gradient_accumulation_steps=1, seed=42)
+    values |= dict(steps_per_generation=2, max_completion_length=4, learning_rate=1e-3, bf16=False)
+    values |= dict(advantage_reweighting_alpha=0.3, lopti_threshold=0.5)
+    args = small_config(output_dir, config_class, **values | overrides)
     trainer = trainer_class(  # distinct prompts: the dataloader's batches differ
-        model=model_path,
-        reward_funcs=length_reward,
-        args=config_class(**values),
-        train_dataset=conversational_dataset(),
+        model=model_path, reward_funcs=length_reward, args=args, train_dataset=conversational_dataset()
     )
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return trainer
