@@ -1,5 +1,7 @@
 """Run by tests/test_check.py under torchrun (2 gloo processes): the first training run on an untested TRL release,
-with an empty Hugging Face cache. Writes, per process, the optimizer steps it trained and whether it ran the check."""
+with an empty Hugging Face cache, shared by the processes of one machine or (`two_machines`: torchrun's two nodes) one
+per machine, the first of which already holds a passing verdict. Writes, per process, the optimizer steps it trained and
+whether it ran the check."""
 
 import json
 import os
@@ -7,11 +9,15 @@ import sys
 from pathlib import Path
 
 
-def main(model_path: str, folder: str) -> None:
-    os.environ["HF_HOME"] = os.path.join(folder, "hf")
+def main(model_path: str, folder: str, machines: str = "one_machine") -> None:
+    node = os.environ["GROUP_RANK"] if machines == "two_machines" else ""
+    os.environ["HF_HOME"] = os.path.join(folder, f"hf{node}")
     import trl_lopti._compat as compat
 
     compat.TESTED_TRL_RELEASES = ("0.0.0",)  # the installed TRL, as if it were untested
+    if node == "0":  # this machine ran `trl-lopti check` before
+        compat.verdict_path().parent.mkdir(parents=True)
+        compat.verdict_path().write_text(json.dumps({"passed": True, "broken_facts": [], "failed": []}))
     ran, run = [], compat.subprocess.run
 
     def recorded(*args, **kwargs):

@@ -6,9 +6,10 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
-from testing_utils import TRL_MUTATIONS, conversational_dataset, length_reward, small_config, torchrun
+from testing_utils import TRL_MUTATIONS, conversational_dataset, free_port, length_reward, small_config, torchrun
 from trl import GRPOTrainer, RLOOTrainer
 
 import trl_lopti._compat as compat
@@ -50,7 +51,7 @@ def mutations() -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("trainer, mutation", mutations())
-def test_a_broken_trl_fact_fails_the_check_with_its_number(monkeypatch, trainer, mutation):
+def test_a_broken_trl_fact_fails_the_check_with_its_number(monkeypatch, trainer, mutation, single_thread):
     fact, mutate = TRL_MUTATIONS[mutation]
     mutate(monkeypatch, TRL_CLASSES[trainer])
     results = run_checks(trainers=(trainer,))
@@ -59,10 +60,26 @@ def test_a_broken_trl_fact_fails_the_check_with_its_number(monkeypatch, trainer,
     assert fact in broken, (mutation, failed, [result.detail for result in results if not result.passed])
 
 
-def test_the_check_runs_bf16_autocast_as_on_a_gpu():
+def test_the_check_runs_bf16_autocast_as_on_a_gpu(single_thread):
     """CUDA's bf16 autocast arithmetic, reproduced on the CPU: the relations hold to the bf16 tolerance."""
     results = run_checks(precision="bf16")
     assert all(result.passed for result in results), [r.line() for r in results if not r.passed]
+
+
+def test_the_checks_batch_gives_the_kl_term_a_gradient(tmp_path, single_thread):
+    """The isolation relation with a KL term proves something only where that term has a gradient: the reference
+    log-probabilities of the check's batch differ from the policy's (equal, the KL gradient would be exactly zero)."""
+    from trl_lopti.check import Contract, classes, generation_batch_off_policy, quiet
+
+    with compat.verifying_contract(), quiet():
+        contract = Contract(tmp_path, "cpu", "fp64")
+        _, trl_trainer, config, trainer_class = classes("grpo")
+        generator = contract.trainer(trainer_class, config(**contract.fields("batch", beta=0.04)))
+        batch, _ = generation_batch_off_policy(generator)
+        args = config(**contract.fields("kl", beta=0.04, lopti_threshold=None))
+        trainer = contract.trainer(trainer_class, args)
+        with_kl, without = (contract.gradients(trainer, trl_trainer, batch, args, kl=kl) for kl in (True, False))
+    assert float((with_kl - without).abs().max()) > 1e-4  # 2.0e-3 measured
 
 
 # ---------------------------------------------------------------------------------------------------- the gate
@@ -155,4 +172,27 @@ def test_the_first_run_of_an_untested_release_under_two_processes_checks_once(ti
     assert [report["trained_steps"] for report in reports] == [2, 2]
     assert sum(report["ran_check"] for report in reports) == 1
     verdict = json.loads(next((tmp_path / "hf" / "trl_lopti" / "contract").glob("*.json")).read_text())
+    assert verdict["passed"]
+
+
+def test_machines_whose_caches_differ_meet_at_the_gate(tiny_model_path, tmp_path):
+    """torchrun's two nodes (a process each, on this machine), each with a cache of its own: the first holds a passing
+    verdict, the second none. The second runs the check while the first waits for it at the gate, then both train (a
+    process that skipped the gate's barrier would leave the others waiting there for ever)."""
+    port, processes = str(free_port()), []
+    environment = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
+    for node in range(2):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node)]
+        command += ["--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port]
+        command += [str(Path(__file__).with_name("gate_script.py")), tiny_model_path, str(tmp_path), "two_machines"]
+        processes.append(subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        outputs = [process.communicate(timeout=300)[0].decode()[-3000:] for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    assert [process.returncode for process in processes] == [0, 0], outputs
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [(report["trained_steps"], report["ran_check"]) for report in reports] == [(2, 0), (2, 1)]
+    verdict = json.loads(next((tmp_path / "hf1" / "trl_lopti" / "contract").glob("*.json")).read_text())
     assert verdict["passed"]

@@ -452,6 +452,7 @@ def test_each_training_command_reads_its_trainers_config(tmp_path, base, run_cli
     assert training_args.beta == 0.1 and not hasattr(training_args, "advantage_estimator")
     plain = write_yaml(tmp_path / "plain.yaml", base)
     assert type(parse_train_args(["--config", plain])[1]) is LoptiGRPOConfig
+    assert parse_train_args([f"--config={rloo}"], "rloo")[1].beta == 0.1  # as argparse takes any option's value
     assert type(parse_train_args(["--config", plain, "--epsilon_high=0.3"], "rloo")[1]) is LoptiRLOOConfig
     code, out, err = run_cli(["rloo", "--config", rloo, "--dry_run"])
     assert code == 0, err

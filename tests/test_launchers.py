@@ -405,8 +405,39 @@ def test_a_checkpoint_inside_a_generation_batch_resumes_its_buffered_batch_at_it
     assert trainer._step == 3 * 2 and torch.equal(trainer._buffered_inputs[1]["completion_mask"], torch.zeros(2, 3))
     # loaded on the CPU, then moved: the eta stays a float64 CPU tensor (MPS has no float64)
     assert trainer._buffered_inputs[0][ETA_KEY].device.type == "cpu" and trainer._buffered_inputs[0][ETA_KEY] == eta
-    trainer._load_optimizer_and_scheduler(str(tmp_path.parent))  # a checkpoint between generation batches: nothing
-    assert trainer._step == 6
+    trainer.state.global_step = 4  # 8 micro-steps: a checkpoint between generation batches, which holds none
+    trainer._load_optimizer_and_scheduler(str(tmp_path.parent))
+    assert trainer._step == 6  # nothing to resume: TRL's schedule goes on
+
+
+def test_a_checkpoint_without_a_generation_batch_inside_one_of_this_runs_is_refused_naming_the_schedule(
+    trainer, tmp_path
+):
+    """A checkpoint between the generation batches of its run's schedule, resumed with another (steps_per_generation 2
+    then 4): its step lies inside a batch of this run, which it cannot resume (TRL would generate mid-cycle)."""
+    trainer.state.global_step = 2  # 4 micro-steps: inside this run's 8-micro-step cycle
+    with pytest.raises(
+        ValueError,
+        match=r"holds no generation batch, yet lies inside one of this run's schedule, \{'num_processes': 1, "
+        r"'gradient_accumulation_steps': 2, 'steps_per_generation': 4,",
+    ):
+        trainer._load_optimizer_and_scheduler(str(tmp_path))
+
+
+def test_each_process_resumes_its_own_part_of_the_batch_from_its_machines_checkpoint(trainer, tmp_path, monkeypatch):
+    """save_on_each_node: a machine's checkpoint holds its own processes' files only (ranks 0 and 1 of 4 here)."""
+    from accelerate import Accelerator
+
+    monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 4))
+    for rank in range(2):
+        saved_generation_batch(trainer, tmp_path / f"lopti_generation_batch_rank{rank}.pt", [{"rank": rank}])
+    trainer.state.global_step = 1
+    monkeypatch.setattr(Accelerator, "process_index", property(lambda self: 1))
+    trainer._load_optimizer_and_scheduler(str(tmp_path))
+    assert trainer._buffered_inputs == [{"rank": 1}]
+    monkeypatch.setattr(Accelerator, "process_index", property(lambda self: 2))  # another machine's: not here
+    with pytest.raises(ValueError, match="with num_processes=2; this run has num_processes=4"):
+        trainer._load_optimizer_and_scheduler(str(tmp_path))
 
 
 def test_a_checkpoint_inside_a_generation_batch_moves_its_tensors_but_the_eta_to_the_device(
@@ -446,7 +477,13 @@ def test_a_checkpoint_inside_a_generation_batch_refuses_another_process_count(tr
 
 
 @pytest.mark.parametrize(
-    "changed", [{"gradient_accumulation_steps": 4}, {"steps_per_generation": 2}, {"num_iterations": 2}]
+    "changed",
+    [
+        {"gradient_accumulation_steps": 4},
+        {"steps_per_generation": 2},
+        {"num_iterations": 2},
+        {"advantage_reweighting_alpha": 0.1},  # the batch holds its AR weights (or none)
+    ],
 )
 def test_a_checkpoint_inside_a_generation_batch_refuses_another_schedule_naming_both_values(
     trainer, tmp_path, changed

@@ -4,13 +4,11 @@ an untested release, and the few adapters to TRL's private interface.
 `trl_lopti.config` and the trainer modules import this module before they import TRL; `trl_lopti.tasks` does not import
 TRL at all.
 
-The trainers rely on the TRL facts below (`TRL_FACTS`), which hold unchanged from 1.10 to 1.16: `.ci/run` runs the
-contract, exactness, schedule and split tests against the newest patch of each minor release. Each fact is also checked
-in every training run, at no measurable cost, by the `check_*` function named beside it, which stops the run at the
-first step where the fact fails ([`broken_fact`]: the fact's number, the TRL release, what the check saw);
-tests/test_fact_checks.py breaks each one on purpose. S holds for both trainers (`trl_lopti/lopti_mixin.py` relies on
-it), G for `GRPOTrainer` (`trl_lopti/grpo_trainer.py`, `trl_lopti/reinforce_plus_plus.py`), R for `RLOOTrainer`
-(`trl_lopti/rloo_trainer.py`).
+The trainers rely on the TRL facts below (`TRL_FACTS`), unchanged from 1.10 to 1.16 (`.ci/run` tests each minor
+release's newest patch). The `check_*` function named beside each checks it in every training run, at no measurable
+cost, and stops the run at the first step where it fails ([`broken_fact`]); tests/test_fact_checks.py breaks each on
+purpose. S holds for both trainers (`lopti_mixin.py`), G for `GRPOTrainer` (`grpo_trainer.py`,
+`reinforce_plus_plus.py`), R for `RLOOTrainer` (`rloo_trainer.py`).
 
 - S1. Schedule. `_prepare_inputs` generates when `self._step % (steps_per_generation * self.num_iterations) == 0` (or
   with nothing buffered), buffers the batch split into micro-batches in `self._buffered_inputs` (0-dim tensors copied
@@ -86,9 +84,9 @@ TESTED_TRL_RELEASES = ("1.10.0", "1.11.0", "1.12.0", "1.13.0", "1.14.2", "1.16.0
 once `trl-lopti check` has passed on the machine (`require_verified_contract`)."""
 CHECK_COMMAND = "trl-lopti check"
 LAUNCHER_VARIABLES = re.compile(r"(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_RANK|MASTER_ADDR|MASTER_PORT"
-                                r"|OMP_NUM_THREADS)$|ACCELERATE_|TORCHELASTIC")  # fmt: skip
-"""What a launcher sets in each process it starts (accelerate's and torchelastic's by prefix): not passed to the check's
-own process."""
+                                r"|OMP_NUM_THREADS)$|ACCELERATE_|TORCHELASTIC|OMPI_|PMI_|PMIX_|MV2_")  # fmt: skip
+"""What a launcher sets in each process it starts (accelerate's, torchelastic's and MPI's by prefix): not passed to the
+check's own process."""
 
 TRL_FACTS = dict(re.findall(r"^- ([SGR]\d)\. ([^.]+)\.", __doc__, re.MULTILINE))
 """The TRL facts the trainers rely on, by number, each stated in this module's docstring (its heading here), checked
@@ -315,33 +313,28 @@ def read_verdict() -> dict[str, Any] | None:
 _verifying_contract = False  # while `trl-lopti check` runs its own trainers
 
 
-@contextlib.contextmanager
-def verifying_contract():
+def verifying_contract() -> contextlib.AbstractContextManager:
     """The block runs the contract's own training runs: the trainers' gate lets them train."""
-    global _verifying_contract
-    _verifying_contract, before = True, _verifying_contract
-    try:
-        yield
-    finally:
-        _verifying_contract = before
+    return temporarily_set(sys.modules[__name__], _verifying_contract=True)
 
 
 def require_verified_contract() -> None:
     """
     The gate of an untested TRL release (outside `TESTED_TRL_RELEASES`): a Lopti trainer trains only once `trl-lopti
     check` has passed on this machine for this stack (`verdict_path`). Where it never ran, the first process of each
-    machine runs it once, in a process of its own (without the launcher's settings), while the others wait (accelerate's
-    `local_main_process_first`), and caches its verdict; a failed verdict refuses to train, naming the broken facts.
+    machine runs it once, in a process of its own (without the launcher's settings), while every other process of every
+    machine waits (accelerate's `local_main_process_first`), and caches its verdict; a failed verdict refuses to train,
+    naming the broken facts.
     """
     if TRL_VERSION in TESTED_TRL_RELEASES or _verifying_contract:
         return
-    verdict = read_verdict()
-    if verdict is None:
-        from accelerate import PartialState
+    from accelerate import PartialState
 
-        with PartialState().local_main_process_first():
+    state, verdict = PartialState(), read_verdict()
+    if verdict is None or state.num_processes > 1:  # every process meets the barrier: another machine may need it
+        with state.local_main_process_first():
             verdict = read_verdict()
-            if verdict is None:  # the first process here: it runs the check (the others read its verdict)
+            if verdict is None and state.is_local_main_process:  # it runs the check, the others read its verdict
                 environment = {k: v for k, v in os.environ.items() if not LAUNCHER_VARIABLES.match(k)}
                 sys.stderr.write(f"trl_lopti: TRL {TRL_VERSION} is untested: running `{CHECK_COMMAND}` once\n")
                 subprocess.run([sys.executable, "-m", "trl_lopti", "check"], env=environment, check=False)

@@ -7,10 +7,12 @@ fact's number. Tolerances, relative to the largest value compared: `TOLERANCES` 
 float32 under float64 weights); zeros must be exact in every precision.
 """
 
+import argparse
 import contextlib
 import dataclasses
 import io
 import json
+import os
 import re
 import tempfile
 import time
@@ -21,7 +23,21 @@ from typing import Any
 
 import torch
 
-from . import _compat
+from . import _compat  # (checks the TRL version before TRL is imported)
+
+
+# isort: split
+import trl
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging
+
+import trl_lopti
+
+from .config import as_lopti_config
+from .lopti_mixin import LOPTI_BATCH_KEYS
+from .models import PEAKED_TINY_MODEL, build_tiny_model
+from .tasks import token_parity_reward
 
 
 TOLERANCES = {"fp64": 1e-6, "fp32": 1e-4, "bf16": 2e-2}
@@ -113,18 +129,14 @@ def observed_forwards(trl_class: type) -> Iterator[tuple[list[int], list[torch.T
 def candidate_loss_types() -> tuple[str, ...]:
     """TRL 1.16's loss types and those the installed `GRPOConfig` names in its help (one it does not know is skipped:
     its loss raises "Unknown loss type")."""
-    from trl import GRPOConfig
-
-    named = re.search(r"Supported values are (.+?)\.\s", GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"])
+    named = re.search(
+        r"Supported values are (.+?)\.\s", trl.GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"]
+    )
     return tuple(dict.fromkeys((*KNOWN_LOSS_TYPES, *re.findall(r"'(\w+)'", named.group(1) if named else ""))))
 
 
 def classes(trainer: str) -> tuple[type, type, type, type]:
     """TRL's config and trainer, and the Lopti config and trainer, of `trainer` ("grpo" or "rloo")."""
-    import trl
-
-    import trl_lopti
-
     name = trainer.upper()
     return (*(getattr(trl, f"{name}{kind}") for kind in ("Config", "Trainer")),
             *(getattr(trl_lopti, f"Lopti{name}{kind}") for kind in ("Config", "Trainer")))  # fmt: skip
@@ -134,10 +146,6 @@ class Contract:
     """The runs and relations of `trl-lopti check` on one device and precision, in a folder of its own."""
 
     def __init__(self, folder: Path, device: str, precision: str):
-        from transformers import AutoModelForCausalLM
-
-        from .models import PEAKED_TINY_MODEL, build_tiny_model
-
         self.folder, self.device, self.precision, self.tolerance = folder, device, precision, TOLERANCES[precision]
         # sampled tokens lie on both sides of eta 0.5, so that both Lopti passes train
         self.model_path = build_tiny_model(folder / "model", seed=0, device=device, **PEAKED_TINY_MODEL)
@@ -151,21 +159,19 @@ class Contract:
 
     def fields(self, name: str, **overrides: Any) -> dict[str, Any]:
         """A run's config fields: 2 generation batches of 8 completions, each trained in 2 optimizer steps of plain SGD
-        per pass (TRL computes pi_old: off-policy), on this device and precision."""
+        per pass (TRL computes pi_old: off-policy), on this device and precision; RLOO's with a reference model (its
+        forward follows pi_old's, fact R1), whose KL penalises the rewards."""
         return {
             **dict(output_dir=str(self.folder / name), per_device_train_batch_size=4, num_generations=4),
-            **dict(steps_per_generation=2, gradient_accumulation_steps=1, max_completion_length=6, beta=0.0, seed=0),
+            **dict(steps_per_generation=2, gradient_accumulation_steps=1, max_completion_length=6, seed=0),
             **dict(optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1),
             **dict(report_to="none", save_strategy="no", disable_tqdm=True, model_init_kwargs={"dtype": "auto"}),
             **dict(num_train_epochs=1, use_cpu=self.device == "cpu", bf16=self.precision == "bf16"),
+            **dict(beta=0.04 if name.startswith("rloo") else 0.0),
             **overrides,
         }
 
     def trainer(self, trainer_class: type, args: Any):
-        from datasets import Dataset
-
-        from .tasks import token_parity_reward
-
         prompts = Dataset.from_dict({"prompt": [f"Count to {number}:" for number in range(4)]})
         return trainer_class(self.model_path, token_parity_reward, args, prompts)
 
@@ -214,9 +220,7 @@ class Contract:
         self.cycle_runs[trainer] = run, fields
         forwards, no_grad, backward, steps = self.trl_passes[trainer]
         if passes != [2 * forwards, no_grad, 2 * backward, 2 * steps]:
-            raise Relation(
-                f"passes {passes}, TRL's {self.trl_passes[trainer]}: expected twice, no extra no-grad forward"
-            )
+            raise Relation(f"passes {passes}, TRL's {self.trl_passes[trainer]}: not twice, or an extra forward")
         shares = [e["lopti/low_token_share"] for e in run.state.log_history if "lopti/low_token_share" in e]
         if not shares or not 0 < shares[0] < 1:
             raise Relation(f"the split left a pass without tokens (low-token share {shares})")
@@ -309,8 +313,6 @@ class Contract:
         return kept[-1].grad
 
     def upgrade(self, trainer: str) -> str:
-        from .config import as_lopti_config
-
         trl_config, _, lopti_config, _ = classes(trainer)
         fields = self.fields("upgrade", learning_rate=3e-6, max_steps=6, temperature=0.7, beta=0.02, epsilon_high=0.3)
         upgraded = as_lopti_config(trl_config(**fields), self.model_path, lopti_config)  # (warnings: quiet)
@@ -323,17 +325,19 @@ class Contract:
 def generation_batch_off_policy(trainer) -> tuple[dict[str, Any], float]:
     """A generation batch of `trainer` (its TRL keys, pi_old included) moved off-policy so that ratios clip on some
     tokens and sequences, with padding, and an eta half-way in the widest gap of its pi_old near the median."""
-    from .lopti_mixin import LOPTI_BATCH_KEYS
-
     trainer.model.train()
     rows = [{"prompt": p} for p in trainer.train_dataset["prompt"][:2] for _ in range(trainer.num_generations)]
     batch = {k: v for k, v in trainer._generate_and_score_completions(rows).items() if k not in LOPTI_BATCH_KEYS}
     old, advantages, mask = (batch[key].clone() for key in ("old_per_token_logps", "advantages", "completion_mask"))
-    old += 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(old)
+    noise = torch.Generator().manual_seed(0)
+    old += 0.3 * torch.randn(old.shape, generator=noise, dtype=torch.float64).to(old)
     old[0], old[-1] = old[0] + 0.5, old[-1] - 0.5  # two sequences whose ratios leave the clip range...
     advantages[0], advantages[-1] = -advantages[0].abs() - 0.1, advantages[-1].abs() + 0.1  # ...on their clipped side
     mask[1, -2:], mask[2, -1:] = 0, 0  # two completions end early: padding, which no loss may count (fact S6)
     batch.update(old_per_token_logps=old.clamp(max=-1e-6), advantages=advantages, completion_mask=mask)
+    if batch.get("ref_per_token_logps") is not None:  # a reference unlike the policy: the KL term has a gradient
+        ref = batch["ref_per_token_logps"]
+        batch["ref_per_token_logps"] = ref + 0.3 * torch.randn(ref.shape, generator=noise, dtype=torch.float64).to(ref)
     batch["num_items_in_batch"] = mask.sum()
     if "old_logps" in batch:  # RLOO's: the masked sum
         batch["old_logps"] = (batch["old_per_token_logps"] * mask).sum(1)
@@ -359,8 +363,7 @@ def run_checks(
     for any reason, fails alone: the others still run, and those that need its run say so, blaming no fact.
     """
     device, precision = default_device_and_precision(device, precision)
-    results, threads = [], torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: one thread is fastest, and stays fast beside other work
+    results = []
     with tempfile.TemporaryDirectory(prefix="trl-lopti-check-") as folder, _compat.verifying_contract():
         with quiet():
             contract = Contract(Path(folder), device, precision)
@@ -382,14 +385,11 @@ def run_checks(
                 except Exception as error:  # noqa: BLE001 - a verdict for every check, whatever breaks
                     named = tuple(re.findall(r"broke fact ([SGR]\d) of trl_lopti", str(error)))
                     result.broken = named or (error.facts if isinstance(error, Relation) else result.facts)
-                    result.detail = (
-                        str(error) if isinstance(error, Relation) else f"{type(error).__name__}: {error}"
-                    )[:600]
-                    result.passed, result.error, failed[check] = False, error, result
+                    detail = str(error) if isinstance(error, Relation) else f"{type(error).__name__}: {error}"
+                    result.passed, result.error, result.detail, failed[check] = False, error, detail[:600], result
                 result.seconds = time.perf_counter() - start
                 results.append(result)
                 report(result)
-    torch.set_num_threads(threads)
     return results
 
 
@@ -397,8 +397,6 @@ def run_checks(
 def quiet() -> Iterator[None]:
     """Keeps what TRL, transformers and the trainers print (warnings, progress bars, completion tables, logs) out of
     the check's own lines."""
-    from transformers.utils import logging
-
     verbosity, sink = logging.get_verbosity(), io.StringIO()
     logging.set_verbosity_error()
     try:
@@ -416,8 +414,9 @@ def write_verdict(results: list[CheckResult], device: str, precision: str, secon
     verdict = {"passed": not failed, "broken_facts": broken, "failed": [result.line() for result in failed]}
     verdict |= {"stack": _compat.stack_versions(), "device": device, "precision": precision, "seconds": round(seconds)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".partial").write_text(json.dumps(verdict, indent=1) + "\n")
-    path.with_suffix(".partial").replace(path)  # atomic: processes of other machines may read it
+    partial = path.with_suffix(f".{os.getpid()}.partial")  # its own: machines may share the cache
+    partial.write_text(json.dumps(verdict, indent=1) + "\n")
+    partial.replace(path)  # atomic: processes of other machines may read it
     return path
 
 
@@ -425,8 +424,6 @@ def main(argv: list[str]) -> int:
     """`trl-lopti check [--device D] [--precision P] [--trainers T ...]`: every check (or those of `--trainers`), each
     printed as it ends, then the verdict, cached for the trainers' gate when the whole contract ran; exit code 1 if a
     check fails."""
-    import argparse
-
     parser = argparse.ArgumentParser(
         prog="trl-lopti check", description="trl_lopti's contract on this machine's stack"
     )
@@ -434,6 +431,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--precision", choices=("fp64", "fp32", "bf16"), help="default: fp64 on cpu, fp32 on cuda")
     parser.add_argument("--trainers", nargs="+", choices=("grpo", "rloo"), default=["grpo", "rloo"])
     args = parser.parse_args(argv)
+    torch.set_num_threads(
+        1
+    )  # a process of its own, on a tiny model: one thread is fastest, and fast beside other work
     device, precision = default_device_and_precision(args.device, args.precision)
     print(
         f"trl-lopti check: {', '.join(f'{k} {v}' for k, v in _compat.stack_versions().items())}; {device}, {precision}"
@@ -441,9 +441,8 @@ def main(argv: list[str]) -> int:
     start = time.perf_counter()
     results = run_checks(device, precision, tuple(args.trainers), report=lambda r: print(r.line(), flush=True))
     seconds, failed = time.perf_counter() - start, [result for result in results if not result.passed]
-    where = ""
-    if set(args.trainers) == {"grpo", "rloo"}:  # the whole contract: the trainers' gate reads its verdict
-        where = f"; verdict cached in {write_verdict(results, device, precision, seconds)}"
+    whole = set(args.trainers) == {"grpo", "rloo"}  # the whole contract: the trainers' gate reads its verdict
+    where = f"; verdict cached in {write_verdict(results, device, precision, seconds)}" if whole else ""
     if failed:
         broken = ", ".join(sorted({fact for result in failed for fact in result.broken})) or "none named"
         print(f"FAILED: {len(failed)} of {len(results)} checks in {seconds:.0f} s, broken facts {broken}{where}")

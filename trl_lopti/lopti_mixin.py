@@ -394,6 +394,7 @@ class LoptiTrainerMixin:
             "steps_per_generation": args.steps_per_generation,
             "num_iterations": args.num_iterations,
             "lopti_order": args.lopti_order if args.lopti_enabled else None,
+            "advantage_reweighting_alpha": args.advantage_reweighting_alpha,  # the saved batch holds its AR weights
         }
 
     def _save_checkpoint(self, model, trial):
@@ -409,16 +410,22 @@ class LoptiTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint):
         saved = glob.glob(os.path.join(checkpoint, GENERATION_BATCH_FILE.format("*"))) if checkpoint else []
         schedule = self._schedule_signature()
-        if saved and len(saved) != schedule["num_processes"]:  # each process resumes its own part of the batch
+        path = os.path.join(checkpoint or "", GENERATION_BATCH_FILE.format(self.accelerator.process_index))
+        if saved and not os.path.exists(path):  # each process resumes its own part of the batch
             raise resume_error(checkpoint, {"num_processes": len(saved)}, schedule)
         super()._load_optimizer_and_scheduler(checkpoint)
+        accumulation, cycle = self.args.gradient_accumulation_steps, self.args.lopti_cycle_micro_steps
+        if checkpoint and not saved and cycle % accumulation == 0 and self.state.global_step * accumulation % cycle:
+            raise ValueError(  # a boundary of the schedule it was saved with, not of this run's
+                f"{checkpoint} holds no generation batch, yet lies inside one of this run's schedule, {schedule}: "
+                "resume it with the schedule it was saved with, or from a checkpoint between this one's batches"
+            )
         if not saved:
             return
-        _compat.check_resumed_state(self.state.global_step)
-        path = os.path.join(checkpoint, GENERATION_BATCH_FILE.format(self.accelerator.process_index))
         stored = torch.load(path, map_location="cpu")  # onto the device below: eta stays on the CPU in float64
         if stored["schedule"] != schedule:
             raise resume_error(checkpoint, stored["schedule"], schedule)
+        _compat.check_resumed_state(self.state.global_step)
         device = self.accelerator.device
         self._buffered_inputs = [  # resume inside the batch's schedule, at the micro-step it stopped at
             {key: value.to(device) if torch.is_tensor(value) and key != ETA_KEY else value for key, value in b.items()}
@@ -429,10 +436,10 @@ class LoptiTrainerMixin:
 
 def resume_error(checkpoint: str, saved: dict[str, Any], current: dict[str, Any]) -> ValueError:
     """The error for a checkpoint taken inside a generation batch with a schedule (`saved`) the run (`current`) lacks."""
-    differ = [key for key in saved if saved[key] != current[key]]
+    differ = [key for key in saved if saved[key] != current.get(key)]
     return ValueError(
         f"{checkpoint} was saved inside a generation batch with {', '.join(f'{k}={saved[k]}' for k in differ)}; this "
-        f"run has {', '.join(f'{k}={current[k]}' for k in differ)}: resume it with the values it was saved with, or "
+        f"run has {', '.join(f'{k}={current.get(k)}' for k in differ)}: resume it with the values it was saved with, or "
         "from a checkpoint between generation batches"
     )
 

@@ -82,7 +82,7 @@ class LoptiParser(TrlParser):
         """The dataclasses from `--config FILE|PRESET` (a YAML mapping; `env:` sets environment variables, as TRL's
         parser does) and the flags, which win, and the settings `added` for this machine that no flag gives. `sources`
         says where the values that are not defaults came from: `config_file`, `flags` or `this_machine`."""
-        args, values = list(argv), {}
+        args, values = [part for a in argv for part in (a.split("=", 1) if a.startswith("--config=") else [a])], {}
         if "--help_all" in args:
             print(super().format_help())
             raise SystemExit(0)
