@@ -323,7 +323,8 @@ class PolicyOutputs:
             logps, entropies, aux_loss = original(trainer_self, *args, **kwargs)
             if logps.requires_grad:
                 logps.retain_grad()
-                entropies.retain_grad()
+                if entropies is not None and entropies.requires_grad:  # TRL < 1.11 computes them without gradient
+                    entropies.retain_grad()
                 self.logps, self.entropies = logps, entropies
             return logps, entropies, aux_loss
 
@@ -331,7 +332,11 @@ class PolicyOutputs:
 
     def gradients(self, trainer, inputs: dict, token_group: str | None):
         loss, _ = trainer_loss_and_gradients(trainer, inputs, token_group)
-        entropy_grad = torch.zeros_like(self.entropies) if self.entropies.grad is None else self.entropies.grad.clone()
+        entropy_grad = (
+            torch.zeros_like(self.logps)
+            if self.entropies is None or self.entropies.grad is None
+            else (self.entropies.grad.clone())
+        )
         return loss, self.logps.grad.clone(), entropy_grad
 
 
