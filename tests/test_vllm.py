@@ -229,10 +229,10 @@ def test_server_mode_with_trl_importance_sampling_correction_splits_on_the_train
     assert 1e-3 < (old - sampling)[mask].abs().max() < 0.5  # two computations of one distribution (bf16, float32)
     torch.testing.assert_close(batch["lopti_low_mask"], (old.exp() < 0.5) & mask, rtol=0, atol=0)
     alpha = config.advantage_reweighting_alpha
-    expected = (alpha * old.exp() + 1 - alpha) * batch["advantages"][:, None]
-    torch.testing.assert_close(batch["lopti_advantages"][mask], expected[mask], rtol=0, atol=1e-6)
-    from_sampling = (alpha * sampling.exp() + 1 - alpha) * batch["advantages"][:, None]
-    assert (batch["lopti_advantages"] - from_sampling)[mask].abs().max() > 1e-4  # the two differ
+    weights, advantages = batch["lopti_ar_weights"], batch["advantages"][:, None]
+    torch.testing.assert_close(weights[mask], (alpha * old.exp() + 1 - alpha)[mask], rtol=0, atol=1e-6)
+    from_sampling = alpha * sampling.exp() + 1 - alpha
+    assert ((weights - from_sampling) * advantages)[mask].abs().max() > 1e-4  # the two differ
     # TRL's sequence-level ratio exp(sum(old - sampling)), zeroed outside [clip_min, clip_max], and what TRL logs
     ratio = (((old - sampling) * mask).sum(dim=1, keepdim=True)).exp()
     low, high = config.vllm_importance_sampling_clip_min or -float("inf"), config.vllm_importance_sampling_clip_max
