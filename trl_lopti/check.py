@@ -431,9 +431,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--precision", choices=("fp64", "fp32", "bf16"), help="default: fp64 on cpu, fp32 on cuda")
     parser.add_argument("--trainers", nargs="+", choices=("grpo", "rloo"), default=["grpo", "rloo"])
     args = parser.parse_args(argv)
-    torch.set_num_threads(
-        1
-    )  # a process of its own, on a tiny model: one thread is fastest, and fast beside other work
+    # a process of its own, on a tiny model: one thread is fastest, and fast beside other work
+    torch.set_num_threads(1)
     device, precision = default_device_and_precision(args.device, args.precision)
     print(
         f"trl-lopti check: {', '.join(f'{k} {v}' for k, v in _compat.stack_versions().items())}; {device}, {precision}"
