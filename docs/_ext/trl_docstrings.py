@@ -13,7 +13,8 @@ What it rewrites, in every docstring of the package:
 - A ``Returns:`` item ``` `T`: description``` keeps its type (``T: description``).
 - Inherited fields. A class whose base is one of the package's classes with a ``Parameters:`` block (a config
   dataclass inherits its base's fields: `LoptiGRPOConfig` and `LoptiRLOOConfig` those of `LoptiArguments`) lists the
-  base's parameters in its own ``Parameters:`` block, first, so that its page documents every field it adds.
+  base's parameters in its own ``Parameters:`` block, first (a block of its own where it adds no field itself), so that
+  its page documents every field it adds.
 """
 
 from __future__ import annotations
@@ -131,10 +132,13 @@ class TrlDocstrings(griffe.Extension):
         blocks = {cls.path: parameter_block(cls.docstring.value) for cls in classes}
         for cls in classes:
             inherited = [line for base in cls.resolved_bases for line in blocks.get(base.path, [])]
-            header = re.search(r"^\s*Parameters:\s*\n", cls.docstring.value, re.MULTILINE)
-            if inherited and header:
-                text = cls.docstring.value
-                cls.docstring.value = text[: header.end()] + "\n".join(inherited) + "\n" + text[header.end() :]
+            if not inherited:
+                continue
+            text = cls.docstring.value
+            if not re.search(r"^\s*Parameters:\s*$", text, re.MULTILINE):  # a class that adds no field of its own
+                text = text.rstrip() + "\n\nParameters:\n"
+            header = re.search(r"^\s*Parameters:\s*\n", text, re.MULTILINE)
+            cls.docstring.value = text[: header.end()] + "\n".join(inherited) + "\n" + text[header.end() :]
 
     def _rewrite(self, obj: griffe.Object, seen: set[str]) -> None:
         if obj.path in seen:
