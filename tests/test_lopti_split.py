@@ -334,3 +334,19 @@ def test_the_method_description_names_the_split_rule(tmp_path):
         "GRPO with Advantage Reweighting (alpha=0.3) and Low-Probability Token Isolation "
         "(Lopti, eta at the 0.3 quantile of each batch, low tokens first)"
     )
+
+
+def test_the_method_description_of_a_users_config_subclass_names_its_trainer(tmp_path):
+    """A user's subclass of a Lopti config (passed through unchanged) is described by the trainer it configures."""
+    from trl_lopti import LoptiGRPOConfig, LoptiRLOOConfig
+    from trl_lopti.lopti_mixin import describe_method
+
+    class MyGRPOSettings(LoptiGRPOConfig):
+        pass
+
+    class MyRLOOSettings(LoptiRLOOConfig):
+        pass
+
+    for settings, trainer in ((MyGRPOSettings, "GRPO"), (MyRLOOSettings, "RLOO")):
+        config = settings(output_dir=str(tmp_path), lopti_threshold=None, use_cpu=True, report_to="none")
+        assert describe_method(config) == f"{trainer} with Advantage Reweighting (alpha=0.3)"

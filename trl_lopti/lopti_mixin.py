@@ -45,7 +45,7 @@ from . import _compat  # (checks the TRL version before TRL is imported)
 # isort: split
 from trl.models.utils import disable_gradient_checkpointing
 
-from .config import LoptiArguments, as_lopti_config
+from .config import LoptiArguments, LoptiRLOOConfig, as_lopti_config
 from .core_algos import (
     advantage_reweighting_weights,
     isolate_token_gradients,
@@ -219,7 +219,7 @@ class LoptiTrainerMixin:
             # a 0-dim float64 tensor on the CPU (MPS has no float64), copied to each micro-batch
             output[ETA_KEY] = torch.tensor(self.lopti_eta(output), dtype=torch.float64)
         if output.get("old_per_token_logps") is not None:  # pi_old known: the whole batch is split now
-            self._log_split(self._split(output, output["old_per_token_logps"]), self._split_eta(output))
+            self._log_split(*self._split(output, output["old_per_token_logps"]))
         return output
 
     def lopti_eta(self, batch: dict[str, Any]) -> float:
@@ -301,17 +301,17 @@ class LoptiTrainerMixin:
             raise RuntimeError(f"lopti_quantile: this batch has no eta from its generation ({ETA_KEY})")
         return float(batch.get(ETA_KEY, self.args.lopti_threshold))
 
-    def _split(self, batch: dict[str, Any], old_per_token_logps: torch.Tensor) -> torch.Tensor:
+    def _split(self, batch: dict[str, Any], old_per_token_logps: torch.Tensor) -> tuple[torch.Tensor, float]:
         """Splits `batch` (a generation batch or a micro-batch) by its pi_old: its low mask and, with AR, its AR
-        weights; returns its totals (low tokens, AR weight sum, tokens)."""
-        alpha = self.args.advantage_reweighting_alpha
+        weights; returns its totals (low tokens, AR weight sum, tokens) and the eta it was split at."""
+        alpha, eta = self.args.advantage_reweighting_alpha, self._split_eta(batch)
         mask = loss_token_mask(batch)
-        low_mask = batch[LOW_MASK_KEY] = low_probability_token_mask(old_per_token_logps, mask, self._split_eta(batch))
+        low_mask = batch[LOW_MASK_KEY] = low_probability_token_mask(old_per_token_logps, mask, eta)
         weights = advantage_reweighting_weights(old_per_token_logps, alpha)
         if self.args.advantage_reweighting_enabled:
             batch[AR_WEIGHTS_KEY] = weights
         mask = mask.float()
-        return torch.stack([(low_mask.float() * mask).sum(), (weights.float() * mask).sum(), mask.sum()])
+        return torch.stack([(low_mask.float() * mask).sum(), (weights.float() * mask).sum(), mask.sum()]), eta
 
     def _split_at_first_forward(self, call: LossCall, forward_logps: torch.Tensor) -> None:
         """Splits a micro-batch at its first loss forward, where pi_old is the batch's or, on-policy, that forward's
@@ -324,7 +324,7 @@ class LoptiTrainerMixin:
             old_per_token_logps = forward_logps
             if self.args.lopti_enabled:  # a later pass's ratio is against it
                 batch["old_per_token_logps"] = old_per_token_logps
-        totals, eta = self._split(batch, old_per_token_logps), self._split_eta(batch)
+        totals, eta = self._split(batch, old_per_token_logps)
         if not self.model.training:  # an evaluation batch is its own generation batch
             self._log_split(totals, eta)
             return
@@ -447,7 +447,7 @@ def resume_error(checkpoint: str, saved: dict[str, Any], current: dict[str, Any]
 def describe_method(config: LoptiArguments) -> str:
     """The method of a configuration in words, the model card's "trained with", e.g. `"GRPO with Advantage
     Reweighting (alpha=0.3) and Low-Probability Token Isolation (Lopti, eta=0.5, low tokens first)"`."""
-    base = type(config).__name__.removeprefix("Lopti").removesuffix("Config")  # GRPO, RLOO
+    base = "RLOO" if isinstance(config, LoptiRLOOConfig) else "GRPO"  # (a user's subclass of either too)
     base = "REINFORCE++" if getattr(config, "advantage_estimator", None) == "reinforce_plus_plus" else base
     parts = []
     if config.advantage_reweighting_enabled:
