@@ -12,19 +12,19 @@ from pathlib import Path
 def main(model_path: str, folder: str, machines: str = "one_machine") -> None:
     node = os.environ["GROUP_RANK"] if machines == "two_machines" else ""
     os.environ["HF_HOME"] = os.path.join(folder, f"hf{node}")
-    import trl_lopti._compat as compat
+    import trl_lopti.trl_contract as contract
 
-    compat.TESTED_TRL_RELEASES = ("0.0.0",)  # the installed TRL, as if it were untested
+    contract.TESTED_TRL_RELEASES = ("0.0.0",)  # the installed TRL, as if it were untested
     if node == "0":  # this machine ran `trl-lopti check` before
-        compat.verdict_path().parent.mkdir(parents=True)
-        compat.verdict_path().write_text(json.dumps({"passed": True, "broken_facts": [], "failed": []}))
-    ran, run = [], compat.subprocess.run
+        contract.verdict_path().parent.mkdir(parents=True)
+        contract.verdict_path().write_text(json.dumps({"passed": True, "broken_facts": [], "failed": []}))
+    ran, run = [], contract.subprocess.run
 
     def recorded(*args, **kwargs):
         ran.append(args[0])
         return run(*args, **kwargs)
 
-    compat.subprocess.run = recorded
+    contract.subprocess.run = recorded
     from testing_utils import conversational_dataset, length_reward, small_config
 
     from trl_lopti import LoptiGRPOTrainer

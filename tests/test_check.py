@@ -12,7 +12,7 @@ import pytest
 from testing_utils import TRL_MUTATIONS, conversational_dataset, free_port, length_reward, small_config, torchrun
 from trl import GRPOTrainer, RLOOTrainer
 
-import trl_lopti._compat as compat
+import trl_lopti.trl_contract as contract
 from trl_lopti import LoptiGRPOTrainer
 from trl_lopti.check import CHECKS, run_checks
 
@@ -40,7 +40,7 @@ def test_the_command_passes_on_this_stack_and_caches_its_verdict(tmp_path):
     assert "grpo off" in checks[0] and " S1 S2 S3 S5 S6 G2 " in checks[0] and "rloo ar" in checks[-2]
     assert lines[-1].startswith(f"passed: {len(checks)} of {len(checks)} checks in ")
     verdict_path = tmp_path / "hf" / "trl_lopti" / "contract"
-    [verdict_file] = verdict_path.glob(f"trl-{compat.TRL_VERSION}_transformers-*_trl_lopti-*.json")
+    [verdict_file] = verdict_path.glob(f"trl-{contract.TRL_VERSION}_transformers-*_trl_lopti-*.json")
     verdict = json.loads(verdict_file.read_text())
     assert verdict["passed"] and verdict["broken_facts"] == [] and verdict["device"] == "cpu"
 
@@ -71,7 +71,7 @@ def test_the_checks_batch_gives_the_kl_term_a_gradient(tmp_path, single_thread):
     log-probabilities of the check's batch differ from the policy's (equal, the KL gradient would be exactly zero)."""
     from trl_lopti.check import Contract, classes, generation_batch_off_policy, quiet
 
-    with compat.verifying_contract(), quiet():
+    with contract.verifying_contract(), quiet():
         contract = Contract(tmp_path, "cpu", "fp64")
         _, trl_trainer, config, trainer_class = classes("grpo")
         generator = contract.trainer(trainer_class, config(**contract.fields("batch", beta=0.04)))
@@ -86,7 +86,7 @@ def test_the_checks_batch_gives_the_kl_term_a_gradient(tmp_path, single_thread):
 @pytest.fixture
 def untested(monkeypatch, tmp_path):
     """The installed TRL as if it were an untested release, with an empty Hugging Face cache."""
-    monkeypatch.setattr(compat, "TESTED_TRL_RELEASES", ("0.0.0",))  # not the installed release
+    monkeypatch.setattr(contract, "TESTED_TRL_RELEASES", ("0.0.0",))  # not the installed release
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     for variable in ("GROUP_RANK", "ACCELERATE_TEST_MARKER", "TORCHELASTIC_TEST_MARKER", "NOT_A_LAUNCHER_RANK"):
         monkeypatch.setenv(variable, "0")
@@ -95,14 +95,14 @@ def untested(monkeypatch, tmp_path):
     def run_check(command, env, check):  # what the gate runs, recorded; it writes a verdict
         checks.append(command)
         verdict = {"passed": True, "broken_facts": [], "failed": []}
-        compat.verdict_path().parent.mkdir(parents=True, exist_ok=True)
-        compat.verdict_path().write_text(json.dumps(verdict))
+        contract.verdict_path().parent.mkdir(parents=True, exist_ok=True)
+        contract.verdict_path().write_text(json.dumps(verdict))
         launcher = {"GROUP_RANK", "ACCELERATE_TEST_MARKER", "TORCHELASTIC_TEST_MARKER"}  # set by the fixture
         assert not launcher & set(env) and env["NOT_A_LAUNCHER_RANK"] == "0", sorted(env)
         assert env["HF_HOME"] == os.environ["HF_HOME"]
         return subprocess.CompletedProcess(command, 0)
 
-    monkeypatch.setattr(compat.subprocess, "run", run_check)
+    monkeypatch.setattr(contract.subprocess, "run", run_check)
     return checks
 
 
@@ -127,9 +127,9 @@ def test_a_failed_verdict_refuses_to_train_naming_the_broken_facts(untested, tin
     import shutil
 
     shutil.copytree(tiny_model_path, tmp_path / "model")
-    compat.verdict_path().parent.mkdir(parents=True)
+    contract.verdict_path().parent.mkdir(parents=True)
     failed = "FAIL  S3 S6 G1             grpo isolation: grpo luspo token 0.04: the whole loss's padding tokens"
-    compat.verdict_path().write_text(json.dumps({"passed": False, "broken_facts": ["S6"], "failed": [failed]}))
+    contract.verdict_path().write_text(json.dumps({"passed": False, "broken_facts": ["S6"], "failed": [failed]}))
     with pytest.raises(RuntimeError, match=r"failed trl_lopti's contract on this machine .* broken facts S6") as error:
         build(tmp_path)
     assert "padding tokens" in str(error.value) and "pip install 'trl==" in str(error.value)
@@ -138,29 +138,29 @@ def test_a_failed_verdict_refuses_to_train_naming_the_broken_facts(untested, tin
 
 def test_the_verdict_is_cached_per_trl_transformers_and_trl_lopti_release(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path))
-    versions = compat.stack_versions()
-    path = compat.verdict_path()
+    versions = contract.stack_versions()
+    path = contract.verdict_path()
     assert path.parent == tmp_path / "trl_lopti" / "contract"
     for package in ("trl", "transformers", "trl_lopti"):
         other = {**versions, package: "9.9.9"}
-        monkeypatch.setattr(compat, "stack_versions", lambda other=other: other)
-        assert compat.verdict_path() != path, f"a new {package} release checks again"
-    monkeypatch.setattr(compat, "stack_versions", lambda: {**versions, "torch": "9.9.9"})
-    assert compat.verdict_path() == path  # recorded in the verdict, not part of its key
+        monkeypatch.setattr(contract, "stack_versions", lambda other=other: other)
+        assert contract.verdict_path() != path, f"a new {package} release checks again"
+    monkeypatch.setattr(contract, "stack_versions", lambda: {**versions, "torch": "9.9.9"})
+    assert contract.verdict_path() == path  # recorded in the verdict, not part of its key
     monkeypatch.delenv("HF_HOME")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert compat.verdict_path().is_relative_to(tmp_path / "xdg" / "huggingface")
+    assert contract.verdict_path().is_relative_to(tmp_path / "xdg" / "huggingface")
 
 
 def test_an_untested_release_imports_with_one_warning_naming_it(monkeypatch):
-    monkeypatch.setattr(compat, "version", lambda package: "1.99.0")
+    monkeypatch.setattr(contract, "version", lambda package: "1.99.0")
     with pytest.warns(UserWarning, match=r"not with the installed TRL 1\.99\.0: .*trl-lopti check") as caught:
-        assert compat.check_trl_version() == "1.99.0"
+        assert contract.check_trl_version() == "1.99.0"
     assert len(caught) == 1
-    monkeypatch.setattr(compat, "version", lambda package: compat.TESTED_TRL_RELEASES[-1])
+    monkeypatch.setattr(contract, "version", lambda package: contract.TESTED_TRL_RELEASES[-1])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a tested release: silent
-        compat.check_trl_version()
+        contract.check_trl_version()
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The runtime checks of the TRL facts (`trl_lopti._compat.TRL_FACTS`), each proven by a TRL broken on purpose.
+"""The runtime checks of the TRL facts (`trl_lopti.trl_contract.TRL_FACTS`), each proven by a TRL broken on purpose.
 
 Every check runs in every real training run. Here TRL is made to behave as a plausible future release that breaks one
 fact (`testing_utils.TRL_MUTATIONS`), and a short real training run of the Lopti trainer must stop with that fact's

@@ -69,13 +69,13 @@ FACT_RE = re.compile(r"\b([SGR][1-9])\b")
 
 
 def test_every_trl_fact_is_stated_checked_broken_on_purpose_and_listed_in_the_docs():
-    """`trl_lopti._compat.TRL_FACTS` is the one list of numbers: each fact is stated ("- S1. ...") in
-    trl_lopti/_compat.py and nowhere else, has a section of tests/test_trl_contract.py, a mutation that breaks it
+    """`trl_lopti.trl_contract.TRL_FACTS` is the one list of numbers: each fact is stated ("- S1. ...") in
+    trl_lopti/trl_contract.py and nowhere else, has a section of tests/test_trl_contract.py, a mutation that breaks it
     (`testing_utils.TRL_MUTATIONS`, trained with in tests/test_fact_checks.py) and a row of docs/releases.md; and no
     other number appears in any of those places."""
     from testing_utils import TRL_MUTATIONS
 
-    from trl_lopti._compat import TRL_FACTS
+    from trl_lopti.trl_contract import TRL_FACTS
 
     rows = re.findall(
         r"^\| ([SGR][1-9]) \| (?:both|GRPO|RLOO) \|", (ROOT / "docs/releases.md").read_text(), re.MULTILINE
@@ -85,7 +85,7 @@ def test_every_trl_fact_is_stated_checked_broken_on_purpose_and_listed_in_the_do
         path.name: re.findall(r"^- ([SGR][1-9])\. ", path.read_text(), re.MULTILINE)
         for path in sorted((ROOT / "trl_lopti").rglob("*.py"))
     }
-    assert stated.pop("_compat.py") == list(TRL_FACTS), "each fact is stated in trl_lopti/_compat.py, in order"
+    assert stated.pop("trl_contract.py") == list(TRL_FACTS), "each fact is stated in trl_lopti/trl_contract.py, in order"
     assert not any(stated.values()), f"facts stated elsewhere too: {stated}"
     sections = re.findall(r"^# -+ (.+)$", (TESTS / "test_trl_contract.py").read_text(), re.MULTILINE)
     checked = {number for section in sections for number in FACT_RE.findall(section)}
@@ -96,14 +96,14 @@ def test_every_trl_fact_is_stated_checked_broken_on_purpose_and_listed_in_the_do
 
 def test_the_readme_is_a_landing_page_and_the_line_budgets_hold():
     """Issue budgets: the README at most 200 lines; the method core (trl_lopti's modules outside cli/, diagnostics/,
-    tasks/ and cpu_backends/, less __init__, __main__, _compat, models and check) <= 1,150; trl_lopti/cli <= 1,000;
+    tasks/ and cpu_backends/, less __init__, __main__, trl_contract, models and check) <= 1,150; trl_lopti/cli <= 1,000;
     trl_lopti/ <= 6,400; benchmarks/*.py <= 1,200."""
 
     def lines(paths):
         return sum(len(path.read_text().splitlines()) for path in paths)
 
     package = ROOT / "trl_lopti"
-    core = [p for p in package.glob("*.py") if p.stem not in {"__init__", "__main__", "_compat", "models", "check"}]
+    core = [p for p in package.glob("*.py") if p.stem not in {"__init__", "__main__", "trl_contract", "models", "check"}]
     assert {p.stem for p in core} >= {"config", "core_algos", "lopti_mixin", "grpo_trainer", "rloo_trainer"}
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
     assert lines(core) <= 1150

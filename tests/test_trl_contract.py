@@ -1,6 +1,6 @@
-"""The TRL behaviour the trainers rely on, checked by running it, under the numbers of `trl_lopti._compat.TRL_FACTS`:
+"""The TRL behaviour the trainers rely on, checked by running it, under the numbers of `trl_lopti.trl_contract.TRL_FACTS`:
 S1-S6 for both `GRPOTrainer` and `RLOOTrainer`, G1-G4 for `GRPOTrainer`, R1-R2 for `RLOOTrainer` (all stated in
-trl_lopti/_compat.py; tests/test_fact_checks.py breaks each on purpose and sees the trainer's runtime check stop it).
+trl_lopti/trl_contract.py; tests/test_fact_checks.py breaks each on purpose and sees the trainer's runtime check stop it).
 
 Each test exercises TRL's own trainers (spies, counters, a 2-process run), so it fails when TRL's behaviour changes and
 not when its source is reformatted. Run this file first when upgrading TRL: a failure names the fact that changed.
@@ -15,7 +15,7 @@ from datasets import Dataset, IterableDataset
 from testing_utils import COMPLETION_LENGTH, TEMPERATURE, fixed_generation_batch, torchrun
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-import trl_lopti._compat as compat
+import trl_lopti.trl_contract as contract
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer
 
 
@@ -254,7 +254,7 @@ def test_model_card_reads_the_trainer_name_and_paper(tiny_model_path, tmp_path, 
 
 def test_the_installed_trl_imports_and_its_release_is_named():
     installed = importlib.metadata.version("trl")
-    assert compat.check_trl_version() == installed == compat.TRL_VERSION
+    assert contract.check_trl_version() == installed == contract.TRL_VERSION
 
 
 def test_the_declared_requirement_is_the_floor_without_a_cap():
@@ -265,24 +265,21 @@ def test_the_declared_requirement_is_the_floor_without_a_cap():
 
     setup = (Path(__file__).resolve().parents[1] / "setup.cfg").read_text()
     [requirement] = re.findall(r"^\s*trl\b.*$", setup.split("[options.extras_require]")[0], re.MULTILINE)
-    assert requirement.replace(" ", "") == f"trl>={compat.MINIMUM_TRL}"
-    assert min(compat.TESTED_TRL_RELEASES, key=lambda v: tuple(map(int, v.split(".")))) == compat.MINIMUM_TRL
+    assert requirement.replace(" ", "") == f"trl>={contract.MINIMUM_TRL}"
+    assert min(contract.TESTED_TRL_RELEASES, key=lambda v: tuple(map(int, v.split(".")))) == contract.MINIMUM_TRL
 
 
 def test_liger_is_refused_at_config_construction_below_the_release_that_routes_it_through_the_log_prob_hook(
     monkeypatch,
 ):
-    monkeypatch.setattr(compat, "TRL_VERSION", "1.13.0")
+    monkeypatch.setattr(contract, "TRL_VERSION", "1.13.0")
     with pytest.raises(ValueError, match=r"use_liger_kernel=True: with TRL 1.13.0.*use_liger_kernel=False.*1.14"):
         LoptiGRPOConfig(output_dir="unused", use_cpu=True, use_liger_kernel=True)
-    config = LoptiGRPOConfig(output_dir="unused", use_cpu=True)
-    compat.check_features(config)  # never refused without Liger
-    config.use_liger_kernel = True
-    monkeypatch.setattr(compat, "TRL_VERSION", "1.14.2")
-    compat.check_features(config)  # from 1.14 the Liger loss runs through the log-prob hook: accepted
-    monkeypatch.setattr(compat, "TRL_VERSION", "1.13.0")
-    with pytest.raises(ValueError, match="use_liger_kernel=True"):
-        compat.check_features(config)
+    # never refused without Liger
+    assert not LoptiGRPOConfig(output_dir="unused", use_cpu=True).use_liger_kernel
+    # from 1.14 the Liger loss runs through the log-prob hook: accepted
+    monkeypatch.setattr(contract, "TRL_VERSION", "1.14.2")
+    assert LoptiGRPOConfig(output_dir="unused", use_cpu=True, use_liger_kernel=True).use_liger_kernel
 
 
 def test_a_loss_that_no_longer_runs_the_log_prob_forward_stops_the_trainer(tiny_model_path, tmp_path, monkeypatch):
@@ -427,7 +424,7 @@ def test_the_log_prob_forward_names_the_multimodal_inputs_trl_lopti_passes(trl_t
     `_full_logits_logps`; every other release names them in the method itself."""
     import inspect
 
-    from trl_lopti._compat import extra_forward_keys
+    from trl_lopti.utils import extra_forward_keys
 
     trainer_class, _ = TRL_TRAINERS[trl_trainer]
     forward = trainer_class._get_per_token_logps_and_entropies

@@ -183,7 +183,7 @@ class MidGapEta:
     def lopti_eta(self, batch: dict) -> float:
         from accelerate.utils import gather_object
 
-        from trl_lopti._compat import trl_completion_logps
+        from trl_lopti.utils import trl_completion_logps
         from trl_lopti.core_algos import loss_token_mask
 
         if not self.model.training or self.args.lopti_quantile is not None:
@@ -583,7 +583,7 @@ def load_benchmark_script(name: str):
 
 # ---------------------------------------------------------------------------------------------- TRL, broken on purpose
 # Each mutation makes TRL's trainer class behave as a plausible future release that breaks one fact of
-# `trl_lopti._compat.TRL_FACTS` would (monkeypatch undoes it). tests/test_fact_checks.py trains with each one and expects
+# `trl_lopti.trl_contract.TRL_FACTS` would (monkeypatch undoes it). tests/test_fact_checks.py trains with each one and expects
 # the trainer's runtime check of that fact to stop it; tests/test_layout.py checks that every fact has one.
 def _copies_the_micro_batch(monkeypatch, trl_class):  # S1: what compute_loss gets is a copy of the buffered dict
     prepare = trl_class._prepare_inputs
@@ -602,7 +602,7 @@ def _generates_at_every_pass(monkeypatch, trl_class):  # S1: generates by the us
 
 
 def _repeats_once_per_pass(monkeypatch, trl_class):  # S2: the sampler repeats by args.num_iterations
-    from trl_lopti._compat import temporarily_set
+    from trl_lopti.utils import temporarily_set
 
     sampler = trl_class._get_train_sampler
 
@@ -643,7 +643,7 @@ def _loss_not_through_the_hook(monkeypatch, trl_class):  # S3: a fused loss; the
 def _loss_counts_padding(
     monkeypatch, trl_class
 ):  # S6: a loss that sums its terms over padding too (as TRL 1.9's LUSPO)
-    from trl_lopti._compat import temporarily_set
+    from trl_lopti.utils import temporarily_set
 
     loss = trl_class._compute_loss
 
@@ -703,7 +703,7 @@ def _metrics_kept(monkeypatch, trl_class):  # S5: log keeps the metrics it avera
 
 
 def _table_from_the_arguments(monkeypatch, trl_class):  # S5: the completions table follows args.log_completions
-    from trl_lopti._compat import temporarily_set
+    from trl_lopti.utils import temporarily_set
 
     log = trl_class.log
 
@@ -733,7 +733,7 @@ def _no_pi_old(monkeypatch, trl_class):  # G2: no old_per_token_logps off-policy
 def _rewards_elsewhere(monkeypatch, trl_class):  # G3: the rewards come from another method than _calculate_rewards
     import functools
 
-    from trl_lopti._compat import temporarily_set
+    from trl_lopti.utils import temporarily_set
 
     generate = trl_class._generate_and_score_completions
 
@@ -796,4 +796,4 @@ TRL_MUTATIONS = {
     "old_logps not the first forward": ("R1", _old_logps_elsewhere),
     "a tool_mask": ("R2", _tool_mask),
 }
-"""Mutation name -> (the fact of `trl_lopti._compat.TRL_FACTS` it breaks, `mutation(monkeypatch, trl_class)`)."""
+"""Mutation name -> (the fact of `trl_lopti.trl_contract.TRL_FACTS` it breaks, `mutation(monkeypatch, trl_class)`)."""

@@ -3,7 +3,7 @@
 
 `import trl_lopti` and its tasks (`trl_lopti.tasks`: puzzles, rewards, graders, data loaders) need no TRL. The
 trainers and their configs are imported on first use (`from trl_lopti import LoptiGRPOTrainer`); that import checks the
-installed TRL version (see `trl_lopti._compat`) and fails with a clear message outside the tested range.
+installed TRL version (see `trl_lopti.trl_contract`) and fails with a clear message outside the tested range.
 """
 
 import importlib
@@ -17,14 +17,14 @@ _LAZY_ATTRIBUTES = {
     "LoptiGRPOTrainer": "trl_lopti.grpo_trainer",
     "LoptiRLOOConfig": "trl_lopti.config",
     "LoptiRLOOTrainer": "trl_lopti.rloo_trainer",
-    "TRL_VERSION": "trl_lopti._compat",
+    "TRL_VERSION": "trl_lopti.trl_contract",
 }
 
 if TYPE_CHECKING:
-    from ._compat import TRL_VERSION
     from .config import LoptiGRPOConfig, LoptiRLOOConfig
     from .grpo_trainer import LoptiGRPOTrainer
     from .rloo_trainer import LoptiRLOOTrainer
+    from .trl_contract import TRL_VERSION
 
 
 def __getattr__(name: str) -> Any:

@@ -2,7 +2,7 @@
 
 On a tiny random model built here (nothing is downloaded), `LoptiGRPOTrainer` and `LoptiRLOOTrainer` are checked by
 relations against TRL's own trainers and losses, `CHECKS` (docs/releases.md says what each one asserts). Every training
-run in them runs the runtime checks of the TRL facts (`trl_lopti._compat`), so a broken fact fails its check with the
+run in them runs the runtime checks of the TRL facts (`trl_lopti.trl_contract`), so a broken fact fails its check with the
 fact's number. Tolerances, relative to the largest value compared: `TOLERANCES` (TRL's fused log-prob head computes in
 float32 under float64 weights); zeros must be exact in every precision.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import _compat  # (checks the TRL version before TRL is imported)
+from . import trl_contract  # (checks the TRL version before TRL is imported)
 
 
 # isort: split
@@ -38,6 +38,7 @@ from .config import as_lopti_config
 from .lopti_mixin import LOPTI_BATCH_KEYS
 from .models import PEAKED_TINY_MODEL, build_tiny_model
 from .tasks import token_parity_reward
+from .utils import temporarily_set
 
 
 TOLERANCES = {"fp64": 1e-6, "fp32": 1e-4, "bf16": 2e-2}
@@ -307,7 +308,7 @@ class Contract:
         values = dict(args=args, _step=pass_index * args.lopti_pass_micro_steps, beta=trainer.beta if kl else 0.0)
         trainer.current_gradient_accumulation_steps = 1
         trainer.model.train()
-        with _compat.temporarily_set(trainer, **values), observed_forwards(trl_class) as (_, kept):
+        with temporarily_set(trainer, **values), observed_forwards(trl_class) as (_, kept):
             trainer.compute_loss(trainer.model, dict(batch)).backward()
         trainer.model.zero_grad(set_to_none=True)
         return kept[-1].grad
@@ -364,7 +365,7 @@ def run_checks(
     """
     device, precision = default_device_and_precision(device, precision)
     results = []
-    with tempfile.TemporaryDirectory(prefix="trl-lopti-check-") as folder, _compat.verifying_contract():
+    with tempfile.TemporaryDirectory(prefix="trl-lopti-check-") as folder, trl_contract.verifying_contract():
         with quiet():
             contract = Contract(Path(folder), device, precision)
         for trainer in trainers:
@@ -408,11 +409,16 @@ def quiet() -> Iterator[None]:
 
 
 def write_verdict(results: list[CheckResult], device: str, precision: str, seconds: float) -> Path:
-    """Caches the verdict of `results` for this stack (`_compat.verdict_path`), for the trainers' gate."""
-    path, failed = _compat.verdict_path(), [result for result in results if not result.passed]
+    """Caches the verdict of `results` for this stack (`trl_contract.verdict_path`), for the trainers' gate."""
+    path, failed = trl_contract.verdict_path(), [result for result in results if not result.passed]
     broken = sorted({fact for result in failed for fact in result.broken})
     verdict = {"passed": not failed, "broken_facts": broken, "failed": [result.line() for result in failed]}
-    verdict |= {"stack": _compat.stack_versions(), "device": device, "precision": precision, "seconds": round(seconds)}
+    verdict |= {
+        "stack": trl_contract.stack_versions(),
+        "device": device,
+        "precision": precision,
+        "seconds": round(seconds),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.partial")  # its own: machines may share the cache
     partial.write_text(json.dumps(verdict, indent=1) + "\n")
@@ -435,7 +441,7 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     device, precision = default_device_and_precision(args.device, args.precision)
     print(
-        f"trl-lopti check: {', '.join(f'{k} {v}' for k, v in _compat.stack_versions().items())}; {device}, {precision}"
+        f"trl-lopti check: {', '.join(f'{k} {v}' for k, v in trl_contract.stack_versions().items())}; {device}, {precision}"
     )
     start = time.perf_counter()
     results = run_checks(device, precision, tuple(args.trainers), report=lambda r: print(r.line(), flush=True))

@@ -7,7 +7,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _compat  # (checks the TRL version before TRL is imported)
+from packaging.version import Version
+
+from . import trl_contract  # (checks the TRL version before TRL is imported)
 
 
 # isort: split
@@ -15,6 +17,10 @@ from trl import GRPOConfig, RLOOConfig
 from trl.trainer.utils import get_config_model_id
 
 from .core_algos import ADVANTAGE_ESTIMATORS, LOPTI_PASS_ORDERS
+
+
+LIGER_MINIMUM_TRL = Version("1.14.0")
+"""Below it, `use_liger_kernel=True` computes GRPO's loss in `compute_liger_loss`, which AR and Lopti cannot reach."""
 
 
 @dataclass
@@ -159,7 +165,13 @@ class LoptiGRPOConfig(LoptiArguments, GRPOConfig):
                 f"advantage_estimator must be one of {list(ADVANTAGE_ESTIMATORS)}, got {self.advantage_estimator!r}"
             )
         super().__post_init__()
-        _compat.check_features(self)  # e.g. Liger below TRL 1.14
+        if self.use_liger_kernel and Version(trl_contract.TRL_VERSION) < LIGER_MINIMUM_TRL:
+            raise ValueError(
+                f"use_liger_kernel=True: with TRL {trl_contract.TRL_VERSION}, GRPOTrainer computes the Liger loss in "
+                "compute_liger_loss, which never calls the log-prob forward that Advantage Reweighting and Lopti act "
+                f"through, so they would be silently ignored. Set use_liger_kernel=False, or install TRL >= "
+                f"{LIGER_MINIMUM_TRL} (where the Liger loss goes through it)"
+            )
         if self.advantage_reweighting_enabled and self.importance_sampling_level == "sequence" and self.beta != 0.0:
             raise ValueError(
                 f"advantage_reweighting_alpha={self.advantage_reweighting_alpha:g} with importance_sampling_level="

@@ -14,14 +14,14 @@ KL, clipping, importance-sampling and normalisation term itself.
   log-probability is scaled by `w(i, t)` and every value of the loss is unchanged. That form would reweight the KL
   term's gradient too, so `LoptiGRPOConfig` refuses it with `beta != 0`.
 
-The TRL facts it relies on besides the shared ones are G1-G4, stated and checked in `trl_lopti/_compat.py`.
+The TRL facts it relies on besides the shared ones are G1-G4, stated and checked in `trl_lopti/trl_contract.py`.
 """
 
 from typing import Any, ClassVar
 
 import torch
 
-from ._compat import lopti_paper  # (checks the TRL version before TRL is imported)
+from . import trl_contract  # noqa: F401 (checks the TRL version before TRL is imported)
 
 
 # isort: split
@@ -29,7 +29,7 @@ from trl import GRPOTrainer
 
 from .config import LoptiGRPOConfig
 from .core_algos import reweight_token_gradients, token_level_advantages
-from .lopti_mixin import AR_WEIGHTS_KEY, LoptiTrainerMixin, LossCall
+from .lopti_mixin import AR_WEIGHTS_KEY, LoptiTrainerMixin, LossCall, lopti_paper
 from .reinforce_plus_plus import ReinforcePlusPlusMixin
 
 

@@ -17,7 +17,7 @@ Lopti trainer adds only what differs: where pi_old comes from, how AR enters its
   batch gets its eta at generation (`lopti_batch_eta`): the quantile rule needs the whole batch's pi_old first.
 - Isolation. In a pass, gradient flows only through the active tokens' log-probabilities and entropies; every value of
   the loss is the base trainer's.
-- Checks. Every TRL fact the mechanism relies on (S1-S6, stated in `trl_lopti/_compat.py`) is checked while
+- Checks. Every TRL fact the mechanism relies on (S1-S6, stated in `trl_lopti/trl_contract.py`) is checked while
   training, at no measurable cost, and stops the run at the first step where it fails.
 
 The overrides, and why each stays: `training_step` (marks the micro-step in flight; checks S2-S4, S6), `compute_loss`
@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import glob
 import os
+import textwrap
 import warnings
 from typing import Any, ClassVar
 
@@ -39,7 +40,7 @@ import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
-from . import _compat  # (checks the TRL version before TRL is imported)
+from . import trl_contract  # (checks the TRL version before TRL is imported)
 
 
 # isort: split
@@ -54,6 +55,7 @@ from .core_algos import (
     low_probability_token_mask,
     token_group_mask,
 )
+from .utils import temporarily_set, trl_completion_logps
 
 
 logger = logging.get_logger(__name__)
@@ -66,6 +68,24 @@ LOPTI_BATCH_KEYS = (LOW_MASK_KEY, AR_WEIGHTS_KEY, ETA_KEY, FIRST_TRAINED_KEY)  #
 GENERATION_BATCH_FILE = "lopti_generation_batch_rank{}.pt"  # in a checkpoint taken inside a generation batch
 UNSPLIT_REPORTING_THRESHOLD = 0.5  # the eta of `lopti/low_token_share` when Lopti is off (the paper's)
 EMPTY_GROUP_WARNING_BATCHES = 3  # generation batches after which a group empty in every one of them is warned about
+
+
+LOPTI_PAPER_CITATION = textwrap.dedent("""\
+    @article{yang2025lopti,
+        title        = {{Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs}},
+        author       = {Zhihe Yang and Xufang Luo and Zilong Wang and Dongqi Han and Zhiyuan He and Dongsheng Li and Yunjian Xu},
+        year         = 2025,
+        eprint       = {arXiv:2505.12929},
+    }""")
+
+
+def lopti_paper(trl_trainer_class: type) -> dict[str, str]:
+    """The model card's paper entry of a Lopti trainer: the Lopti paper, cited beside the TRL trainer's own."""
+    return {
+        "title": "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs",
+        "id": "2505.12929",
+        "citation": LOPTI_PAPER_CITATION + "\n\n" + trl_trainer_class._paper["citation"],
+    }
 
 
 @dataclasses.dataclass
@@ -93,7 +113,7 @@ class LossCall:
 
     Args:
         batch (`dict`): the micro-batch (TRL's buffered dict, which keeps TRL's advantages) and its split.
-        loss_inputs (`_compat.ReadRecorder`): what TRL's `_compute_loss` reads: a copy of the micro-batch, recording its reads.
+        loss_inputs (`trl_contract.ReadRecorder`): what TRL's `_compute_loss` reads: a copy of the micro-batch, recording its reads.
         token_group (`str` or `None`): the tokens that carry gradient in this pass (`"low"`, `"high"`; `None`: all).
         trains_aux_loss (`bool`): whether a MoE router's auxiliary loss keeps its gradient (the first pass only).
         micro_step (`MicroStep` or `None`): the training micro-step it belongs to (`None`: a call outside training).
@@ -102,7 +122,7 @@ class LossCall:
     """
 
     batch: dict[str, Any]
-    loss_inputs: _compat.ReadRecorder
+    loss_inputs: trl_contract.ReadRecorder
     token_group: str | None
     trains_aux_loss: bool
     micro_step: MicroStep | None
@@ -126,7 +146,7 @@ class LoptiTrainerMixin:
 
     def __init__(self, model, reward_funcs=None, args=None, *extra_args, **kwargs):
         args = as_lopti_config(args, model, self.config_class)
-        _compat.require_verified_contract()  # an untested TRL release trains once `trl-lopti check` passed here
+        trl_contract.require_verified_contract()  # an untested TRL release trains once `trl-lopti check` passed here
         super().__init__(model, reward_funcs, args, *extra_args, **kwargs)
         # Facts S1, S2: TRL trains each generation batch `self.num_iterations` times, once per pass here
         self.num_iterations = args.num_iterations * args.lopti_num_passes
@@ -191,24 +211,26 @@ class LoptiTrainerMixin:
     def training_step(self, model, inputs, num_items_in_batch=None):
         args, step = self.args, self._step
         cycle = args.lopti_cycle_micro_steps
-        prompts = _compat.prompts_of(inputs)
+        prompts = trl_contract.prompts_of(inputs)
         if step % cycle == 0 or self._cycle_prompts is None:
             self._cycle_prompts = prompts
         accumulation = args.gradient_accumulation_steps
-        _compat.check_micro_step(step, self.state.global_step, accumulation, cycle, prompts, self._cycle_prompts)
+        trl_contract.check_micro_step(step, self.state.global_step, accumulation, cycle, prompts, self._cycle_prompts)
         micro_step = MicroStep(position=step % cycle, first_visit=step % cycle < args.steps_per_generation)
-        with _compat.temporarily_set(self, _micro_step=micro_step):
+        with temporarily_set(self, _micro_step=micro_step):
             output = super().training_step(model, inputs, num_items_in_batch)
-        _compat.check_backward(micro_step.backward_reached_logps, float(micro_step.gradient_outside_the_mask))
+        trl_contract.check_backward(micro_step.backward_reached_logps, float(micro_step.gradient_outside_the_mask))
         return output
 
     # ------------------------------------------------------------------------------------------------ generation batch
     def _generate_and_score_completions(self, inputs):
         if self.model.training:
-            _compat.check_generation(self._step % self.args.lopti_cycle_micro_steps, self.args.lopti_cycle_micro_steps)
+            trl_contract.check_generation(
+                self._step % self.args.lopti_cycle_micro_steps, self.args.lopti_cycle_micro_steps
+            )
         self._generation_logps = []
         try:  # fact G2: TRL decides whether it needs pi_old by the user's num_iterations
-            with _compat.temporarily_set(self, num_iterations=self.args.num_iterations):
+            with temporarily_set(self, num_iterations=self.args.num_iterations):
                 output = super()._generate_and_score_completions(inputs)
             old_per_token_logps = self.old_per_token_logps_at_generation(output, self._generation_logps)
         finally:
@@ -239,7 +261,7 @@ class LoptiTrainerMixin:
             args = self.args
             batch_size = args.per_device_train_batch_size if self.model.training else args.per_device_eval_batch_size
             with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
-                batch["old_per_token_logps"] = _compat.trl_completion_logps(self, batch, batch_size=batch_size)[0]
+                batch["old_per_token_logps"] = trl_completion_logps(self, batch, batch_size=batch_size)[0]
         local = batch["old_per_token_logps"][loss_token_mask(batch).bool()]
         logps = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0))
         counted = self.accelerator.gather(self.accelerator.pad_across_processes(torch.ones_like(local), dim=0))
@@ -254,12 +276,12 @@ class LoptiTrainerMixin:
         if micro_step is not None:  # fact S1: a later visit trains the micro-batch the first one trained
             first_position = micro_step.position % self.args.steps_per_generation
             expected = None if micro_step.first_visit else first_position
-            _compat.check_micro_batch(micro_step.position, expected, inputs.get(FIRST_TRAINED_KEY))
+            trl_contract.check_micro_batch(micro_step.position, expected, inputs.get(FIRST_TRAINED_KEY))
             inputs[FIRST_TRAINED_KEY] = first_position
-        call = LossCall(inputs, _compat.ReadRecorder(inputs), token_group, pass_index == 0, micro_step)
-        with _compat.temporarily_set(self, _loss_call=call):
+        call = LossCall(inputs, trl_contract.ReadRecorder(inputs), token_group, pass_index == 0, micro_step)
+        with temporarily_set(self, _loss_call=call):
             loss = super().compute_loss(model, call.loss_inputs, return_outputs, num_items_in_batch)
-        _compat.check_loss_call(call.policy_forwards, call.placed, call.loss_inputs.reads, self.placement_fact)
+        trl_contract.check_loss_call(call.policy_forwards, call.placed, call.loss_inputs.reads, self.placement_fact)
         if token_group is not None:
             self._log_pass_loss(token_group, loss.detach())
         return loss
@@ -268,7 +290,7 @@ class LoptiTrainerMixin:
         output = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
-        _compat.check_forward_output(output)
+        trl_contract.check_forward_output(output)
         per_token_logps, entropies, aux_loss = output
         call = self._loss_call
         if call is None:  # a forward outside the loss: pi_old or the reference model's log-probs
@@ -320,7 +342,7 @@ class LoptiTrainerMixin:
         old_per_token_logps = batch.get("old_per_token_logps")
         if old_per_token_logps is None:  # on-policy: pi_old is this forward's output
             if micro_step is not None:
-                _compat.check_on_policy(self._step, micro_step.position, self.args.gradient_accumulation_steps)
+                trl_contract.check_on_policy(self._step, micro_step.position, self.args.gradient_accumulation_steps)
             old_per_token_logps = forward_logps
             if self.args.lopti_enabled:  # a later pass's ratio is against it
                 batch["old_per_token_logps"] = old_per_token_logps
@@ -377,12 +399,12 @@ class LoptiTrainerMixin:
         mode = "train" if self.model.training else "eval"
         batch_index = (self._step - 1) // self.args.lopti_cycle_micro_steps if mode == "train" else None
         suppressed = self.log_completions and batch_index is not None and batch_index == self._completions_logged_for
-        completions = _compat.ReadRecorder(self._logs)
-        with _compat.temporarily_set(self, log_completions=self.log_completions and not suppressed, _logs=completions):
+        completions = trl_contract.ReadRecorder(self._logs)
+        with temporarily_set(self, log_completions=self.log_completions and not suppressed, _logs=completions):
             if self.log_completions and batch_index is not None:
                 self._completions_logged_for = batch_index
             super().log(logs, start_time)
-        _compat.check_log(sorted(self._metrics[mode]), suppressed and bool(completions.reads))
+        trl_contract.check_log(sorted(self._metrics[mode]), suppressed and bool(completions.reads))
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def _schedule_signature(self) -> dict[str, Any]:
@@ -425,7 +447,7 @@ class LoptiTrainerMixin:
         stored = torch.load(path, map_location="cpu")  # onto the device below: eta stays on the CPU in float64
         if stored["schedule"] != schedule:
             raise resume_error(checkpoint, stored["schedule"], schedule)
-        _compat.check_resumed_state(self.state.global_step)
+        trl_contract.check_resumed_state(self.state.global_step)
         device = self.accelerator.device
         self._buffered_inputs = [  # resume inside the batch's schedule, at the micro-step it stopped at
             {key: value.to(device) if torch.is_tensor(value) and key != ETA_KEY else value for key, value in b.items()}

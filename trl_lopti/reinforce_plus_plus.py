@@ -5,13 +5,13 @@
 of its rewards, before AR and Lopti read them. Deleting it (and the config value) changes nothing else.
 
 It relies on facts G3 (`_calculate_rewards`) and G4 (`self._logs["advantages"]`), stated and checked in
-`trl_lopti/_compat.py`.
+`trl_lopti/trl_contract.py`.
 """
 
 import torch
 
-from ._compat import broken_fact
 from .core_algos import loss_token_mask, reinforce_plus_plus_advantages
+from .trl_contract import broken_fact
 
 
 class ReinforcePlusPlusMixin:

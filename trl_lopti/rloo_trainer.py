@@ -14,14 +14,14 @@ a reward penalty, computed before the leave-one-out baseline).
 - Lopti: isolation in its general form is exact for the sequence ratio: at equal parameters, low pass + high pass =
   plain RLOO's gradient.
 
-The TRL facts it relies on besides the shared ones are R1-R2, stated and checked in `trl_lopti/_compat.py`.
+The TRL facts it relies on besides the shared ones are R1-R2, stated and checked in `trl_lopti/trl_contract.py`.
 """
 
 from typing import Any, ClassVar
 
 import torch
 
-from ._compat import broken_fact, lopti_paper  # (checks the TRL version before TRL is imported)
+from .trl_contract import broken_fact  # (checks the TRL version before TRL is imported)
 
 
 # isort: split
@@ -29,7 +29,7 @@ from trl import RLOOTrainer
 
 from .config import LoptiRLOOConfig
 from .core_algos import reweight_token_gradients
-from .lopti_mixin import AR_WEIGHTS_KEY, LoptiTrainerMixin, LossCall
+from .lopti_mixin import AR_WEIGHTS_KEY, LoptiTrainerMixin, LossCall, lopti_paper
 
 
 class LoptiRLOOTrainer(LoptiTrainerMixin, RLOOTrainer):

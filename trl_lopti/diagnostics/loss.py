@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from .._compat import temporarily_set, trl_completion_logps
 from ..core_algos import loss_token_mask
 from ..lopti_mixin import LOPTI_BATCH_KEYS
 from ..tasks._text import completion_to_text
+from ..utils import temporarily_set, trl_completion_logps
 
 
 def trl_batch(micro_batches: Sequence[dict[str, Any]], device: torch.device | None = None) -> dict[str, Any]:

@@ -10,7 +10,6 @@ import torch
 from torch.nn.utils import parameters_to_vector
 from trl import GRPOTrainer
 
-from .._compat import trl_completion_logps
 from ..config import LoptiGRPOConfig
 from ..core_algos import (
     lopti_batch_threshold,
@@ -20,6 +19,7 @@ from ..core_algos import (
     token_group_mask,
     token_level_advantages,
 )
+from ..utils import trl_completion_logps
 from .loss import model_mode, summed_parameter_gradients, trainable_parameters, trl_batch, trl_loss_gradients
 
 

@@ -61,20 +61,15 @@ only once `trl-lopti check` has passed on the machine for that stack (`require_v
 """
 
 import contextlib
-import functools
-import inspect
 import json
 import os
 import re
 import subprocess
 import sys
-import textwrap
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
-
-from packaging.version import Version
 
 
 MINIMUM_TRL = "1.10.0"
@@ -91,9 +86,6 @@ check's own process."""
 TRL_FACTS = dict(re.findall(r"^- ([SGR]\d)\. ([^.]+)\.", __doc__, re.MULTILINE))
 """The TRL facts the trainers rely on, by number, each stated in this module's docstring (its heading here), checked
 while training and pinned by `tests/test_trl_contract.py`."""
-
-LIGER_MINIMUM_TRL = Version("1.14.0")
-"""Below it, `use_liger_kernel=True` computes GRPO's loss in `compute_liger_loss`, which AR and Lopti cannot reach."""
 
 
 def broken_fact(number: str, saw: str) -> RuntimeError:
@@ -119,65 +111,6 @@ class ReadRecorder(dict):
 
     def get(self, key: str, default: Any = None) -> Any:
         return self[key] if key in self else default  # noqa: SIM401 (dict.get would skip __getitem__)
-
-
-@functools.cache
-def extra_forward_keys() -> tuple[str, ...]:
-    """The multimodal inputs of TRL's log-prob forward (its other arguments are ids, masks and options), as TRL names
-    them (TRL 1.14's GRPOTrainer takes them as `**kwargs` there and passes them on to `_full_logits_logps`)."""
-    from trl import GRPOTrainer
-
-    forward = getattr(GRPOTrainer, "_full_logits_logps", GRPOTrainer._get_per_token_logps_and_entropies)
-    parameters = inspect.signature(forward).parameters.items()
-    return tuple(name for name, parameter in parameters if parameter.default is None and name != "batch_size")
-
-
-def trl_completion_logps(trainer, batch: dict[str, Any], model=None, **kwargs: Any) -> tuple:
-    """Per-token log-probabilities and entropies (`None` unless `compute_entropy=True`; B x T) of the completions of a
-    TRL batch by TRL's own forward (`_get_per_token_logps_and_entropies` of the trainer's TRL class, whatever a subclass
-    overrides: its LM head, temperature and autocast; `kwargs` go to it), with gradient where grad mode is on; `model`
-    defaults to `trainer.model`."""
-    import torch
-    from trl import GRPOTrainer
-
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    extra = {key: batch[key] for key in extra_forward_keys() if batch.get(key) is not None}
-    model, num_tokens = trainer.model if model is None else model, batch["completion_ids"].size(1)
-    forward = getattr(trainer, "trl_trainer_class", GRPOTrainer)._get_per_token_logps_and_entropies
-    return forward(trainer, model, input_ids, attention_mask, num_tokens, **extra, **kwargs)[:2]
-
-
-@contextlib.contextmanager
-def temporarily_set(obj: Any, **values: Any):
-    """Sets instance attributes of `obj` for the block (shadowing those of its class, methods included), then restores
-    what the instance held itself."""
-    own = {name: vars(obj)[name] for name in values if name in vars(obj)}
-    vars(obj).update(values)
-    try:
-        yield
-    finally:
-        for name in values:
-            del vars(obj)[name]
-        vars(obj).update(own)
-
-
-LOPTI_PAPER_CITATION = textwrap.dedent("""\
-    @article{yang2025lopti,
-        title        = {{Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs}},
-        author       = {Zhihe Yang and Xufang Luo and Zilong Wang and Dongqi Han and Zhiyuan He and Dongsheng Li and Yunjian Xu},
-        year         = 2025,
-        eprint       = {arXiv:2505.12929},
-    }""")
-
-
-def lopti_paper(trl_trainer_class: type) -> dict[str, str]:
-    """The model card's paper entry of a Lopti trainer: the Lopti paper, cited beside the TRL trainer's own."""
-    return {
-        "title": "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs",
-        "id": "2505.12929",
-        "citation": LOPTI_PAPER_CITATION + "\n\n" + trl_trainer_class._paper["citation"],
-    }
 
 
 def check_forward_output(output: Any) -> None:
@@ -277,18 +210,6 @@ def check_resumed_state(global_step: int) -> None:
         raise broken_fact("S4", "_load_optimizer_and_scheduler ran before the trainer state was loaded")
 
 
-def check_features(config) -> None:
-    """Raises `ValueError` at the construction of `config` (a `GRPOConfig`) for a TRL option that the installed
-    release runs outside the hooks AR and Lopti act through."""
-    if config.use_liger_kernel and Version(TRL_VERSION) < LIGER_MINIMUM_TRL:
-        raise ValueError(
-            f"use_liger_kernel=True: with TRL {TRL_VERSION}, GRPOTrainer computes the Liger loss in compute_liger_loss, "
-            "which never calls the log-prob forward that Advantage Reweighting and Lopti act through, so they would "
-            f"be silently ignored. Set use_liger_kernel=False, or install TRL >= {LIGER_MINIMUM_TRL} (where the Liger "
-            "loss goes through it)"
-        )
-
-
 def stack_versions() -> dict[str, str]:
     """The versions a verdict of `trl-lopti check` holds for: TRL, transformers, trl_lopti (and torch, recorded)."""
     return {package: version(package) for package in ("trl", "transformers", "trl_lopti", "torch")}
@@ -315,6 +236,8 @@ _verifying_contract = False  # while `trl-lopti check` runs its own trainers
 
 def verifying_contract() -> contextlib.AbstractContextManager:
     """The block runs the contract's own training runs: the trainers' gate lets them train."""
+    from .utils import temporarily_set
+
     return temporarily_set(sys.modules[__name__], _verifying_contract=True)
 
 
