@@ -31,12 +31,12 @@ from datasets import Dataset
 from transformers import AutoConfig, PrinterCallback, TrainerCallback, set_seed
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer, trl_contract
-from trl_lopti.utils import trl_completion_logps
+from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer, lopti_mixin, trl_contract
 from trl_lopti.diagnostics import completion_log_probs, probability_quartiles, probability_shift
 from trl_lopti.lopti_mixin import MicroStep, describe_method
 from trl_lopti.models import build_tiny_model, get_smollm2
 from trl_lopti.tasks import completion_to_text
+from trl_lopti.utils import trl_completion_logps
 
 
 PHASES = ("generation_s", "scoring_s", "loss_backward_optimizer_s", "probe_s", "step_s", "fact_checks_s")
@@ -52,8 +52,11 @@ COUNTS = (  # policy forwards outside generation, generate calls and their decod
     "completion_tokens",
     "completions",
 )
-FACT_CHECKS = [(trl_contract, name) for name in vars(trl_contract) if name.startswith("check_") or name == "prompts_of"]
-FACT_CHECKS += [(MicroStep, "mark_backward"), *((trl_contract.ReadRecorder, name) for name in ("__init__", "__getitem__"))]
+FACT_CHECKS = [(lopti_mixin, name) for name in vars(lopti_mixin) if name.startswith("check_") or name == "prompts_of"]
+FACT_CHECKS += [
+    (MicroStep, "mark_backward"),
+    *((trl_contract.ReadRecorder, name) for name in ("__init__", "__getitem__")),
+]
 """What runs for the runtime checks of the TRL facts, timed as `fact_checks_s` (within the other phases)."""
 LOGGED_PREFIXES = ("lopti/", "reward")
 """Logged metrics kept per generation batch: TRL's `reward`, `reward_std`, `rewards/*`, and the trainer's `lopti/*`."""

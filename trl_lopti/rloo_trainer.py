@@ -14,14 +14,14 @@ a reward penalty, computed before the leave-one-out baseline).
 - Lopti: isolation in its general form is exact for the sequence ratio: at equal parameters, low pass + high pass =
   plain RLOO's gradient.
 
-The TRL facts it relies on besides the shared ones are R1-R2, stated and checked in `trl_lopti/trl_contract.py`.
+The TRL facts it relies on besides the shared ones are R1-R2, stated in `trl_lopti/trl_contract.py` and checked here.
 """
 
 from typing import Any, ClassVar
 
 import torch
 
-from .trl_contract import broken_fact  # (checks the TRL version before TRL is imported)
+from .trl_contract import RLOO_GENERATION, RLOO_LOSS, broken_fact  # (checks the TRL version before TRL is imported)
 
 
 # isort: split
@@ -53,27 +53,36 @@ class LoptiRLOOTrainer(LoptiTrainerMixin, RLOOTrainer):
 
     config_class = LoptiRLOOConfig
     trl_trainer_class = RLOOTrainer
-    loss_is_scaled_for_accumulation = False  # fact R2
+    contract_name = "rloo"
+    loss_is_scaled_for_accumulation = False
     _tag_names: ClassVar[list[str]] = ["trl", "rloo", "lopti"]
     _name = "Lopti-RLOO"
     _paper: ClassVar[dict[str, str]] = lopti_paper(RLOOTrainer)
 
     def old_per_token_logps_at_generation(self, batch: dict[str, Any], generation_logps: list) -> torch.Tensor:
-        # Fact R1: the first forward of the generation is pi_old; its masked sum is exactly the `old_logps` RLOO kept.
-        # Fact R2: RLOO's loss sums over completion_mask alone (a tool_mask, which the split would read, it ignores).
+        # Fact R1: the first forward of the generation is pi_old, and `old_logps` is its masked sum. Summed in another
+        # order, T terms differ by at most (T - 1) * eps * sum |terms| (the bound of recursive summation): the
+        # tolerance. Any other forward's log-probabilities (the reference model's, once the policy moved) lie beyond.
         old_per_token_logps = generation_logps[0] if generation_logps else None
-        if old_per_token_logps is None or not torch.allclose(
-            (old_per_token_logps * batch["completion_mask"]).sum(1), batch["old_logps"], rtol=0, atol=0, equal_nan=True
-        ):
-            raise broken_fact("R1", "the masked sum of its first log-prob forward is not the old_logps it returned")
+        if old_per_token_logps is None:
+            raise broken_fact(RLOO_GENERATION, "RLOOTrainer ran no log-prob forward while scoring the batch")
+        mask = batch["completion_mask"]
+        terms = old_per_token_logps * mask
+        bound = (mask.size(1) - 1) * torch.finfo(terms.dtype).eps * terms.abs().sum(1)
+        difference = (terms.sum(1) - batch["old_logps"]).abs()
+        if not torch.all((difference <= bound) | (difference.isnan() & batch["old_logps"].isnan())):
+            raise broken_fact(
+                RLOO_GENERATION, "the masked sum of its first log-prob forward is not the old_logps it returned"
+            )
+        # Fact R2: RLOO's loss sums over completion_mask alone, so a tool_mask, which the split would read, it ignores.
         if batch.get("tool_mask") is not None:
             raise broken_fact(
-                "R2", "RLOOTrainer returned a tool_mask, which its loss ignores and the split would read"
+                RLOO_LOSS, "RLOOTrainer returned a tool_mask, which its loss ignores and the split would read"
             )
         return old_per_token_logps
 
     def apply_advantage_reweighting(self, call: LossCall, per_token_logps: torch.Tensor) -> torch.Tensor:
-        # Fact R2: RLOO's loss sums these log-probabilities into its sequence ratio
+        # Fact R2: RLOO's loss sums these log-probabilities into its sequence ratio.
         return reweight_token_gradients(per_token_logps, call.batch[AR_WEIGHTS_KEY])
 
 

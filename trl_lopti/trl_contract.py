@@ -1,71 +1,21 @@
-"""What trl_lopti relies on in TRL: the releases it was tested with, the TRL facts, checked while training, the gate of
-an untested release, and the few adapters to TRL's private interface.
+"""
+trl_lopti's contract with TRL: the facts about TRL's trainers that AR and Lopti rely on ([`TRLFact`], `TRL_FACTS`),
+their runtime checks, which stop a run at the first step where TRL breaks one ([`broken_fact`]), and the gate of a TRL
+release outside `TESTED_TRL_RELEASES` ([`require_verified_contract`]).
 
-`trl_lopti.config` and the trainer modules import this module before they import TRL; `trl_lopti.tasks` does not import
-TRL at all.
-
-The trainers rely on the TRL facts below (`TRL_FACTS`), unchanged from 1.10 to 1.16 (`.ci/run` tests each minor
-release's newest patch). The `check_*` function named beside each checks it in every training run, at no measurable
-cost, and stops the run at the first step where it fails ([`broken_fact`]); tests/test_fact_checks.py breaks each on
-purpose. S holds for both trainers (`lopti_mixin.py`), G for `GRPOTrainer` (`grpo_trainer.py`,
-`reinforce_plus_plus.py`), R for `RLOOTrainer` (`rloo_trainer.py`).
-
-- S1. Schedule. `_prepare_inputs` generates when `self._step % (steps_per_generation * self.num_iterations) == 0` (or
-  with nothing buffered), buffers the batch split into micro-batches in `self._buffered_inputs` (0-dim tensors copied
-  into each) and serves slice `self._step % steps_per_generation`, the same dicts until the next generation;
-  `training_step` then increments `self._step`. Checked: a generation happens only at a cycle's first micro-step, and
-  a micro-batch carries the mark of its first training exactly when it is trained again (`check_generation`,
-  `check_micro_batch`).
-- S2. Dataloader. The train sampler repeats each generation batch `self.num_iterations * steps_per_generation` times,
-  reading `self.num_iterations` when the dataloader is built. Checked: the dataloader serves the same generation batch
-  (its prompts) at every micro-step of a cycle (`check_micro_step`).
-- S3. Loss forward. `_compute_loss(model, inputs)` calls `self._get_per_token_logps_and_entropies` once for the policy
-  (taking `batch_size=` and the same arguments in both trainers, returning log-probabilities, entropies and an
-  auxiliary loss), and its loss is differentiated through the log-probabilities that call returns. Checked: what every
-  call returned, one forward per loss, and the backward reaches it (`check_forward_output`, `check_loss_call`,
-  `check_backward`).
-- S4. Checkpoints. `_save_checkpoint` and `_load_optimizer_and_scheduler` are the extension points for trainer state
-  (TRL's entropy controller uses them); transformers calls the latter on resume after `self.state` is loaded. Checked:
-  the state is loaded there, and at each accumulation window `self._step` sits where the optimizer steps put it
-  (`check_resumed_state`, `check_micro_step`).
-- S5. Logging. `log` averages and clears the lists in `self._metrics[mode]`, and reads `self._logs` (the completions
-  table) only when `self.log_completions` is true at that call. Checked after every log (`check_log`).
-- S6. Loss mask. Every loss sums its per-token terms over `completion_mask` (times `tool_mask` where the batch has one):
-  no gradient reaches the log-probability of a token outside it (padding, masked tool output), which belongs to
-  neither Lopti group. Checked in every backward: the gradient reaching the log-probabilities handed to TRL's loss is
-  zero outside that mask (`check_backward`).
-- G1. GRPO loss. `_compute_loss(model, inputs)` reads `inputs["advantages"]` (token-level (B, T) accepted) only after
-  its policy forward, and returns the micro-step's share of its optimizer step's loss. Checked at every loss: it read
-  the advantages AR placed during the forward, and nothing else (`check_loss_call`).
-- G2. GRPO generation. `_generate_and_score_completions` returns `old_per_token_logps` whenever the policy moves
-  between the batch's generation and its training (`gradient_accumulation_steps` not a multiple of
-  `steps_per_generation * self.num_iterations`) or vLLM importance sampling needs it. Checked at every split without
-  pi_old: no optimizer step came between the generation and that micro-batch (`check_on_policy`).
-- G3. GRPO rewards. `_generate_and_score_completions` calls `self._calculate_rewards` once per generation batch, which
-  returns the rewards of every completion of the batch (all processes, in process order), one column per reward
-  function; this process's completions are the `process_index`-th slice of that order. Checked at every generation
-  batch: one call, one row per completion of every process.
-- G4. GRPO logs. `_generate_and_score_completions` appends the batch's advantages (all processes) to
-  `self._logs["advantages"]`, which the completions table shows; REINFORCE++'s take their place there. Checked at every
-  generation batch: this process's slice of the last ones appended is the advantages TRL returned.
-- R1. RLOO generation. `_generate_and_score_completions` computes pi_old with its first
-  `_get_per_token_logps_and_entropies` call (the policy, no gradient, before the reference model's) and returns its
-  masked sum as `old_logps` (B,). Checked at every generation batch.
-- R2. RLOO loss. `_compute_loss(model, inputs)` sums the log-probabilities of its one policy forward over
-  `completion_mask` (no `tool_mask`) and reads `old_logps` and `advantages` (B,); it returns the micro-batch's mean loss
-  (the Trainer divides it by the gradient accumulation). Checked at every generation batch (no `tool_mask`) and,
-  through S3, at every loss.
-
-No release is refused at import: on one outside `TESTED_TRL_RELEASES` the import warns once, and the trainers train
-only once `trl-lopti check` has passed on the machine for that stack (`require_verified_contract`; docs/releases.md).
+`tests/test_trl_contract.py` pins each fact on every tested release; `tests/test_fact_checks.py` breaks each on purpose.
+The config and trainer modules import this module before TRL (it checks TRL's version); `trl_lopti.tasks` never
+imports TRL.
 """
 
-import contextlib
+import dataclasses
+import hashlib
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -74,31 +24,152 @@ from typing import Any
 
 MINIMUM_TRL = "1.10.0"
 """The oldest TRL release `setup.cfg` admits (no upper bound): the oldest on which the contract holds."""
+
 TESTED_TRL_RELEASES = ("1.10.0", "1.11.0", "1.12.0", "1.13.0", "1.14.2", "1.16.0")
-"""The releases `.ci/run` tests (the newest patch of each minor release it passes on); on any other, the trainers train
-once `trl-lopti check` has passed on the machine (`require_verified_contract`)."""
-CHECK_COMMAND = "trl-lopti check"
-LAUNCHER_VARIABLES = re.compile(r"(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_RANK|MASTER_ADDR|MASTER_PORT"
-                                r"|OMP_NUM_THREADS)$|ACCELERATE_|TORCHELASTIC|OMPI_|PMI_|PMIX_|MV2_")  # fmt: skip
-"""What a launcher sets in each process it starts (accelerate's, torchelastic's and MPI's by prefix): not passed to the
-check's own process."""
+"""The releases `.ci/run` tests (the newest patch of each minor release it passes on)."""
 
-TRL_FACTS = dict(re.findall(r"^- ([SGR]\d)\. ([^.]+)\.", __doc__, re.MULTILINE))
-"""The TRL facts the trainers rely on, by number, each stated in this module's docstring (its heading here), checked
-while training and pinned by `tests/test_trl_contract.py`."""
+SKIP_CHECK_VARIABLE = "TRL_LOPTI_SKIP_CHECK"
+"""Set to `1`, the trainers train on an untested release without `trl-lopti check`."""
+
+RELEASES_PAGE = "the 'Supported releases' page of trl_lopti's documentation"
+
+LAUNCHER_VARIABLES = re.compile(
+    r"(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_RANK|MASTER_ADDR|MASTER_PORT|OMP_NUM_THREADS)$"
+    r"|ACCELERATE_|TORCHELASTIC|OMPI_|PMI_|PMIX_|MV2_"
+)
+"""What a launcher sets in each process it starts: not passed on to the check's own process."""
 
 
-def broken_fact(number: str, saw: str) -> RuntimeError:
-    """The error of a runtime check: the installed TRL no longer behaves as fact `number` of `TRL_FACTS` states, and
-    `saw` says what the check saw. Training stops at the first step where it happens."""
+@dataclasses.dataclass(frozen=True)
+class TRLFact:
+    """
+    A fact about TRL's trainers that trl_lopti relies on.
+
+    Args:
+        code (`str`):
+            Its number: `S` for both trainers, `G` for `GRPOTrainer`, `R` for `RLOOTrainer`.
+        name (`str`):
+            A few words that name it.
+        statement (`str`):
+            What TRL does.
+        prevents (`str`):
+            The wrong update that its runtime check prevents.
+        checked_by (`str`):
+            Where trl_lopti checks it while training.
+    """
+
+    code: str
+    name: str
+    statement: str
+    prevents: str
+    checked_by: str
+
+
+SCHEDULE = TRLFact(
+    "S1",
+    "Schedule",
+    "`_prepare_inputs` generates when `self._step % (steps_per_generation * self.num_iterations) == 0` (or with "
+    "nothing buffered), buffers the batch split into micro-batches in `self._buffered_inputs` and serves slice "
+    "`self._step % steps_per_generation`, the same dicts until the next generation",
+    "a pass over another generation batch than the first pass trained, or over a copy without its split and pi_old",
+    "`lopti_mixin.check_micro_batch`, at every loss",
+)
+DATALOADER = TRLFact(
+    "S2",
+    "Dataloader",
+    "the train sampler repeats each generation batch `self.num_iterations * steps_per_generation` times, reading "
+    "`self.num_iterations` when the dataloader is built",
+    "a generation from prompts served in the middle of a cycle, which skips or repeats prompts of the dataset",
+    "`lopti_mixin.check_cycle_prompts`, at every micro-step",
+)
+LOSS_FORWARD = TRLFact(
+    "S3",
+    "Loss forward",
+    "`_compute_loss(model, inputs)` calls `self._get_per_token_logps_and_entropies` for the policy, which returns "
+    "(log-probabilities, entropies, auxiliary loss), and is differentiated through those log-probabilities",
+    "an update whose gradient bypasses the log-probabilities that AR and Lopti act on",
+    "`lopti_mixin.check_backward_reached`, at every micro-step",
+)
+CHECKPOINTS = TRLFact(
+    "S4",
+    "Checkpoints",
+    "`_save_checkpoint` and `_load_optimizer_and_scheduler` are the extension points for trainer state, and "
+    "transformers calls the latter on resume after `self.state` is loaded",
+    "a resumed run that trains the wrong pass of its generation batch, or a new batch in the middle of a cycle",
+    "`lopti_mixin.check_resumed_state`, `lopti_mixin.check_step_counter`, on resume and at every optimizer step",
+)
+LOSS_MASK = TRLFact(
+    "S5",
+    "Loss mask",
+    "every loss sums its per-token terms over `completion_mask` (times `tool_mask` where the batch has one)",
+    "gradient through tokens that belong to neither Lopti group (padding, tool output), so that the two passes do not "
+    "add up to the whole update",
+    "`lopti_mixin.check_loss_mask`, at the end of every pass",
+)
+GRPO_LOSS = TRLFact(
+    "G1",
+    "GRPO loss",
+    "`_compute_loss` reads `inputs['advantages']` (token-level (B, T) accepted) only after its policy forward",
+    "an update with the plain advantages where AR placed reweighted ones",
+    "`lopti_mixin.check_loss_read` of `LoptiGRPOTrainer.placement_fact`, at every loss",
+)
+GRPO_GENERATION = TRLFact(
+    "G2",
+    "GRPO generation",
+    "`_generate_and_score_completions` returns `old_per_token_logps` whenever the policy moves between the batch's "
+    "generation and its training, or vLLM importance sampling needs it",
+    "a split, AR weights and second-pass ratios against a policy that already moved, taken for pi_old",
+    "`lopti_mixin.check_on_policy`, at every split without pi_old",
+)
+GRPO_REWARDS = TRLFact(
+    "G3",
+    "GRPO rewards",
+    "`_generate_and_score_completions` calls `self._calculate_rewards` once per generation batch, which returns the "
+    "rewards of every completion of the batch (all processes, in process order), a column per reward function",
+    "REINFORCE++ advantages whitened over the rewards of other completions",
+    "`ReinforcePlusPlusMixin._generate_and_score_completions`, at every generation batch",
+)
+RLOO_GENERATION = TRLFact(
+    "R1",
+    "RLOO generation",
+    "`_generate_and_score_completions` computes pi_old with its first `_get_per_token_logps_and_entropies` call (the "
+    "policy, without gradient, before the reference model's) and returns its masked sum as `old_logps`",
+    "a split and AR weights from other log-probabilities than pi_old (the reference model's)",
+    "`LoptiRLOOTrainer.old_per_token_logps_at_generation`, at every generation batch",
+)
+RLOO_LOSS = TRLFact(
+    "R2",
+    "RLOO loss",
+    "`_compute_loss` sums the log-probabilities of its one policy forward over `completion_mask` (no `tool_mask`)",
+    "a split over a `tool_mask` that RLOO's loss ignores, so that the two passes do not cover the tokens it trains",
+    "`LoptiRLOOTrainer.old_per_token_logps_at_generation`, at every generation batch",
+)
+TRL_FACTS = (
+    SCHEDULE,
+    DATALOADER,
+    LOSS_FORWARD,
+    CHECKPOINTS,
+    LOSS_MASK,
+    GRPO_LOSS,
+    GRPO_GENERATION,
+    GRPO_REWARDS,
+    RLOO_GENERATION,
+    RLOO_LOSS,
+)
+"""Every fact, in order: those of both trainers, then GRPO's, then RLOO's."""
+
+
+def broken_fact(fact: TRLFact, saw: str) -> RuntimeError:
+    """The error of a runtime check: the installed TRL no longer behaves as `fact` says, and `saw` says what it saw."""
     return RuntimeError(
-        f"TRL {TRL_VERSION} broke fact {number} of trl_lopti ({TRL_FACTS[number]}, docs/releases.md): {saw}. Training "
-        "stops here rather than train an update other than the method's"
+        f"TRL {TRL_VERSION} broke fact {fact.code} of trl_lopti ({fact.name}): {saw}. Training stops here rather than "
+        f"train {fact.prevents}. Install a tested release (pip install 'trl=={TESTED_TRL_RELEASES[-1]}'); "
+        f"`trl-lopti check` shows every fact on this machine, and {RELEASES_PAGE} lists them"
     )
 
 
 class ReadRecorder(dict):
-    """A dict that records every value read from it by key (`reads`): what TRL's code read (facts G1, S5)."""
+    """A dict that records every value read from it by key (`reads`): what TRL's loss read (fact G1)."""
 
     def __init__(self, values: dict[str, Any]):
         super().__init__(values)
@@ -110,167 +181,196 @@ class ReadRecorder(dict):
         return value
 
     def get(self, key: str, default: Any = None) -> Any:
-        return self[key] if key in self else default  # noqa: SIM401 (dict.get would skip __getitem__)
+        # dict.get would not go through __getitem__
+        if key in self:
+            return self[key]
+        return default
 
 
-def check_forward_output(output: Any) -> None:
-    """Fact S3: TRL's log-prob forward returned (log-probabilities, entropies, auxiliary loss)."""
-    if not isinstance(output, tuple) or len(output) != 3:
-        saw = f"{len(output)} values" if isinstance(output, tuple) else type(output).__name__
-        raise broken_fact("S3", f"_get_per_token_logps_and_entropies returned {saw}, not (logps, entropies, aux_loss)")
+# ------------------------------------------------------------------------------------------------ the gate
+def run_precision(args) -> str:
+    """The precision of a run with these `TrainingArguments`, which its verdict must hold for: its mixed precision."""
+    if args.bf16:
+        return "bf16"
+    if args.fp16:
+        return "fp16"
+    return "fp32"
 
 
-def check_generation(position: int, cycle: int) -> None:
-    """Fact S1: a training generation batch is generated at micro-step `position` of a `cycle`-micro-step cycle."""
-    if position:
-        raise broken_fact("S1", f"TRL generated at micro-step {position} of a {cycle}-micro-step cycle")
-
-
-def prompts_of(generation_batch: Any) -> list[Any] | None:
-    """The prompts of a generation batch as TRL's dataloader serves it (a list of rows), for fact S2."""
-    return [row.get("prompt") for row in generation_batch] if isinstance(generation_batch, list) else None
-
-
-def check_micro_step(
-    step: int, global_step: int, accumulation: int, cycle: int, prompts: Any, cycle_prompts: Any
-) -> None:
-    """Facts S4 and S2, at the start of training micro-step `step` (TRL's `_step`) after `global_step` optimizer steps
-    of `accumulation` micro-steps, in a `cycle`-micro-step cycle: the dataloader served the `prompts` it served at the
-    cycle's first micro-step (`cycle_prompts`)."""
-    if cycle % accumulation == 0 and step % accumulation == 0 and (global_step * accumulation - step) % cycle:
-        raise broken_fact(
-            "S4",
-            f"at optimizer step {global_step} TRL's micro-step counter _step is {step}, which is not where "
-            f"{accumulation} micro-steps per optimizer step put it in a {cycle}-micro-step cycle (a resumed run whose "
-            "_load_optimizer_and_scheduler did not run?)",
-        )
-    if prompts != cycle_prompts:
-        raise broken_fact(
-            "S2",
-            f"at micro-step {step % cycle} of a {cycle}-micro-step cycle the dataloader served other prompts than at "
-            "its first: each pass must train the generation batch the first pass trained",
-        )
-
-
-def check_micro_batch(position: int, first_position: int | None, trained_at: int | None) -> None:
-    """Fact S1: the micro-batch served at micro-step `position` of its cycle was first trained at `trained_at` (`None`:
-    never); it must be at `first_position` of this cycle (`None`: it is its first training)."""
-    if first_position is None and trained_at is not None:
-        raise broken_fact("S1", f"micro-step {position} of a cycle got a micro-batch trained in an earlier cycle")
-    if first_position is not None and trained_at != first_position:
-        raise broken_fact(
-            "S1",
-            f"micro-step {position} of its cycle got another micro-batch (or a copy of it) than the one trained at "
-            f"micro-step {first_position}, whose split and pi_old it must reuse",
-        )
-
-
-def check_loss_call(policy_forwards: int, placed: dict, reads: dict, placement_fact: str) -> None:
-    """Facts S3 and (`placement_fact`) G1, after a loss: TRL ran `policy_forwards` policy forwards, and read (`reads`:
-    the values read, by key) every value placed in its inputs during the forward (`placed`, by key)."""
-    if policy_forwards != 1:
-        raise broken_fact("S3", f"_compute_loss ran {policy_forwards} policy forwards, not one")
-    for key, value in placed.items():
-        if not reads.get(key) or any(seen is not value for seen in reads[key]):
-            raise broken_fact(placement_fact, f"TRL's loss did not read the {key} placed during its forward")
-
-
-def check_backward(reached: bool, gradient_outside_the_mask: float) -> None:
-    """Facts S3 and S6, after a training step: its backward `reached` the log-probabilities handed to TRL's loss, and
-    what reached the tokens outside the loss mask (the sum of its absolute values) is zero."""
-    if not reached:
-        raise broken_fact("S3", "the backward of the training step never reached the log-probabilities of the loss")
-    if gradient_outside_the_mask != 0:
-        raise broken_fact("S6", f"a gradient of {gradient_outside_the_mask:.3g} reached tokens outside the loss mask")
-
-
-def check_on_policy(step: int, position: int, accumulation: int) -> None:
-    """Fact G2: a micro-batch first trained at micro-step `step` (`position` of its cycle) came without pi_old, so no
-    optimizer step (every `accumulation` micro-steps) may lie between its generation and now."""
-    if (step - position) // accumulation != step // accumulation:
-        raise broken_fact(
-            "G2",
-            f"no pi_old (old_per_token_logps) came with a micro-batch first trained at micro-step {position} of its "
-            "cycle, after an optimizer step: its own forward is no longer pi_old",
-        )
-
-
-def check_log(kept_metrics: list[str], rewrote_table: bool) -> None:
-    """Fact S5, after a log: the metrics `log` kept, and whether it read the completions table while told not to."""
-    if kept_metrics:
-        raise broken_fact("S5", f"log kept {len(kept_metrics)} averaged metrics, e.g. {', '.join(kept_metrics[:3])}")
-    if rewrote_table:
-        raise broken_fact("S5", "log wrote a generation batch's completions table again, with log_completions off")
-
-
-def check_resumed_state(global_step: int) -> None:
-    """Fact S4: a checkpoint inside a generation batch (at least one optimizer step in) is resumed with the trainer
-    state at `global_step` loaded."""
-    if global_step == 0:
-        raise broken_fact("S4", "_load_optimizer_and_scheduler ran before the trainer state was loaded")
-
-
-def stack_versions() -> dict[str, str]:
-    """The versions a verdict of `trl-lopti check` holds for: TRL, transformers, trl_lopti (and torch, recorded)."""
-    return {package: version(package) for package in ("trl", "transformers", "trl_lopti", "torch")}
-
-
-def verdict_path() -> Path:
-    """Where `trl-lopti check` caches its verdict for this TRL, transformers and trl_lopti: in the Hugging Face cache
-    folder (`HF_HOME`, else `$XDG_CACHE_HOME/huggingface`, else `~/.cache/huggingface`)."""
-    cache = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
-    versions = stack_versions()
-    name = f"trl-{versions['trl']}_transformers-{versions['transformers']}_trl_lopti-{versions['trl_lopti']}.json"
-    return Path(cache).expanduser() / "trl_lopti" / "contract" / name
-
-
-def read_verdict() -> dict[str, Any] | None:
-    """The cached verdict of `trl-lopti check` for this stack, `None` where it never ran."""
-    with contextlib.suppress(OSError, ValueError):
-        return json.loads(verdict_path().read_text())
-    return None
-
-
-_verifying_contract = False  # while `trl-lopti check` runs its own trainers
-
-
-def verifying_contract() -> contextlib.AbstractContextManager:
-    """The block runs the contract's own training runs: the trainers' gate lets them train."""
-    from .utils import temporarily_set
-
-    return temporarily_set(sys.modules[__name__], _verifying_contract=True)
-
-
-def require_verified_contract() -> None:
+def verdict_key(trainer: str, device_type: str, precision: str) -> dict[str, str]:
     """
-    The gate of an untested TRL release (outside `TESTED_TRL_RELEASES`): a Lopti trainer trains only once `trl-lopti
-    check` has passed on this machine for this stack (`verdict_path`). Where it never ran, the first process of each
-    machine runs it once, in a process of its own (without the launcher's settings), while every other process of every
-    machine waits (accelerate's `local_main_process_first`), and caches its verdict; a failed verdict refuses to train,
-    naming the broken facts.
+    What a verdict of `trl-lopti check` holds for; a verdict made for another key is never used.
+
+    Args:
+        trainer (`str`):
+            `"grpo"` or `"rloo"`.
+        device_type (`str`):
+            `"cpu"`, or an accelerator's device type (`"cuda"`): the key holds its first device's name.
+        precision (`str`):
+            `"fp64"`, `"fp32"`, `"bf16"` or `"fp16"`.
     """
+    import torch
+
+    key = {package: version(package) for package in ("trl", "transformers", "torch", "accelerate", "trl_lopti")}
+    # trl_lopti's own source: an edited checkout is another stack.
+    package = Path(__file__).parent
+    source = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        source.update(str(path.relative_to(package)).encode() + path.read_bytes())
+    key["trl_lopti_source"] = source.hexdigest()[:16]
+    key["trainer"] = trainer
+    key["device"] = device_type
+    if device_type != "cpu":
+        key["device"] += f" ({torch.get_device_module(device_type).get_device_name(0)})"
+    key["precision"] = precision
+    return key
+
+
+def verdict_folder() -> Path:
+    """The folder of the cached verdicts, in the Hugging Face cache folder (`HF_HOME`, else its default)."""
+    default = os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(os.environ.get("HF_HOME") or default).expanduser() / "trl_lopti" / "contract"
+
+
+def verdict_path(key: dict[str, str]) -> Path:
+    """The file of the verdict of `key`: its trainer and a digest of the whole key."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return verdict_folder() / f"{key['trainer']}-{digest}.json"
+
+
+def read_verdict(key: dict[str, str]) -> dict[str, Any] | None:
+    """The cached verdict of `key`, `None` where there is none."""
+    try:
+        verdict = json.loads(verdict_path(key).read_text())
+    except (OSError, ValueError):
+        return None
+    return verdict if isinstance(verdict, dict) and verdict.get("key") == key else None
+
+
+def write_verdict(verdict: dict[str, Any]) -> dict[str, Any]:
+    """Caches a verdict that passed or found a fact broken, never an inconclusive one; returns it with `cached_in`
+    (the file) or, where the cache cannot be written, `cache_error`."""
+    if verdict["outcome"] == "inconclusive":
+        return verdict
+    path = verdict_path(verdict["key"])
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # A file of this process's own, then an atomic rename: processes of other machines may read the cache.
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps(verdict, indent=1) + "\n")
+        partial.replace(path)
+    except OSError as error:
+        return {**verdict, "cache_error": f"{verdict_folder()}: {error}"}
+    return {**verdict, "cached_in": str(path)}
+
+
+_verifying_contract = False
+"""True while `trl-lopti check` runs its own trainers, which the gate lets train."""
+
+_verdicts_of_this_process: dict[str, dict[str, Any]] = {}
+"""The conclusive verdicts this process obtained, by key: they hold for the process where the cache cannot keep them."""
+
+_warned_skip = False
+
+
+def check_command(key: dict[str, str], device_type: str) -> str:
+    """The `trl-lopti check` command that gives the verdict of `key`."""
+    return f"trl-lopti check --trainers {key['trainer']} --device {device_type} --precision {key['precision']}"
+
+
+def run_check(key: dict[str, str], device_type: str) -> dict[str, Any]:
+    """The verdict of `key` by `trl-lopti check`, run in a process of its own without the launcher's settings."""
+    command = check_command(key, device_type)
+    sys.stderr.write(f"trl_lopti: TRL {TRL_VERSION} is untested: checking trl_lopti's contract once: {command}\n")
+    environment = {name: value for name, value in os.environ.items() if not LAUNCHER_VARIABLES.match(name)}
+    with tempfile.TemporaryDirectory(prefix="trl-lopti-gate-") as folder:
+        verdict_file = Path(folder) / "verdict.json"
+        arguments = [sys.executable, "-m", "trl_lopti", *command.split()[1:], "--verdict_file", str(verdict_file)]
+        completed = subprocess.run(arguments, env=environment, check=False)
+        try:
+            return json.loads(verdict_file.read_text())
+        except (OSError, ValueError):
+            reason = f"it ended with exit code {completed.returncode} before a verdict (its output above says why)"
+            return {"key": key, "outcome": "inconclusive", "reason": reason}
+
+
+def require_verified_contract(trainer: str, args) -> None:
+    """
+    The gate of an untested TRL release: a Lopti trainer trains once `trl-lopti check` has passed on this machine for
+    its trainer and stack ([`verdict_key`]).
+
+    Where no verdict is cached, the first process of each machine runs the check once while every other process of
+    every machine waits; each then takes its machine's verdict. `TRL_LOPTI_SKIP_CHECK=1` trains without the check.
+
+    Args:
+        trainer (`str`):
+            `"grpo"` or `"rloo"`.
+        args (`TrainingArguments`):
+            The run's arguments: its device and precision.
+    """
+    global _warned_skip
     if TRL_VERSION in TESTED_TRL_RELEASES or _verifying_contract:
+        return
+    if os.environ.get(SKIP_CHECK_VARIABLE) == "1":
+        if not _warned_skip:
+            _warned_skip = True
+            warnings.warn(
+                f"{SKIP_CHECK_VARIABLE}=1: trl_lopti's trainers train on TRL {TRL_VERSION}, which trl_lopti has not "
+                "tested, without `trl-lopti check`. The runtime checks of the TRL facts still stop a run at the first "
+                "step where TRL breaks one; what only the check proves, that each update is the method's against "
+                "TRL's own trainer, is not proven on this stack.",
+                UserWarning,
+                stacklevel=3,
+            )
         return
     from accelerate import PartialState
 
-    state, verdict = PartialState(), read_verdict()
-    if verdict is None or state.num_processes > 1:  # every process meets the barrier: another machine may need it
-        with state.local_main_process_first():
-            verdict = read_verdict()
-            if verdict is None and state.is_local_main_process:  # it runs the check, the others read its verdict
-                environment = {k: v for k, v in os.environ.items() if not LAUNCHER_VARIABLES.match(k)}
-                sys.stderr.write(f"trl_lopti: TRL {TRL_VERSION} is untested: running `{CHECK_COMMAND}` once\n")
-                subprocess.run([sys.executable, "-m", "trl_lopti", "check"], env=environment, check=False)
-                verdict = read_verdict()
-    if verdict is None:
-        raise RuntimeError(f"TRL {TRL_VERSION}: `{CHECK_COMMAND}` gave no verdict; run it and read what it says")
-    if not verdict["passed"]:
-        raise RuntimeError(
-            f"TRL {TRL_VERSION} failed trl_lopti's contract on this machine ({CHECK_COMMAND}, cached in "
-            f"{verdict_path()}): broken facts {', '.join(verdict['broken_facts']) or 'none named'}. "
-            + " ".join(verdict["failed"])[:1500]
-            + f" Install a tested release (pip install 'trl=={TESTED_TRL_RELEASES[-1]}'), or see docs/releases.md."
+    device_type = args.device.type
+    key = verdict_key(trainer, device_type, run_precision(args))
+    name = json.dumps(key, sort_keys=True)
+    verdict = _verdicts_of_this_process.get(name) or read_verdict(key)
+    state = PartialState()
+    if verdict is None and state.is_local_main_process:
+        verdict = run_check(key, device_type)
+        if "cache_error" in verdict:
+            warnings.warn(
+                f"trl_lopti: the verdict of `trl-lopti check` holds for this process only: it could not be cached "
+                f"({verdict['cache_error']}). Set HF_HOME to a writable folder to keep it for later runs.",
+                UserWarning,
+                stacklevel=3,
+            )
+    if state.num_processes > 1:
+        # Every process of every machine meets here, and takes the verdict of its machine's first process.
+        import torch.distributed
+
+        verdicts = [None] * state.num_processes
+        torch.distributed.all_gather_object(verdicts, verdict)
+        verdict = verdicts[state.process_index - state.local_process_index]
+    if verdict["outcome"] != "inconclusive":
+        _verdicts_of_this_process[name] = verdict
+    if verdict["outcome"] != "passed":
+        raise RuntimeError(refusal(verdict, f"Lopti{trainer.upper()}Trainer", check_command(key, device_type)))
+
+
+def refusal(verdict: dict[str, Any], trainer_name: str, command: str) -> str:
+    """Why `trainer_name` does not train: the verdict of `command` failed or was inconclusive."""
+    stack = f"{verdict['key']['device']}, {verdict['key']['precision']}"
+    install = f"install a tested release: pip install 'trl=={TESTED_TRL_RELEASES[-1]}' ({RELEASES_PAGE} lists them)"
+    if verdict["outcome"] == "failed":
+        facts = {fact.code: fact for fact in TRL_FACTS}
+        broken = "; ".join(f"{code} ({facts[code].name})" for code in verdict["broken_facts"])
+        where = "this process" if "cache_error" in verdict else verdict_path(verdict["key"])
+        return (
+            f"TRL {TRL_VERSION} breaks trl_lopti's contract for {trainer_name} on this machine ({stack}): broken "
+            f"facts {broken}. `{command}` found:\n" + "\n".join(verdict["failed_checks"]) + f"\nThe verdict is kept "
+            f"in {where}: runs on this stack are refused without checking again. To train, {install}."
         )
+    return (
+        f"TRL {TRL_VERSION} is untested, and `{command}` could not tell whether trl_lopti's contract holds for "
+        f"{trainer_name} on this machine ({stack}): {verdict['reason']}. Nothing was cached: the next run checks "
+        f"again. To train anyway, without the check, set {SKIP_CHECK_VARIABLE}=1 (the runtime checks of the TRL facts "
+        f"still stop a run where one breaks), or {install}."
+    )
 
 
 def check_trl_version() -> str:
@@ -282,8 +382,9 @@ def check_trl_version() -> str:
     if installed not in TESTED_TRL_RELEASES:
         warnings.warn(
             f"trl_lopti was tested with TRL {', '.join(TESTED_TRL_RELEASES)}, not with the installed TRL {installed}: "
-            f"its trainers train once `{CHECK_COMMAND}` has passed on this machine for it (they run it once, about 10 "
-            "seconds on a CPU, and cache the verdict); a failed check names the TRL facts that broke",
+            "its trainers train once `trl-lopti check` has passed on this machine for the trainer, device and "
+            "precision of the run (the first run checks, about 20 seconds on a CPU, and caches the verdict). "
+            f"{SKIP_CHECK_VARIABLE}=1 trains without the check; {RELEASES_PAGE} says more.",
             UserWarning,
             stacklevel=2,
         )

@@ -1,7 +1,8 @@
-"""FSDP2 and DeepSpeed on CPU processes (gloo) for `--rehearse` and the launcher tests, which accelerate runs only on
-accelerators: two wraps of its state code, each resting on a fact written down once (`PRIVATE_FACTS`) and checked where
-it acts. `check_backend` raises unless the trainer runs the launcher's backend; `holdings` says what each process
-holds.
+"""FSDP2 and DeepSpeed on CPU processes (gloo), for `--rehearse` and the launcher tests.
+
+Accelerate runs both only on accelerators: two wraps of its state code make them run on CPU, each resting on
+a fact written down once (`PRIVATE_FACTS`) and checked where it acts. `check_backend` raises unless the
+trainer runs the launcher's backend; `holdings` says what each process holds.
 """
 
 import functools
@@ -12,40 +13,50 @@ from accelerate.utils import gather_object
 
 
 PRIVATE_FACTS = {
-    "fsdp": "accelerate 1.15: AcceleratorState.__init__(fsdp_plugin=...) sets DistributedType.FSDP and keeps the "
-    "plugin only on accelerators (CPU processes stay MULTI_CPU); its state and PartialState's are `_shared_state`.",
-    "deepspeed": "accelerate 1.15: PartialState._prepare_backend(cpu, ...) picks gloo and MULTI_CPU only with "
-    "cpu=True; DeepSpeed's process group and DistributedType.DEEPSPEED need cpu=False, ACCELERATE_USE_DEEPSPEED=true.",
-    "shm_comm": "deepspeed 0.19: deepspeed.comm JIT-builds the C++ op `deepspeed_shm_comm` (g++, minutes), used only "
-    "by DeepSpeed inference, unless `deepspeed.ops.__compatible_ops__['deepspeed_shm_comm']` is False.",
+    "fsdp": "accelerate 1.15: AcceleratorState.__init__(fsdp_plugin=...) sets DistributedType.FSDP and "
+    "keeps the plugin only on accelerators (CPU processes stay MULTI_CPU); its state and PartialState's "
+    "are `_shared_state`.",
+    "deepspeed": "accelerate 1.15: PartialState._prepare_backend(cpu, ...) picks gloo and MULTI_CPU only "
+    "with cpu=True; DeepSpeed's process group and DistributedType.DEEPSPEED need cpu=False, "
+    "ACCELERATE_USE_DEEPSPEED=true.",
+    "shm_comm": "deepspeed 0.19: deepspeed.comm JIT-builds the C++ op `deepspeed_shm_comm` (g++, minutes), "
+    "used only by DeepSpeed inference, unless `deepspeed.ops.__compatible_ops__['deepspeed_shm_comm']` is "
+    "False.",
 }
 """The private accelerate and DeepSpeed behaviour the shims rely on."""
 
 CPU_OVERRIDES = {"fsdp_or_ddp": {"use_cpu": True}, "deepspeed": {"use_cpu": False, "bf16": False}}
-"""The training settings a CPU forces, and nothing else: `use_cpu` gives gloo processes (MULTI_CPU, which the FSDP
-shim turns into FSDP); DeepSpeed needs `use_cpu=False`, where transformers refuses `bf16` without a GPU: it is parsed
-False, then set back to the launcher's `mixed_precision`, which DeepSpeed's config is checked against."""
+"""The training settings a CPU forces, and nothing else.
+
+`use_cpu` gives gloo processes (MULTI_CPU, which the FSDP shim turns into FSDP). DeepSpeed needs
+`use_cpu=False`, where transformers refuses `bf16` without a GPU: it is parsed False, then set back to the
+launcher's `mixed_precision`, which DeepSpeed's config is checked against."""
 
 
 def launcher_uses(backend: str) -> bool:
-    """Whether the launcher runs `backend` (`"FSDP"`, `"DEEPSPEED"`), from the `ACCELERATE_USE_<backend>` it sets."""
+    """Whether the launcher runs `backend` (`"FSDP"`, `"DEEPSPEED"`), read from its `ACCELERATE_USE_*`."""
     return os.environ.get(f"ACCELERATE_USE_{backend}", "false").lower() in ("1", "true")
 
 
 def install() -> dict:
-    """Makes this process run the launcher's backend on CPU (idempotent), before any training arguments exist; returns
-    the training settings to override (this launcher kind's `CPU_OVERRIDES`)."""
+    """Makes this process run the launcher's backend on CPU (idempotent), before training arguments exist.
+
+    Returns:
+        `dict`: The training settings to override (this launcher kind's `CPU_OVERRIDES`).
+    """
     if not getattr(AcceleratorState.__init__, "_trl_lopti_cpu", False):
         AcceleratorState.__init__ = _fsdp_on_cpu(AcceleratorState.__init__)
         PartialState._prepare_backend = _deepspeed_on_cpu(PartialState._prepare_backend)
     if launcher_uses("DEEPSPEED"):
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when DeepSpeed first picks its accelerator
+        # DeepSpeed reads it when it first picks its accelerator.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed.ops
         from deepspeed.accelerator import get_accelerator
 
         if get_accelerator().device_name() != "cpu":
             raise RuntimeError(f"DeepSpeed picked the accelerator {get_accelerator().device_name()!r}, not 'cpu'")
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # PRIVATE_FACTS["shm_comm"]: gloo does all
+        # Gloo does all the communication: don't build the shared-memory op (PRIVATE_FACTS["shm_comm"]).
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return dict(CPU_OVERRIDES["deepspeed" if launcher_uses("DEEPSPEED") else "fsdp_or_ddp"])
 
 
@@ -61,7 +72,8 @@ def _fsdp_on_cpu(init):
             state["distributed_type"] = DistributedType.FSDP
         if self._mixed_precision != "no":
             fsdp_plugin.set_mixed_precision(self._mixed_precision)
-        if getattr(fsdp_plugin.cpu_offload, "pin_memory", False):  # torch pins memory only with an accelerator
+        # Torch pins memory only with an accelerator.
+        if getattr(fsdp_plugin.cpu_offload, "pin_memory", False):
             fsdp_plugin.cpu_offload = type(fsdp_plugin.cpu_offload)(pin_memory=False)
         self.fsdp_plugin = fsdp_plugin
 
@@ -83,8 +95,9 @@ def _deepspeed_on_cpu(prepare_backend):
 
 
 def check_backend(accelerator) -> str:
-    """The backend accelerate runs, in words; raises unless it is the launcher's, on the launcher's process count."""
-    world_size, runs = int(os.environ.get("WORLD_SIZE", "1")), accelerator.distributed_type.value
+    """The backend accelerate runs, in words; raises unless it is the launcher's, on as many processes."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    runs = accelerator.distributed_type.value
     asked = ["NO"] if world_size == 1 else ["MULTI_CPU", "MULTI_GPU"]
     asked = ["FSDP"] if launcher_uses("FSDP") else ["DEEPSPEED"] if launcher_uses("DEEPSPEED") else asked
     if runs not in asked or accelerator.num_processes != world_size:
@@ -99,19 +112,22 @@ def check_backend(accelerator) -> str:
 
 
 def holdings(trainer) -> dict[str, str]:
-    """What each process holds of the parameters and of the optimizer's state, in words (from every process)."""
+    """What each process holds of the parameters and of the optimizer's state, in words (gathered)."""
 
-    def local(tensor) -> int:  # ZeRO-3: its partition, or all of a "persistent" parameter; FSDP2: the DTensor shard
+    def local(tensor) -> int:
+        # ZeRO-3 holds its partition, or all of a "persistent" parameter; FSDP2 holds the DTensor's shard.
         if hasattr(tensor, "ds_tensor"):
             return tensor.ds_numel if getattr(tensor, "ds_persist", False) else tensor.ds_tensor.numel()
         return tensor.to_local().numel() if hasattr(tensor, "to_local") else tensor.numel()
 
-    parameters = list(trainer.model.parameters())  # (the optimizer's state reads through its wrappers)
+    parameters = list(trainer.model.parameters())
+    # The optimizer's state reads through its wrappers.
     state = [value for values in trainer.optimizer.state.values() for value in values.values() if value.dim()]
     kind = f"{type(parameters[0]).__name__} {getattr(parameters[0], 'ds_tensor', parameters[0]).dtype}"
     total = sum(getattr(p, "ds_numel", p.numel()) for p in parameters)
+    state_dtype = state[0].dtype if state else "no"
     words = (
         f"parameters {kind}, {sum(map(local, parameters)):,} of {total:,} elements; "
-        f"{trainer.args.optim.value} state {sum(map(local, state)):,} {state[0].dtype if state else 'no'} elements"
+        f"{trainer.args.optim.value} state {sum(map(local, state)):,} {state_dtype} elements"
     )
     return {f"process_{rank}": held for rank, held in enumerate(gather_object([words]))}

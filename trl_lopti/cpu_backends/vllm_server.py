@@ -1,6 +1,6 @@
 """A CPU `vllm serve` for TRL's server mode (`cpu_server`), and the check of a run's weight sync against it
-(`WeightSyncCheck`): when the trainer sent its weights, and that the server then serves them. `ServerRuns` puts the
-two together for runs that train one after another against one server (`trl-lopti grpo --rehearse`).
+(`WeightSyncCheck`): when the trainer sent its weights, and that the server then serves them. `ServerRuns`
+puts the two together for runs that train one after another against one server (`trl-lopti grpo --rehearse`).
 """
 
 from __future__ import annotations
@@ -27,21 +27,24 @@ from .vllm import WORKER_EXTENSION, GlooCommunicator, install_trainer_side
 
 
 SYNC_TOLERANCE = 1e-5
-"""The largest |server - trainer| log-probability after a sync that `WeightSyncCheck` accepts: a float32 server
-against a float64 forward of the trainer's weights. Measured 1.7e-6 to 4.6e-6 on `trl_lopti.models.PEAKED_TINY_MODEL`
-(AVX2 CPU), where float32 rounding of the forward itself reaches ~5e-6: a margin of 2x, over weights that moved by far
-more (a stale weight shows as 1e-2 or more)."""
+"""The largest |server - trainer| log-probability after a sync that `WeightSyncCheck` accepts: a float32
+server against a float64 forward of the trainer's weights. Measured 1.7e-6 to 4.6e-6 on
+`trl_lopti.models.PEAKED_TINY_MODEL` (AVX2 CPU), where float32 rounding of the forward itself reaches ~5e-6:
+a margin of 2x, over weights that moved by far more (a stale weight shows as 1e-2 or more)."""
 
 SERVER_URL_VARIABLE = "TRL_LOPTI_VLLM_SERVER"
-"""Names the address of a running CPU server (of a model of the runs' shape) for `ServerRuns` to use instead of
-starting one (the tests share one server)."""
+"""Names the address of a running CPU server (of a model of the runs' shape) for `ServerRuns` to use instead
+of starting one (the tests share one server)."""
 
 
 def serve_command(model: str, port: int) -> list[str]:
-    """TRL's `vllm serve` command for a CPU server of a tiny model, with the stand-in (`WORKER_EXTENSION`): float32 as
-    the trainer (vLLM's "auto" serves bfloat16), no graph compilation (slow to start on a CPU), and every prompt's
-    prefill in one step (vLLM 0.30's CPU worker dies on a seeded request whose prefill is split: "CPU Generator does
-    not use offset")."""
+    """
+    TRL's `vllm serve` command for a CPU server of a tiny model, with the stand-in (`WORKER_EXTENSION`).
+
+    It serves float32 as the trainer computes (vLLM's "auto" serves bfloat16), without graph compilation
+    (slow to start on a CPU), and with every prompt's prefill in one step (vLLM 0.30's CPU worker dies on a
+    seeded request whose prefill is split: "CPU Generator does not use offset").
+    """
     return [
         *("vllm", "serve", model, "--port", str(port), "--weight-transfer-config", '{"backend": "nccl"}'),
         *("--worker-extension-cls", WORKER_EXTENSION, "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"),
@@ -58,13 +61,27 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def cpu_server(model: str, log_file: str | os.PathLike, timeout: float = 600.0) -> Iterator[str]:
-    """Runs `serve_command(model, <a free port>)` (`model`: the model's folder) until the block ends, with TRL's
-    development endpoints and a 1 GiB KV cache (the default takes a share of the RAM: 14 GB seen), its output in
-    `log_file`; yields its base URL once it answers (waiting at most `timeout` seconds)."""
-    port, executable = free_port(), Path(sys.executable).with_name("vllm")  # the venv's, activated or not
+    """
+    Runs `serve_command(model, <a free port>)` until the block ends and yields its base URL once it answers.
+
+    The server has TRL's development endpoints and a 1 GiB KV cache (the default cache takes a share of the
+    RAM: 14 GB seen).
+
+    Args:
+        model (`str`):
+            The model's folder.
+        log_file (`str` or `os.PathLike`):
+            Where the server's output goes.
+        timeout (`float`, *optional*, defaults to `600.0`):
+            How many seconds to wait at most for the server to answer.
+    """
+    port = free_port()
+    # The venv's `vllm`, activated or not.
+    executable = Path(sys.executable).with_name("vllm")
     command = serve_command(model, port)
     command[0] = str(executable) if executable.is_file() else command[0]
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     with open(log_file, "w") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -75,7 +92,8 @@ def cpu_server(model: str, log_file: str | os.PathLike, timeout: float = 600.0) 
                 raise RuntimeError(f"vllm serve did not start ({' '.join(command)}); its log ends with:\n{tail}")
             time.sleep(1.0)
         yield url
-    finally:  # the server's process group: its API server and its engine's processes
+    finally:
+        # Stop the server's process group: its API server and its engine's processes.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -101,18 +119,28 @@ def weight_transfer_report(url: str) -> dict:
 
 
 class WeightSyncCheck(TrainerCallback):
-    """Checks, in a run against a CPU server, when TRL sends the trainer's weights and that the server serves them.
+    """
+    Checks when TRL sends the trainer's weights to a CPU server, and that the server then serves them.
 
-    At each optimizer step it records whether the trainer sent weights since the previous step (the broadcasts of this
-    process's `GlooCommunicator`s), and after each sync compares the server's log-probabilities of fixed sequences
-    (sampled once from the server at the start, 16 tokens each) with a forward of the trainer's full weights (gathered
-    from every process, float64, temperature 1). `trainer`: a `LoptiGRPOTrainer` or `LoptiRLOOTrainer` in vLLM
-    server mode, after `install_trainer_side()`."""
+    At each optimizer step it records whether the trainer sent weights since the previous step (the
+    broadcasts of this process's `GlooCommunicator`s). After each sync it compares the server's
+    log-probabilities of fixed sequences (sampled once from the server at the start, 16 tokens each) with a
+    forward of the trainer's full weights (gathered from every process, float64, temperature 1).
+
+    Args:
+        trainer (`LoptiGRPOTrainer` or `LoptiRLOOTrainer`):
+            A trainer in vLLM server mode, built after `install_trainer_side()`.
+    """
 
     def __init__(self, trainer: Any):
-        self.trainer, self.sync_steps, self.differences, self.sent = trainer, [], [], 0
-        self.sequences = self.reference = None
-        self.broadcasts_before = GlooCommunicator.broadcasts_in_process  # earlier runs' trainers
+        self.trainer = trainer
+        self.sync_steps = []
+        self.differences = []
+        self.sent = 0
+        self.sequences = None
+        self.reference = None
+        # Broadcasts of the trainers of earlier runs.
+        self.broadcasts_before = GlooCommunicator.broadcasts_in_process
         if trainer.accelerator.is_main_process:
             prompts = [list(range(3 + 6 * index, 9 + 6 * index)) for index in range(4)]
             client = trainer.vllm_generation.vllm_client
@@ -120,18 +148,21 @@ class WeightSyncCheck(TrainerCallback):
             completions = sampled["completion_ids"]
             self.sequences = [prompt + completion for prompt, completion in zip(prompts, completions, strict=True)]
             config = trainer.accelerator.unwrap_model(trainer.model).config
-            with torch.random.fork_rng(devices=[]):  # its random init must not move the run's random numbers
+            # Its random initialisation must not move the run's random numbers.
+            with torch.random.fork_rng(devices=[]):
                 self.reference = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         main = self.trainer.accelerator.is_main_process
         sent = [GlooCommunicator.broadcasts_in_process - self.broadcasts_before if main else None]
-        broadcast_object_list(sent, from_process=0)  # only the main process talks to the server
+        # Only the main process talks to the server.
+        broadcast_object_list(sent, from_process=0)
         if sent[0] == self.sent:
             return
         self.sent = sent[0]
         self.sync_steps.append(state.global_step)
-        weights = self.trainer.accelerator.get_state_dict(self.trainer.model)  # a collective under FSDP and ZeRO-3
+        # A collective under FSDP and ZeRO-3.
+        weights = self.trainer.accelerator.get_state_dict(self.trainer.model)
         if main:
             self.differences.append(self.server_difference(weights))
 
@@ -150,9 +181,13 @@ class WeightSyncCheck(TrainerCallback):
         return float(difference)
 
     def summary(self, url: str, expected_sync_steps: list[int]) -> tuple[dict[str, Any], list[str]]:
-        """(Main process, after the run.) Its syncs, what the server received, the differences after each sync; and
-        what fails: steps other than `expected_sync_steps`, the server not receiving every broadcast the trainer sent,
-        a difference above `SYNC_TOLERANCE`."""
+        """
+        The run's syncs and what fails in them (main process, after the run).
+
+        The summary holds the sync steps, what the server received and the differences after each sync. A
+        failure is a sync at steps other than `expected_sync_steps`, the server not receiving every broadcast
+        the trainer sent, or a difference above `SYNC_TOLERANCE`.
+        """
         received = weight_transfer_report(url)["broadcasts"]
         differences = [float(f"{value:.3g}") for value in self.differences]
         summary = {"steps": self.sync_steps, "server_received": received, "server_minus_trainer": differences}
@@ -180,9 +215,12 @@ def unavailable(training_args) -> str | None:
 
 @dataclass
 class ServerRuns:
-    """A CPU server for runs that train one after another against it, each checked by a `WeightSyncCheck`; inactive
-    (no flags, no checks) where the runs use no vLLM server (`active`). Only the main process talks to the server and
-    knows its address (`url`)."""
+    """
+    A CPU server for runs that train one after another against it, each checked by a `WeightSyncCheck`.
+
+    It is inactive (no flags, no checks) where the runs use no vLLM server (`active`). Only the main process
+    talks to the server and knows its address (`url`).
+    """
 
     active: bool = False
     url: str | None = None
@@ -191,8 +229,8 @@ class ServerRuns:
     @classmethod
     @contextlib.contextmanager
     def start(cls, model: str | None, log_file: str | os.PathLike) -> Iterator[ServerRuns]:
-        """A server of `model` (`None`: inactive) started on the main process and stopped at the end, or the one that
-        `SERVER_URL_VARIABLE` names."""
+        """A server of `model` (`None`: inactive) started on the main process and stopped at the end, or the
+        one that `SERVER_URL_VARIABLE` names."""
         if model is None:
             yield cls()
             return
@@ -206,7 +244,7 @@ class ServerRuns:
                 yield cls(True, url)
 
     def flags(self) -> dict[str, Any]:
-        """The training flags of a run that point the main process at the server (a fresh weight-transfer port)."""
+        """The training flags pointing a run's main process at the server (a fresh weight-transfer port)."""
         return {"vllm_server_base_url": self.url, "vllm_group_port": free_port()} if self.url else {}
 
     def attach(self, trainer) -> None:
@@ -216,7 +254,8 @@ class ServerRuns:
             trainer.add_callback(self.sync_check)
 
     def check(self, report: dict[str, Any], run: str, expected_sync_steps: list[int]) -> None:
-        """Adds the sync of the run just trained to `report` (main process), its failures to `report["failures"]`."""
+        """Adds the syncs of the run just trained to `report`, and their failures to `report["failures"]`."""
         if self.url:
-            report[f"vllm_{run}_weight_syncs"], failures = self.sync_check.summary(self.url, expected_sync_steps)
+            summary, failures = self.sync_check.summary(self.url, expected_sync_steps)
+            report[f"vllm_{run}_weight_syncs"] = summary
             report["failures"] += [f"{run}: {failure}" for failure in failures]

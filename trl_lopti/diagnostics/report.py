@@ -1,4 +1,4 @@
-"""Reports of the token diagnostics: Markdown tables, and bar charts by probability quartile (pandas and matplotlib)."""
+"""Reports of the token diagnostics: Markdown tables, and bar charts by quartile (pandas and matplotlib)."""
 
 import os
 from collections.abc import Sequence
@@ -9,13 +9,22 @@ from .measure import QUARTILE_LABELS
 
 
 SIGNS = ("positive", "negative")
+# Column header -> key of a quartile row.
 TABLE_COLUMNS = {
-    "quartile": "label", "n": "count", "mean π_old": "prob_mean", "mean |w| (KL)": "abs_w_mean",
-    "median |w| (KL)": "abs_w_median", "mean |w| (no KL)": "abs_w_no_kl_mean",
-    "median |w| (no KL)": "abs_w_no_kl_median", "mean ‖dL/dh‖": "hidden_grad_norm_mean",
-    "mean ‖dlogπ/dh‖/(1-π)": "ratio_to_one_minus_p_mean", "max ratio": "ratio_to_one_minus_p_max",
-    "‖Σ grad‖": "summed_grad_norm", "cos(full)": "cos_with_full", "share of full": "contribution_to_full",
-}  # fmt: skip
+    "quartile": "label",
+    "n": "count",
+    "mean π_old": "prob_mean",
+    "mean |w| (KL)": "abs_w_mean",
+    "median |w| (KL)": "abs_w_median",
+    "mean |w| (no KL)": "abs_w_no_kl_mean",
+    "median |w| (no KL)": "abs_w_no_kl_median",
+    "mean ‖dL/dh‖": "hidden_grad_norm_mean",
+    "mean ‖dlogπ/dh‖/(1-π)": "ratio_to_one_minus_p_mean",
+    "max ratio": "ratio_to_one_minus_p_max",
+    "‖Σ grad‖": "summed_grad_norm",
+    "cos(full)": "cos_with_full",
+    "share of full": "contribution_to_full",
+}
 
 
 def _fmt(value: Any) -> str:
@@ -25,8 +34,9 @@ def _fmt(value: Any) -> str:
 
 
 def markdown_table(header: str, rows: Sequence[Sequence[Any]]) -> list[str]:
-    """The lines of a Markdown table under the header row `header` (`"a | b | c"`): numbers to 4 significant digits,
-    `None` as `-`."""
+    """The lines of a Markdown table under the header row `header` (`"a | b | c"`).
+
+    Numbers are written to 4 significant digits, `None` as `-`."""
     separator = "|" + "---|" * len(header.split(" | "))
     return [f"| {header} |", separator, *("| " + " | ".join(_fmt(cell) for cell in row) + " |" for row in rows)]
 
@@ -34,7 +44,8 @@ def markdown_table(header: str, rows: Sequence[Sequence[Any]]) -> list[str]:
 def format_tables(report: dict[str, Any]) -> str:
     """The main figures of a `run_token_diagnostics` report (with an `inner_steps` entry, from
     `advance_policy_on_batch`, shown) as Markdown text."""
-    gradients, lines = report["gradients"], []
+    gradients = report["gradients"]
+    lines = []
     if inner := report.get("inner_steps"):
         steps = f"{inner['steps']} Adam step(s) (lr {_fmt(inner['lr'])}, ‖Δθ‖ {_fmt(inner['update_norm'])})"
         lines += [f"Measured after {steps} of TRL's loss on the batch; π_old = the sampling model.", ""]
@@ -76,20 +87,25 @@ def format_tables(report: dict[str, Any]) -> str:
 
 
 def plot_report(report: dict[str, Any], output_dir: str | os.PathLike) -> list[str]:
-    """Writes bar charts by probability quartile (the paper's Fig. 1 and Fig. 3) of a `run_token_diagnostics` report as
-    PNG files in `output_dir` (created if missing).
+    """
+    Writes the paper's Figs. 1 and 3 for a `run_token_diagnostics` report: bar charts by pi_old quartile.
+
+    The charts are PNG files in `output_dir`, created if missing.
 
     Returns:
-        `list[str]`: The files written: `gradients.png`, and `probability_shift.png` when the report has a probe.
+        `list[str]`:
+            The files written: `gradients.png`, and `probability_shift.png` when the report has a probe.
     """
     import pandas as pd
 
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    gradients, written = report["gradients"], []
+    gradients = report["gradients"]
+    written = []
     rows = gradients["quartiles"]
     labels = [f"{row['label']}\n(n={row['count']})" for row in rows]
-    panels = {  # title -> {legend entry: figure of a quartile row}
+    # Title -> {legend entry: key of a quartile row}.
+    panels = {
         "mean |w| per token": {"with KL": "abs_w_mean", "without KL": "abs_w_no_kl_mean"},
         "mean ‖dL/dh_t‖ (last hidden state)": {"mean": "hidden_grad_norm_mean"},
         "‖dlogπ_t/dh_t‖ / (1 - π_t)": {"mean": "ratio_to_one_minus_p_mean", "max": "ratio_to_one_minus_p_max"},
@@ -97,11 +113,14 @@ def plot_report(report: dict[str, Any], output_dir: str | os.PathLike) -> list[s
     if "summed_grad_norm" in rows[0]:
         panels["‖summed parameter gradient‖"] = {"norm": "summed_grad_norm"}
         panels["cosine with the full gradient"] = {"cosine": "cos_with_full"}
-    figure, axes = new_figure(-(-len(panels) // 2), 2, figsize=(12, 4 * -(-len(panels) // 2)), squeeze=False)
-    for axis, (title, series) in zip(axes.flat, panels.items(), strict=False):  # an odd count leaves one axis empty
+    num_rows = -(-len(panels) // 2)
+    figure, axes = new_figure(num_rows, 2, figsize=(12, 4 * num_rows), squeeze=False)
+    # An odd count of panels leaves one axis empty.
+    for axis, (title, series) in zip(axes.flat, panels.items(), strict=False):
         values = {name: [row.get(key) or 0.0 for row in rows] for name, key in series.items()}
         pd.DataFrame(values, index=labels).plot.bar(ax=axis, title=title, rot=0, fontsize=8)
-    axis = axes.flat[2]  # the ratio's panel; its bound is loose (often orders of magnitude above it): a log scale
+    # The ratio's panel: its bound is loose (often orders of magnitude above it), hence a log scale.
+    axis = axes.flat[2]
     axis.axhline(gradients["bound"]["ratio_to_one_minus_p_upper_bound"], linestyle="--", color="C2", label="bound")
     axis.set_yscale("log")
     axis.legend(fontsize=8)
@@ -113,7 +132,10 @@ def plot_report(report: dict[str, Any], output_dir: str | os.PathLike) -> list[s
     probe = report.get("probe")
     if probe and probe.get("methods"):
         figure, axes = new_figure(2, 2, figsize=(12, 8))
-        titles = {"share_in_direction": "share of {} tokens moved their way", "mean_delta_prob": "mean Δπ, {} tokens"}
+        titles = {
+            "share_in_direction": "share of {} tokens moved their way",
+            "mean_delta_prob": "mean Δπ, {} tokens",
+        }
         for row, (key, title) in zip(axes, titles.items(), strict=True):
             for axis, sign in zip(row, SIGNS, strict=True):
                 values = {
@@ -129,7 +151,7 @@ def plot_report(report: dict[str, Any], output_dir: str | os.PathLike) -> list[s
 
 
 def new_figure(rows: int = 1, columns: int = 1, **kwargs: Any):
-    """`matplotlib.pyplot.subplots(rows, columns, **kwargs)` on matplotlib's file backend (Agg: no display needed)."""
+    """`matplotlib.pyplot.subplots(rows, columns, **kwargs)` on the file backend Agg (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")

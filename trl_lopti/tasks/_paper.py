@@ -1,4 +1,4 @@
-"""Where the authors of arXiv 2505.12929 publish their data: their repository (a verl fork), pinned to one commit."""
+"""Where the authors of arXiv 2505.12929 publish their data: their repository (a verl fork) at one commit."""
 
 AUTHORS_REPOSITORY = "zhyang2226/AR-Lopti"
 """The authors' public code and data (GitHub)."""

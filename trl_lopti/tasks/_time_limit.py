@@ -1,7 +1,8 @@
-"""Running work under a wall-clock limit: in this process (a `SIGALRM` timer or a helper thread) or in a worker
-process ([`WorkerProcess`]: one function of a `trl_lopti.tasks` module served in the worker's main thread, the worker
-killed when it does not answer in time). The worker imports the task module and what it needs; `import trl_lopti`
-imports no TRL."""
+"""Running work under a wall-clock limit, in this process or in a worker process.
+
+In this process a `SIGALRM` timer or a helper thread enforces the limit. A [`WorkerProcess`] serves one
+function of a `trl_lopti.tasks` module in its main thread, and is killed when it does not answer in time. The
+worker imports the task module and what it needs; `import trl_lopti` imports no TRL."""
 
 import atexit
 import ctypes
@@ -21,11 +22,15 @@ from typing import Any, TypeVar
 
 _T = TypeVar("_T")
 
-ALARM_REPEAT_SECONDS = 0.05  # the timer repeats until disarmed, in case library code swallows the first interruption
-WORKER_STARTUP_SECONDS = 120.0  # for a new worker to import its module and answer `ready`
-WORKER_GRACE_SECONDS = 1.0  # how much longer than the work's own limit the parent waits for a worker's answer
+# The timer repeats until disarmed, in case library code swallows the first interruption.
+ALARM_REPEAT_SECONDS = 0.05
+# How long a new worker may take to import its module and answer `ready`.
+WORKER_STARTUP_SECONDS = 120.0
+# How much longer than the work's own limit the parent waits for a worker's answer.
+WORKER_GRACE_SECONDS = 1.0
 
-# Imports the target's module from the folder holding `trl_lopti/` (`import trl_lopti` imports no TRL), then serves.
+# The worker imports the target's module from the folder holding `trl_lopti/` (`import trl_lopti` imports no
+# TRL), then serves its calls.
 _WORKER_SCRIPT = """
 import importlib, json, sys
 sys.path.insert(0, sys.argv[1])
@@ -39,11 +44,11 @@ for line in sys.stdin:
 
 
 class DeadlineExceeded(BaseException):
-    """Raised inside work that ran past its time limit (a `BaseException`, so that libraries don't swallow it)."""
+    """Raised inside work that ran past its time limit (a `BaseException`, which libraries don't swallow)."""
 
 
 def _run_with_alarm(func: Callable[[], _T], seconds: float) -> _T:
-    """Runs `func` in the main thread, interrupted by `SIGALRM` after `seconds`; restores any timer already set."""
+    """Runs `func` in the main thread, interrupted by `SIGALRM` after `seconds`; restores a prior timer."""
 
     def on_alarm(signum, frame):
         raise DeadlineExceeded()
@@ -62,8 +67,10 @@ def _run_with_alarm(func: Callable[[], _T], seconds: float) -> _T:
 
 
 def _run_in_thread(func: Callable[[], _T], seconds: float) -> _T:
-    """Runs `func` in a helper thread and waits at most `seconds`; on timeout stops the helper with an asynchronous
-    `DeadlineExceeded` (raised at its next Python instruction, not inside C code) and raises it here."""
+    """Runs `func` in a helper thread and waits at most `seconds`.
+
+    On timeout it stops the helper with an asynchronous `DeadlineExceeded` (raised at its next Python
+    instruction, not inside C code) and raises it here."""
     outcome: dict[str, Any] = {}
 
     def target():
@@ -78,7 +85,8 @@ def _run_in_thread(func: Callable[[], _T], seconds: float) -> _T:
     if helper.is_alive():
         thread_id = ctypes.c_ulong(helper.ident)
         if ctypes.pythonapi.PyThreadState_SetAsyncExc(thread_id, ctypes.py_object(DeadlineExceeded)) > 1:
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(thread_id, None)  # should not happen: don't disturb others
+            # Should not happen: don't disturb other threads.
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(thread_id, None)
         raise DeadlineExceeded()
     if "error" in outcome:
         raise outcome["error"]
@@ -91,9 +99,11 @@ def in_main_thread() -> bool:
 
 
 def run_with_time_limit(func: Callable[[], _T], seconds: float | None) -> _T:
-    """Runs `func()` in this process and raises [`DeadlineExceeded`] after `seconds` of wall-clock time (`None` or
-    `<= 0`: no limit): in the main thread by a `SIGALRM` timer (any timer already set is restored afterwards),
-    elsewhere in a helper thread, which cannot interrupt a long call into C code (a [`WorkerProcess`] can)."""
+    """Runs `func()` in this process and raises [`DeadlineExceeded`] after `seconds` of wall-clock time.
+
+    In the main thread a `SIGALRM` timer enforces the limit (any timer already set is restored afterwards);
+    elsewhere a helper thread does, which cannot interrupt a long call into C code (a [`WorkerProcess`] can).
+    `seconds` of `None` or `<= 0` sets no limit."""
     if seconds is None or seconds <= 0:
         return func()
     if in_main_thread():
@@ -106,17 +116,24 @@ def run_with_time_limit(func: Callable[[], _T], seconds: float | None) -> _T:
 
 
 class WorkerProcess:
-    """A child Python process that calls one function for the parent, one JSON-encoded call at a time (calls from
-    several threads wait their turn). A call that gets no answer in time kills the child (stuck, e.g. in C code) and
-    returns `None`; the next call starts a new child.
+    """
+    A child Python process that calls one function for the parent, one JSON-encoded call at a time.
 
-    `target`: the `"module:function"` of a module under `trl_lopti` (`"trl_lopti.tasks.math.grading:score_in_process"`)
-    with JSON-serialisable arguments and result; it runs in the child's main thread, where [`run_with_time_limit`] can
-    enforce its own limit. `warmup_args`: those of a first call made before the child reports ready (imports, caches).
+    Calls from several threads wait their turn. A call that gets no answer in time kills the child (stuck,
+    e.g. in C code) and returns `None`; the next call starts a new child.
+
+    Args:
+        target (`str`):
+            The `"module:function"` of a module under `trl_lopti`, e.g.
+            `"trl_lopti.tasks.math.grading:score_in_process"`, with JSON-serialisable arguments and result.
+            It runs in the child's main thread, where [`run_with_time_limit`] can enforce its own limit.
+        warmup_args (`tuple`, *optional*, defaults to `()`):
+            The arguments of a first call made before the child reports ready (imports, caches).
     """
 
     def __init__(self, target: str, warmup_args: tuple = ()):
-        self.target, self.warmup_args = target, warmup_args
+        self.target = target
+        self.warmup_args = warmup_args
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
 
@@ -139,14 +156,20 @@ class WorkerProcess:
             raise RuntimeError(f"The worker process for {self.target} did not start")
 
     def call(self, args: tuple, timeout_seconds: float | None) -> Any:
-        """The target's result for `args`, or `None` when the child gave none within `timeout_seconds` (the work's own
-        limit; `None` or `<= 0`: none) plus [`WORKER_GRACE_SECONDS`], and was killed."""
+        """
+        The target's result for `args`, or `None` when the child gave none in time and was killed.
+
+        The child has `timeout_seconds` (the work's own limit; `None` or `<= 0`: none) plus
+        [`WORKER_GRACE_SECONDS`] to answer.
+        """
         with self._lock:
             if self._process is None or self._process.poll() is not None:
                 self._start()
             self._process.stdin.write(json.dumps(list(args)) + "\n")
             self._process.stdin.flush()
-            wait = None if timeout_seconds is None or timeout_seconds <= 0 else timeout_seconds + WORKER_GRACE_SECONDS
+            wait = None
+            if timeout_seconds is not None and timeout_seconds > 0:
+                wait = timeout_seconds + WORKER_GRACE_SECONDS
             reply = self._wait_for_line(wait)
             if not reply:  # too slow, or the child died
                 self._stop()
@@ -163,8 +186,9 @@ _workers_lock = threading.Lock()
 
 
 def shared_worker(target: str, warmup_args: tuple = ()) -> WorkerProcess | None:
-    """The process-wide [`WorkerProcess`] of `target` (created on first use, closed at exit); `None` off POSIX, where
-    `select` cannot wait on pipes."""
+    """The process-wide [`WorkerProcess`] of `target`, created on first use and closed at exit.
+
+    `None` off POSIX, where `select` cannot wait on pipes."""
     if os.name != "posix":
         return None
     with _workers_lock:

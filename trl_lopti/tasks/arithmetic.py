@@ -1,9 +1,9 @@
-"""Single-digit arithmetic with the answer pre-filled: the task of `trl-lopti demo` and of the benchmarks' comparison.
+"""Single-digit arithmetic with the answer pre-filled: the task of `trl-lopti demo` and of the benchmarks.
 
-A prompt is `"What is 7 - 3? The answer is"`, so that a completion is a few tokens, and the reward is 1 when the first
-integer of the completion is the result, else 0. A small pretrained model (SmolLM2-135M-Instruct) partly solves it, so
-the rewards of a GRPO group differ and training has a signal. Held-out problems come from a fixed split per family
-([`FAMILIES`], operands 0-9) and are never trained on.
+A prompt is `"What is 7 - 3? The answer is"`, so that a completion is a few tokens, and the reward is 1 when
+the first integer of the completion is the result, else 0. A small pretrained model (SmolLM2-135M-Instruct)
+partly solves it, so the rewards of a GRPO group differ and training has a signal. Held-out problems come
+from a fixed split per family ([`FAMILIES`], operands 0-9) and are never trained on.
 """
 
 import random
@@ -41,12 +41,14 @@ def family_problems(family: str) -> list[tuple[str, int]]:
 def split_problems(
     task: str, num_eval_per_family: int, split_seed: int = 0
 ) -> tuple[dict[str, list[tuple[str, int]]], list[tuple[str, str, int]]]:
-    """`(train, held_out)`: the problems of a task of [`TASKS`] split per family (by `split_seed`), training problems
-    per family, and `num_eval_per_family` held-out problems of each (leaving at least one training problem) as
-    `(family, prompt, answer)`."""
+    """The problems of a task of [`TASKS`], split per family by `split_seed`.
+
+    Returns `(train, held_out)`: the training problems per family, and `num_eval_per_family` held-out
+    problems of each family (leaving at least one training problem) as `(family, prompt, answer)`."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {sorted(TASKS)}, got {task!r}")
-    train, held_out = {}, []
+    train = {}
+    held_out = []
     for family in TASKS[task]:
         problems = family_problems(family)
         if not 1 <= num_eval_per_family < len(problems):
@@ -61,8 +63,9 @@ def split_problems(
 
 
 def build_train_dataset(train: dict[str, list[tuple[str, int]]], num_rows: int, seed: int):
-    """A dataset (columns `prompt`, `answer`, `family`) of `num_rows` training prompts from the training problems of
-    [`split_problems`]: the families in turn (shuffled every round, by `seed`), a random problem of each."""
+    """A dataset (columns `prompt`, `answer`, `family`) of `num_rows` prompts from the training problems.
+
+    The families of `train` come in turn (shuffled every round by `seed`), each with a random problem."""
     from datasets import Dataset
 
     rng = random.Random(seed)
@@ -82,8 +85,8 @@ def parse_answer(completion: Any) -> int | None:
 
 
 def exact_answer_reward(completions: Sequence[Any], answer: Sequence[int], **kwargs: Any) -> list[float]:
-    """TRL reward function: 1.0 when the first integer of the completion (a continuation of "The answer is") is the
-    result in the dataset column `answer`, else 0.0."""
+    """TRL reward function: 1.0 when the first integer of the completion (a continuation of "The answer is")
+    is the result in the dataset column `answer`, else 0.0."""
     return [1.0 if parse_answer(c) == int(y) else 0.0 for c, y in zip(completions, answer, strict=True)]
 
 
@@ -101,13 +104,19 @@ def evaluate_held_out(
     samples: int,
     seed: int,
 ) -> dict[str, Any]:
-    """Greedy accuracy and mean reward of sampled answers on the held-out `(family, prompt, answer)` problems of
-    [`split_problems`], overall and per family: `accuracy` (greedy reward), `reward` (mean sampled reward),
-    `per_family` (both per family), `num_prompts`, `num_samples`.
+    """
+    Greedy accuracy and mean reward of sampled answers on the held-out problems of [`split_problems`].
 
-    `reward_func` is a reward of `REWARDS`, called as TRL calls it (completions, `answer`, `completion_ids`). Answers
-    have at most `max_new_tokens` tokens; `samples` per problem are sampled at `temperature` in one batched `generate`
-    call, seeded by `seed`. The model is in eval mode, and the tokenizer pads on the left, for the call."""
+    `reward_func` is a reward of `REWARDS`, called as TRL calls it (completions, `answer`, `completion_ids`).
+    Answers have at most `max_new_tokens` tokens; `samples` per problem are sampled at `temperature` in one
+    batched `generate` call, seeded by `seed`. Meanwhile the model is in eval mode and the tokenizer pads on
+    the left.
+
+    Returns:
+        `dict[str, Any]`:
+            `accuracy` (greedy reward), `reward` (mean sampled reward), `per_family` (both per family),
+            `num_prompts` and `num_samples`.
+    """
     import torch
 
     families = [family for family, _, _ in held_out]
@@ -119,9 +128,11 @@ def evaluate_held_out(
         completions = generated[:, encoded["input_ids"].shape[1] :]
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
         ids = [row[row != pad_id].tolist() for row in completions]
-        return reward_func(completions=texts, answer=[a for a in answers for _ in range(repeats)], completion_ids=ids)
+        repeated_answers = [answer for answer in answers for _ in range(repeats)]
+        return reward_func(completions=texts, answer=repeated_answers, completion_ids=ids)
 
-    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    padding_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
     was_training = model.training
     model.eval()
     try:
@@ -131,8 +142,8 @@ def evaluate_held_out(
             greedy = model.generate(**common, do_sample=False, temperature=None, top_p=None, top_k=None)
             greedy_rewards = rewards(greedy, 1)
             torch.manual_seed(seed)
-            sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0, num_return_sequences=samples)
-            sampled = model.generate(**common, **sampling)
+            sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
+            sampled = model.generate(**common, **sampling, num_return_sequences=samples)
             sampled_rewards = rewards(sampled, samples)
     finally:
         tokenizer.padding_side = padding_side

@@ -1,6 +1,9 @@
-"""Knights & Knaves (K&K) logic puzzles and their reward, ready for TRL's `GRPOTrainer` (arXiv 2505.12929): the
-solver, a seeded generator and the published phrasing (`puzzles`), the paper's (Logic-RL's) rule-based reward
-(`rewards`), and the authors' split and exact prompt text, the Hub set and generated puzzles (`data`)."""
+"""Knights & Knaves (K&K) logic puzzles and their reward, ready for TRL's `GRPOTrainer` (arXiv 2505.12929).
+
+- `puzzles`: the solver, a seeded generator and the published phrasing.
+- `rewards`: the paper's (Logic-RL's) rule-based reward.
+- `data`: the authors' split with their exact prompt text, the Hub set and generated puzzles.
+"""
 
 from .._text import completion_to_text
 from .data import (

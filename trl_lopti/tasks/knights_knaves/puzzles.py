@@ -1,19 +1,20 @@
-"""Knights & Knaves (K&K) puzzles: the solver, a seeded generator, and the English rendering of the published data.
+"""Knights & Knaves (K&K) puzzles: the solver, a seeded generator and the published data's English phrasing.
 
-On the puzzles' island every inhabitant is a knight (always tells the truth) or a knave (always lies). Each person
-makes one statement about the others; the task is to say who is a knight and who is a knave.
+On the puzzles' island every inhabitant is a knight (always tells the truth) or a knave (always lies). Each
+person makes one statement about the others; the task is to say who is a knight and who is a knave.
 
-Statements use the published machine notation, nested tuples whose first item is the operator: `('telling-truth', i)`
-(person i is a knight), `('lying', i)` (a knave), `('not', s)`, `('and', s1, s2, ...)`, `('or', s1, s2, ...)`,
-`('->', s1, s2)` (if s1 then s2) and `('<=>', s1, s2)` (s1 if and only if s2). As in the published data, statements
-have nesting depth at most 2 (one operator applied to atoms), nobody says of themself that they are a knave (that claim
-is a paradox), and the operands of one operator are distinct.
+Statements use the published machine notation, nested tuples whose first item is the operator:
+`('telling-truth', i)` (person i is a knight), `('lying', i)` (a knave), `('not', s)`,
+`('and', s1, s2, ...)`, `('or', s1, s2, ...)`, `('->', s1, s2)` (if s1 then s2) and `('<=>', s1, s2)` (s1 if
+and only if s2). As in the published data, statements have nesting depth at most 2 (one operator applied to
+atoms), nobody says of themself that they are a knave (that claim is a paradox), and the operands of one
+operator are distinct.
 
-The rendering uses the published data's 51 names ([`NAMES`]) and 18 speech templates ([`SPEECH_TEMPLATES`]), checked
-against the 5,000 puzzles of the authors' `data/kk/instruct/{3..7}ppl/{train,test}.parquet`: each of their quizzes
-is these templates filled with [`render_statement`]. The generator draws its own puzzles (Python's `random`, not the
-published generator's random stream), so it never reproduces a published puzzle by design; to train on the paper's
-puzzles use `load_knights_knaves_dataset(source="paper")`.
+The rendering uses the published data's 51 names ([`NAMES`]) and 18 speech templates ([`SPEECH_TEMPLATES`]),
+checked against the 5,000 puzzles of the authors' `data/kk/instruct/{3..7}ppl/{train,test}.parquet`: each of
+their quizzes is these templates filled with [`render_statement`]. The generator draws its own puzzles
+(Python's `random`, not the published generator's random stream), so it never reproduces a published puzzle
+by design; to train on the paper's puzzles use `load_knights_knaves_dataset(source="paper")`.
 """
 
 import ast
@@ -25,33 +26,93 @@ from typing import Any
 
 Statement = tuple  # ('telling-truth', 0), ('and', ('lying', 1), ('telling-truth', 2)), ...
 
-MIN_PEOPLE, MAX_PEOPLE = 2, 8
+MIN_PEOPLE = 2
+MAX_PEOPLE = 8
 
-# fmt: skip below: a list of words reads best as lines of words, not as a column of one word a line
 NAMES = (
-    "Emma", "Liam", "Olivia", "Noah", "Ava", "Ethan", "Sophia", "Mason", "Isabella", "William", "Mia", "James",
-    "Charlotte", "Benjamin", "Amelia", "Lucas", "Harper", "Henry", "Evelyn", "Alexander", "Abigail", "Michael",
-    "Emily", "Daniel", "Elizabeth", "Jacob", "Sofia", "Logan", "Avery", "Jackson", "Ella", "Sebastian", "Scarlett",
-    "Jack", "Grace", "Aiden", "Chloe", "Owen", "Victoria", "Samuel", "Riley", "Matthew", "Aria", "Joseph", "Lily",
-    "Luke", "Aurora", "David", "Zoey", "Oliver", "Penelope",
-)  # fmt: skip
-"""The name pool of the published puzzles (all 51 occur in the authors' 5,000 puzzles, and no other name does)."""
+    "Emma",
+    "Liam",
+    "Olivia",
+    "Noah",
+    "Ava",
+    "Ethan",
+    "Sophia",
+    "Mason",
+    "Isabella",
+    "William",
+    "Mia",
+    "James",
+    "Charlotte",
+    "Benjamin",
+    "Amelia",
+    "Lucas",
+    "Harper",
+    "Henry",
+    "Evelyn",
+    "Alexander",
+    "Abigail",
+    "Michael",
+    "Emily",
+    "Daniel",
+    "Elizabeth",
+    "Jacob",
+    "Sofia",
+    "Logan",
+    "Avery",
+    "Jackson",
+    "Ella",
+    "Sebastian",
+    "Scarlett",
+    "Jack",
+    "Grace",
+    "Aiden",
+    "Chloe",
+    "Owen",
+    "Victoria",
+    "Samuel",
+    "Riley",
+    "Matthew",
+    "Aria",
+    "Joseph",
+    "Lily",
+    "Luke",
+    "Aurora",
+    "David",
+    "Zoey",
+    "Oliver",
+    "Penelope",
+)
+"""The name pool of the published puzzles: all 51 occur in the authors' 5,000 puzzles, and no other does."""
 
 SPEECH_TEMPLATES = (
-    "{name} said that {claim}.", "{name} told you that {claim}.", '{name} said, "{claim}."',
-    '{name} stated, "{claim}".', 'According to {name}, "{claim}".', 'In {name}\'s words: "{claim}".',
-    '{name} remarked, "{claim}".', '"{claim}," {name} declared.', '{name} was heard saying, "{claim}".',
-    "{name} expressed that {claim}.", '"{claim}" - {name}.', 'As {name} put it, "{claim}".',
-    '{name} asserted: "{claim}".', '"{claim}," {name} mentioned.', '{name} commented, "{claim}".',
-    'In a statement by {name}: "{claim}".', '{name} noted, "{claim}".', '"{claim}," {name} claimed.',
-)  # fmt: skip
-"""How a person's claim is introduced, as in the published puzzles (punctuation included: only `said, "..."` puts the
-period inside the quotes; a claim "If A then B" keeps its capital also in reported speech, "said that If ...")."""
+    "{name} said that {claim}.",
+    "{name} told you that {claim}.",
+    '{name} said, "{claim}."',
+    '{name} stated, "{claim}".',
+    'According to {name}, "{claim}".',
+    'In {name}\'s words: "{claim}".',
+    '{name} remarked, "{claim}".',
+    '"{claim}," {name} declared.',
+    '{name} was heard saying, "{claim}".',
+    "{name} expressed that {claim}.",
+    '"{claim}" - {name}.',
+    'As {name} put it, "{claim}".',
+    '{name} asserted: "{claim}".',
+    '"{claim}," {name} mentioned.',
+    '{name} commented, "{claim}".',
+    'In a statement by {name}: "{claim}".',
+    '{name} noted, "{claim}".',
+    '"{claim}," {name} claimed.',
+)
+"""How a person's claim is introduced, as in the published puzzles, punctuation included.
+
+Only `said, "..."` puts the period inside the quotes; a claim "If A then B" keeps its capital also in
+reported speech ("said that If ...")."""
 
 
 @cache
 def _knight_mask(person: int, num_people: int) -> int:
-    """Bit `a` is set iff `person` is a knight in assignment `a` (bit `i` of `a` set means person `i` is a knight)."""
+    """Bit `a` is set iff `person` is a knight in assignment `a`, i.e. iff bit `person` of `a` is set."""
     return sum(1 << assignment for assignment in range(1 << num_people) if assignment >> person & 1)
 
 
@@ -78,8 +139,10 @@ def _truth_table(statement: Statement, num_people: int) -> int:
 
 
 def solve(statements: Sequence[Statement]) -> list[tuple[bool, ...]]:
-    """Every assignment of knights (`True`) and knaves consistent with one statement per person (person indices from
-    0), in a fixed order: person `i` is consistent when their statement is true if and only if they are a knight."""
+    """Every assignment of knights (`True`) and knaves consistent with one statement per person.
+
+    The assignments come in a fixed order; person indices start at 0. Person `i` is consistent when their
+    statement is true if and only if they are a knight."""
     num_people = len(statements)
     consistent = (1 << (1 << num_people)) - 1
     for person, statement in enumerate(statements):
@@ -121,10 +184,11 @@ def _sample_distinct_atoms(rng: random.Random, speaker: int, num_people: int, co
 
 
 def sample_statement(rng: random.Random, speaker: int, num_people: int, max_width: int = 2) -> Statement:
-    """One statement of person `speaker` with the published generator's distribution at nesting depth 2: the six kinds
-    (atom, `not`, `and`, `or`, `->`, `<=>`) equally likely; `and`/`or` over 2 to `max_width` distinct atoms, `->`/`<=>`
-    over two. (Puzzles made of atoms alone never have a unique solution: flipping everyone's role keeps them
-    consistent.)"""
+    """One statement of person `speaker`, with the published generator's distribution at nesting depth 2.
+
+    The six kinds (atom, `not`, `and`, `or`, `->`, `<=>`) are equally likely; `and`/`or` take 2 to
+    `max_width` distinct atoms, `->`/`<=>` two. Puzzles made of atoms alone never have a unique solution:
+    flipping everyone's role keeps them consistent."""
     kind = rng.randrange(6)
     if kind == 0:
         return _sample_atom(rng, speaker, num_people)
@@ -144,10 +208,16 @@ def _render_atom(atom: Statement, names: Sequence[str], negated: bool = False) -
 
 
 def render_statement(statement: Statement, names: Sequence[str]) -> str:
-    """A statement of nesting depth at most 2 in English, as the published data writes it, without final punctuation:
-    `('telling-truth', i)` -> "N is a knight", `('lying', i)` -> "N is a knave", `('not', atom)` -> "N is not a
-    knight/knave", `and`/`or` join their operands with " and "/" or ", `('->', a, b)` -> "If A then B" and
-    `('<=>', a, b)` -> "A if and only if B" (`names`: the people's names, by index)."""
+    """
+    A statement of nesting depth at most 2 in English as the published data writes it, without final period.
+
+    `names` holds the people's names, by index. The renderings:
+
+    - `('telling-truth', i)`: "N is a knight"; `('lying', i)`: "N is a knave".
+    - `('not', atom)`: "N is not a knight" or "N is not a knave".
+    - `and` and `or` join their operands with " and " or " or ".
+    - `('->', a, b)`: "If A then B"; `('<=>', a, b)`: "A if and only if B".
+    """
     operator = statement[0]
     if operator == "not":
         return _render_atom(statement[1], names, negated=True)
@@ -161,8 +231,8 @@ def render_statement(statement: Statement, names: Sequence[str]) -> str:
 
 
 def render_quiz(statements: Sequence[Statement], names: Sequence[str], rng: random.Random) -> str:
-    """The puzzle text: the island's rules, the inhabitants, each one's claim in a phrasing of [`SPEECH_TEMPLATES`]
-    that `rng` chooses, and the question."""
+    """The puzzle text: the island's rules, the inhabitants, each one's claim in a phrasing of
+    [`SPEECH_TEMPLATES`] that `rng` chooses, and the question."""
     listed = f"{names[0]} and {names[1]}" if len(names) == 2 else ", ".join(names[:-1]) + ", and " + names[-1]
     introduction = (
         "A very special island is inhabited only by knights and knaves. Knights always tell the truth, and knaves "
@@ -177,9 +247,12 @@ def render_quiz(statements: Sequence[Statement], names: Sequence[str], rng: rand
 
 
 def solution_to_text(names: Sequence[str], solution: Sequence[bool]) -> tuple[str, str]:
-    """A solution (`True`: a knight) in the two published forms: `solution_text` ("A is a knight, B is a knave, and C
-    is a knight.") and `solution_text_format` ("(1) A is a knight\\n(2) B is a knave\\n(3) C is a knight"), the
-    answer format the prompt asks for."""
+    """
+    A solution (`True`: a knight) in the two published forms, `solution_text` and `solution_text_format`.
+
+    For example "A is a knight, B is a knave, and C is a knight." and
+    "(1) A is a knight\\n(2) B is a knave\\n(3) C is a knight", the answer format the prompt asks for.
+    """
     roles = ["a knight" if is_knight else "a knave" for is_knight in solution]
     clauses = [f"{name} is {role}" for name, role in zip(names, roles, strict=True)]
     solution_text = ", ".join(clauses[:-1]) + ", and " + clauses[-1] + "." if len(clauses) > 1 else clauses[0] + "."
@@ -195,9 +268,10 @@ def puzzle_record(
     solution_text_format: str | None = None,
     solution_text: str | None = None,
 ) -> dict[str, Any]:
-    """One puzzle in the published data's columns (`quiz`, `names`, `solution`, `solution_text`,
-    `solution_text_format`, `statements`, `num_people`), the solution texts written with [`solution_to_text`] unless
-    given."""
+    """One puzzle in the published data's columns.
+
+    The columns are `quiz`, `names`, `solution`, `solution_text`, `solution_text_format`, `statements` and
+    `num_people`; the solution texts are written with [`solution_to_text`] unless given."""
     default_text, default_text_format = solution_to_text(names, solution)
     return {
         "quiz": quiz,
@@ -211,7 +285,7 @@ def puzzle_record(
 
 
 def puzzle_sizes(num_people: int | Sequence[int]) -> list[int]:
-    """`num_people` (one size, or several for a mixture) as a list, checked: a non-empty list of ints from 2 to 8."""
+    """`num_people` (one size, or several for a mixture) as a checked, non-empty list of ints from 2 to 8."""
     sizes = [num_people] if isinstance(num_people, int) else list(num_people)
     if not sizes:
         raise ValueError(f"num_people: give at least one size from {MIN_PEOPLE} to {MAX_PEOPLE}")
@@ -227,14 +301,16 @@ def generate_puzzles(
     num_people: int | Sequence[int], num_samples: int, seed: int = 0, max_width: int = 2, max_attempts: int = 100_000
 ) -> list[dict[str, Any]]:
     """`num_samples` Knights & Knaves puzzles with exactly one solution, in the published data's columns
-    ([`puzzle_record`]; `solution`: `True` for a knight; `statements`: the `str` of the tuple notation). The same
-    arguments always give the same puzzles; `knights_knaves.generate_dataset` turns them into a TRL-ready dataset.
+    ([`puzzle_record`]; `solution`: `True` for a knight; `statements`: the `str` of the tuple notation). The
+    same arguments always give the same puzzles; `knights_knaves.generate_dataset` turns them into a
+    TRL-ready dataset.
 
-    `num_people` is 2 to 8, or a list of sizes for a mixture (puzzle `k` has `num_people[k % len(num_people)]` people).
-    Each puzzle draws one statement per person ([`sample_statement`]: nesting depth 2, at most `max_width` operands of
-    `and`/`or`; 2 in the published data) from the generator seeded by `seed`, and is kept only if the solver finds
-    exactly one consistent assignment and the same statements were not drawn before (a `RuntimeError` after
-    `max_attempts` draws). Names come from [`NAMES`], claims are phrased with [`SPEECH_TEMPLATES`]."""
+    `num_people` is 2 to 8, or a list of sizes for a mixture (puzzle `k` has
+    `num_people[k % len(num_people)]` people). Each puzzle draws one statement per person
+    ([`sample_statement`]: nesting depth 2, at most `max_width` operands of `and`/`or`; 2 in the published
+    data) from the generator seeded by `seed`, and is kept only if the solver finds exactly one consistent
+    assignment and the same statements were not drawn before (a `RuntimeError` after `max_attempts` draws).
+    Names come from [`NAMES`], claims are phrased with [`SPEECH_TEMPLATES`]."""
     sizes = puzzle_sizes(num_people)
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0, got {num_samples}")

@@ -1,17 +1,18 @@
 """The paper's K&K reward (Logic-RL's `compute_score`) as TRL reward functions. Scoring:
 
-- format: `+1` if the response holds exactly one `<think>`, `</think>`, `<answer>` and `</answer>`, in that order;
-  `-1` otherwise.
-- answer: `+2` if every person's identity in the `<answer>` block is right; `-1.5` if it parses but is wrong; `-2` if
-  it cannot be parsed (a person is missing, or the number of "knight"/"knave" words differs from the number of
-  people) or if the format failed.
+- format: `+1` if the response holds exactly one `<think>`, `</think>`, `<answer>` and `</answer>`, in that
+  order; `-1` otherwise.
+- answer: `+2` if every person's identity in the `<answer>` block is right; `-1.5` if it parses but is wrong;
+  `-2` if it cannot be parsed (a person is missing, or the number of "knight"/"knave" words differs from the
+  number of people) or if the format failed.
 
-So a completion scores 3, -0.5, -1 or -3. With the paper's prompt the `<think>` is pre-filled in the prompt: the
-reward functions then count it as the response's first tag (the dataset's `think_prefilled` column says so).
+So a completion scores 3, -0.5, -1 or -3. With the paper's prompt the `<think>` is pre-filled in the prompt,
+and the reward functions count it as the response's first tag (the dataset's `think_prefilled` column says
+so).
 
-As the authors' scorer, which splits the decoded prompt + response at the first literal `Assistant:` (the paper's
-prompt has none), a completion containing `Assistant:` is scored on the text after its first `Assistant:` only,
-without the pre-filled `<think>` ([`scored_response`]).
+As the authors' scorer, which splits the decoded prompt + response at the first literal `Assistant:` (the
+paper's prompt has none), a completion containing `Assistant:` is scored on the text after its first
+`Assistant:` only, without the pre-filled `<think>` ([`scored_response`]).
 """
 
 import re
@@ -25,7 +26,7 @@ THINK_PREFILL = "<think>"
 """Text the prompt puts at the start of the assistant turn when `<think>` is pre-filled."""
 
 ASSISTANT_MARKER = "Assistant:"
-"""The authors' scorer scores what follows the first occurrence of this text in the decoded prompt + response."""
+"""The authors' scorer scores what follows this text's first occurrence in the decoded prompt + response."""
 
 FORMAT_REWARD = 1.0
 ANSWER_CORRECT_REWARD = 2.0
@@ -38,8 +39,8 @@ _SOLUTION_LINE = re.compile(r"^\s*(?:\(\d+\)\s*)?([A-Za-z][\w'-]*)\b.*?\b(knight
 
 
 def has_valid_format(response: str) -> bool:
-    """Whether `response` (with a pre-filled `<think>`) holds exactly one `<think>`, `</think>`, `<answer>` and
-    `</answer>`, in that order: the format check of the paper's reward."""
+    """Whether `response` (with a pre-filled `<think>`) holds exactly one `<think>`, `</think>`, `<answer>`
+    and `</answer>`, in that order: the format check of the paper's reward."""
     if any(response.count(tag) != 1 for tag in _TAGS):
         return False
     positions = [response.find(tag) for tag in _TAGS]
@@ -53,17 +54,18 @@ def extract_answer(response: str) -> str | None:
 
 
 def parse_solution_text_format(solution_text_format: str) -> dict[str, str]:
-    """Name -> `"knight"` or `"knave"`, in line order, from a ground truth with one person a line, name first, role
-    last (`"(1) Zoey is a knight\\n(2) Oliver is a knave"`)."""
+    """Name -> `"knight"` or `"knave"`, in line order, from a ground truth with one person a line, name
+    first, role last (`"(1) Zoey is a knight\\n(2) Oliver is a knave"`)."""
     matches = (_SOLUTION_LINE.search(line) for line in solution_text_format.splitlines())
     return {match.group(1): match.group(2).lower() for match in matches if match}
 
 
 def parse_answer_roles(answer: str, names: Sequence[str]) -> dict[str, str] | None:
-    """Name -> `"knight"`/`"knave"` for each of `names`, read from the content of an `<answer>` block as the paper's
-    reward reads it; `None` (unparsable) when the words "knight" and "knave" (case-insensitive, also inside longer
-    words) occur in total a different number of times than there are people, or when some name is not followed by "is a
-    knight" / "is a knave" (whole-word, case-insensitive; the first such phrase per name counts)."""
+    """Name -> `"knight"`/`"knave"` for each of `names`, read from an `<answer>` block as the paper reads it.
+
+    `None` (unparsable) when the words "knight" and "knave" (case-insensitive, also inside longer words)
+    occur in total a different number of times than there are people, or when some name is not followed by
+    "is a knight" / "is a knave" (whole-word, case-insensitive; the first such phrase per name counts)."""
     lowered = answer.lower()
     if lowered.count("knight") + lowered.count("knave") != len(names):
         return None
@@ -82,9 +84,10 @@ def score_format(response: str) -> float:
 
 
 def score_answer(response: str, solution_text_format: str) -> float:
-    """Answer part of the paper's reward for `response` (with a pre-filled `<think>`) against the ground truth (see
-    [`parse_solution_text_format`]): `2.0` all identities right, `-1.5` parsed but wrong, `-2.0` unparsable, empty or
-    format failed."""
+    """Answer part of the paper's reward: `response` (with a pre-filled `<think>`) against the ground truth.
+
+    `2.0` when all identities are right, `-1.5` parsed but wrong, `-2.0` unparsable, empty or format failed.
+    The ground truth is read by [`parse_solution_text_format`]."""
     answer = extract_answer(response) if has_valid_format(response) else None
     if not answer:
         return ANSWER_UNPARSABLE_REWARD
@@ -96,9 +99,10 @@ def score_answer(response: str, solution_text_format: str) -> float:
 
 
 def scored_response(completion: str, think_prefilled: bool) -> str:
-    """The text the paper's reward scores for one completion (as TRL passes it, without the prompt): the completion
-    after its first `Assistant:` if it holds one (the authors' split), else the pre-filled `<think>` (when the prompt
-    has it) followed by the completion."""
+    """The text the paper's reward scores for one completion (as TRL passes it, without the prompt).
+
+    That is the completion after its first `Assistant:` if it holds one (the authors' split), else the
+    pre-filled `<think>` (when the prompt has it) followed by the completion."""
     if ASSISTANT_MARKER in completion:
         return completion.split(ASSISTANT_MARKER, 1)[1]
     return (THINK_PREFILL if think_prefilled else "") + completion
@@ -116,11 +120,11 @@ def _responses(completions: Sequence[Any], think_prefilled: bool | Sequence[bool
 def knights_knaves_format_reward(
     completions: Sequence[Any], think_prefilled: bool | Sequence[bool] | None = False, **kwargs: Any
 ) -> list[float]:
-    """TRL reward function: the format part of the paper's K&K reward (`+1` / `-1`), arguments as
-    [`knights_knaves_reward`]'s.
+    """TRL reward function: the format part of the paper's K&K reward (`+1` / `-1`).
 
-    With [`knights_knaves_answer_reward`] (`reward_funcs=[knights_knaves_format_reward, knights_knaves_answer_reward]`,
-    default weights 1) it trains on exactly [`knights_knaves_reward`] while TRL logs both parts
+    The arguments are those of [`knights_knaves_reward`]. With
+    `reward_funcs=[knights_knaves_format_reward, knights_knaves_answer_reward]` (default weights 1) TRL
+    trains on exactly [`knights_knaves_reward`] while it logs both parts
     (`rewards/knights_knaves_format_reward/mean`, `rewards/knights_knaves_answer_reward/mean`)."""
     return [score_format(response) for response in _responses(completions, think_prefilled)]
 
@@ -131,8 +135,9 @@ def knights_knaves_answer_reward(
     think_prefilled: bool | Sequence[bool] | None = False,
     **kwargs: Any,
 ) -> list[float]:
-    """TRL reward function: the answer part of the paper's K&K reward (`+2` / `-1.5` / `-2`, and `-2` when the format
-    fails), arguments as [`knights_knaves_reward`]'s."""
+    """TRL reward function: the answer part of the paper's K&K reward (`+2` / `-1.5` / `-2`).
+
+    A failed format scores `-2`. The arguments are those of [`knights_knaves_reward`]."""
     responses = _responses(completions, think_prefilled)
     return [score_answer(response, truth) for response, truth in zip(responses, solution_text_format, strict=True)]
 
@@ -146,22 +151,26 @@ def knights_knaves_reward(
 ) -> list[float]:
     """TRL reward function: the paper's K&K reward, format plus answer (3, -0.5, -1 or -3 per completion).
 
-    Equals `knights_knaves_format_reward + knights_knaves_answer_reward` exactly. Inside TRL's `GRPOTrainer` it also
-    logs its parts through TRL's `log_metric` hook: `knights_knaves/format` and `knights_knaves/answer` (batch means)
-    and `knights_knaves/accuracy` (share of completions with every identity right).
+    Equals `knights_knaves_format_reward + knights_knaves_answer_reward` exactly. Inside TRL's `GRPOTrainer`
+    it also logs its parts through TRL's `log_metric` hook: `knights_knaves/format` and
+    `knights_knaves/answer` (batch means) and `knights_knaves/accuracy` (the share of completions with every
+    identity right).
 
     Args:
-        completions (`Sequence[str]` or `Sequence[list[dict]]`), solution_text_format (`Sequence[str]`):
-            Plain-text or conversational completions, and the ground truth of each (the dataset column), e.g.
+        completions (`Sequence[str]` or `Sequence[list[dict]]`):
+            Plain-text or conversational completions.
+        solution_text_format (`Sequence[str]`):
+            The ground truth of each completion (the dataset column), e.g.
             `"(1) Zoey is a knight\\n(2) Oliver is a knave"`.
         think_prefilled (`bool` or `Sequence[bool]`, *optional*, defaults to `False`):
-            Whether the prompt ends with a pre-filled `<think>` that the completion continues; it is then counted as
-            the response's first tag. TRL passes the dataset's `think_prefilled` column (one value per completion),
-            which [`generate_dataset`] and [`load_knights_knaves_dataset`] write; for other datasets set it with
-            `functools.partial(knights_knaves_reward, think_prefilled=True)`.
+            Whether the prompt ends with a pre-filled `<think>` that the completion continues; it is then
+            counted as the response's first tag. TRL passes the dataset's `think_prefilled` column (one value
+            per completion), which [`generate_dataset`] and [`load_knights_knaves_dataset`] write; for other
+            datasets set it with `functools.partial(knights_knaves_reward, think_prefilled=True)`.
         log_metric (`Callable[[str, float], None]`, *optional*):
-            Passed by TRL; receives the sub-scores. Other keyword arguments (dataset columns, trainer arguments) are
-            ignored.
+            Passed by TRL; receives the sub-scores.
+        **kwargs:
+            Other dataset columns and trainer arguments, ignored.
     """
     format_scores = knights_knaves_format_reward(completions, think_prefilled=think_prefilled)
     answer_scores = knights_knaves_answer_reward(completions, solution_text_format, think_prefilled=think_prefilled)

@@ -1,6 +1,10 @@
-"""Math tasks of arXiv 2505.12929 for TRL: grading ([`math_reward`], the authors' grader's rules, in
-[`paper_grading`]; [`math_reward_lenient`], TRL's math-verify reward) and data ([`load_paper_math_dataset`]: the
-authors' DSR-uniform and evaluation files; [`load_math_dataset`]: Hub sets)."""
+"""Math tasks of arXiv 2505.12929 for TRL.
+
+- Grading: [`math_reward`] (the rules of the authors' grader, in [`paper_grading`]) and
+  [`math_reward_lenient`] (TRL's math-verify reward).
+- Data: [`load_paper_math_dataset`] (the authors' DSR-uniform and evaluation files) and [`load_math_dataset`]
+  (Hub sets).
+"""
 
 from .._text import completion_to_text
 from .._time_limit import DeadlineExceeded, run_with_time_limit

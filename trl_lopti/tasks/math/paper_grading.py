@@ -1,20 +1,21 @@
-r"""The paper's math grader: the answer rules of the authors' reward (their verl fork, DeepScaleR's `RewardMathFn`).
+r"""The paper's math grader: the answer rules of the authors' reward (DeepScaleR's `RewardMathFn`, in verl).
 
-Written here from the rules of their `verl/utils/reward_score/rewards/math_reward.py` and `math_utils/utils.py`
-(no code of theirs is copied); `tests/test_tasks_math_paper.py` checks it against their grader's own output on a
-table of adversarial answers. The rules, in order:
+Written here from the rules of their `verl/utils/reward_score/rewards/math_reward.py` and
+`math_utils/utils.py` (no code of theirs is copied); `tests/test_tasks_math_paper.py` checks it against their
+grader's own output on a table of adversarial answers. The rules, in order:
 
 1. **Graded text**: the text between the first and the second `</think>` (all of it without `</think>`).
-2. **Answer**: only when that text contains `\boxed`: the last `\boxed` is located, braces are counted from it
-   (escaped braces too) and the answer is what lies between `\boxed{` and the `}` that brings the count back to zero.
-   No `\boxed`, braces that never balance, or a last box that is not `\boxed{` (`\boxed 7`, `\boxedx{7}`): reward 0.
-   `\fbox` never counts.
-3. **Correct** when, for any reference answer, either the two strings are equal after the MATH ("mathd") string
-   normaliser ([`mathd_normalize`]), or the "sympy" check holds ([`sympy_equal`]): equal after a second normaliser,
-   or split into the same number of tuple/interval parts with the same brackets, each part equal by these rules: two
-   plain fractions `a/b` must be the same string (unreduced fractions do not match), an integer matches only an
-   integer, anything else is compared by `sympy.simplify(reference - answer) == 0` (only for expressions with at most
-   two distinct letters and no `^{`, `^(` or multi-digit exponent).
+2. **Answer**: only when that text contains `\boxed`: the last `\boxed` is located, braces are counted from
+   it (escaped braces too) and the answer is what lies between `\boxed{` and the `}` that brings the count
+   back to zero. No `\boxed`, braces that never balance, or a last box that is not `\boxed{` (`\boxed 7`,
+   `\boxedx{7}`): reward 0. `\fbox` never counts.
+3. **Correct** when, for any reference answer, either the two strings are equal after the MATH ("mathd")
+   string normaliser ([`mathd_normalize`]), or the "sympy" check holds ([`sympy_equal`]): equal after a
+   second normaliser, or split into the same number of tuple/interval parts with the same brackets, each part
+   equal by these rules: two plain fractions `a/b` must be the same string (unreduced fractions do not
+   match), an integer matches only an integer, anything else is compared by
+   `sympy.simplify(reference - answer) == 0` (only for expressions with at most two distinct letters and no
+   `^{`, `^(` or multi-digit exponent).
 
 Requires `sympy` and `pylatexenc` (the `math` extra).
 """
@@ -29,18 +30,17 @@ _BOX = "\\boxed"
 _BOX_OPEN = "\\boxed{"
 
 
-# ---------------------------------------------------------------------------------------------------------- extraction
 def graded_text(response: str) -> str:
     """The part of a response the authors grade: between the first and second `</think>`, or all of it."""
     return response.split(THINK_END)[1] if THINK_END in response else response
 
 
 def last_box_content(text: str) -> str | None:
-    r"""The answer of the authors' extraction from the graded text: the content of the last `\boxed{...}`, unstripped.
+    r"""The answer as the authors extract it: the content of the last `\boxed{...}`, unstripped.
 
-    Braces are counted from the last `\boxed` (escaped ones included); the box ends at the first `}` that brings the
-    count back to zero. `None` when `text` holds no `\boxed`, when the count never returns to zero, or when the last
-    `\boxed` is not directly followed by `{`."""
+    Braces are counted from the last `\boxed` (escaped ones included); the box ends at the first `}` that
+    brings the count back to zero. `None` when `text` holds no `\boxed`, when the count never returns to
+    zero, or when the last `\boxed` is not directly followed by `{`."""
     start = text.rfind(_BOX)
     if start < 0:
         return None
@@ -56,13 +56,18 @@ def last_box_content(text: str) -> str | None:
     return None
 
 
-# -------------------------------------------------------------------------------- the MATH ("mathd") string normaliser
 _WHOLE_TEXT = re.compile(r"^\\text\{(?P<inner>.+?)\}$")
 _MATHD_DELETIONS = ("\\!",)
 _MATHD_REPLACEMENTS = (
-    ("\\\\", "\\"), ("tfrac", "frac"), ("dfrac", "frac"), ("\\left", ""), ("\\right", ""), ("^{\\circ}", ""),
-    ("^\\circ", ""), ("\\$", ""),
-)  # fmt: skip
+    ("\\\\", "\\"),
+    ("tfrac", "frac"),
+    ("dfrac", "frac"),
+    ("\\left", ""),
+    ("\\right", ""),
+    ("^{\\circ}", ""),
+    ("^\\circ", ""),
+    ("\\$", ""),
+)
 
 
 class _Unnormalisable(Exception):
@@ -89,8 +94,8 @@ def _brace_sqrt_arguments(text: str) -> str:
 
 
 def _brace_frac_arguments(text: str) -> str:
-    r"""`\frac12` -> `\frac{1}{2}`, `\frac1{7}` -> `\frac{1}{7}`; a `\frac` followed by one character or less is left
-    as the whole string was (nothing after a `\frac` gives up)."""
+    r"""`\frac12` -> `\frac{1}{2}`, `\frac1{7}` -> `\frac{1}{7}`; a `\frac` followed by one character or less
+    is left as the whole string was (nothing after a `\frac` gives up)."""
     head, *tails = text.split("\\frac")
     rebuilt = [head]
     for tail in tails:
@@ -113,7 +118,8 @@ def _slash_to_frac(text: str) -> str:
     if len(parts) != 2:
         return text
     try:
-        numerator, denominator = int(parts[0]), int(parts[1])
+        numerator = int(parts[0])
+        denominator = int(parts[1])
     except ValueError:
         return text
     return f"\\frac{{{numerator}}}{{{denominator}}}" if text == f"{numerator}/{denominator}" else text
@@ -144,12 +150,13 @@ def _mathd_clean(text: str) -> str:
 
 
 def mathd_normalize(answer: str) -> str:
-    r"""The MATH dataset's answer normaliser as the authors apply it to an answer or a reference: an enclosing
-    `\text{...}` is unwrapped, then line breaks, `\!`, `\left`, `\right`, degree signs, `\$`, `\%` and spaces are
-    removed, a trailing unit after `\text{ ` is dropped, `\dfrac`/`\tfrac` become `\frac`, `x = ` (one or two
-    characters before a single `=`) is dropped, `\frac12` and `\sqrt3` get braces, `0.5` and integer `a/b` become
-    `\frac{...}{...}`. Where the rules give up (two `\text{ `, a bare `\sqrt` or `\frac` at the end) the stripped
-    string is returned."""
+    r"""The MATH dataset's answer normaliser, as the authors apply it to an answer or a reference.
+
+    An enclosing `\text{...}` is unwrapped, then line breaks, `\!`, `\left`, `\right`, degree signs, `\$`,
+    `\%` and spaces are removed, a trailing unit after `\text{ ` is dropped, `\dfrac`/`\tfrac` become
+    `\frac`, `x = ` (one or two characters before a single `=`) is dropped, `\frac12` and `\sqrt3` get
+    braces, `0.5` and integer `a/b` become `\frac{...}{...}`. Where the rules give up (two `\text{ `, a bare
+    `\sqrt` or `\frac` at the end) the stripped string is returned."""
     answer = answer.strip()
     whole_text = _WHOLE_TEXT.search(answer)
     if whole_text is not None:
@@ -160,12 +167,24 @@ def mathd_normalize(answer: str) -> str:
         return answer
 
 
-# ---------------------------------------------------------------------------------- the sympy check and its normaliser
-# fmt: skip below: a list of words reads best as lines of words, not as a column of one word a line
 _UNIT_WORDS = (
-    "degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week", "month", "year",
-    "foot", "feet", "inch", "yard",
-)  # fmt: skip
+    "degree",
+    "cm",
+    "centimeter",
+    "meter",
+    "mile",
+    "second",
+    "minute",
+    "hour",
+    "day",
+    "week",
+    "month",
+    "year",
+    "foot",
+    "feet",
+    "inch",
+    "yard",
+)
 _UNIT_PATTERNS = tuple(re.compile(word + r"(es)?(s)? *(\^[0-9]+)?") for word in _UNIT_WORDS)
 _SCALE_WORDS = (("million", "*10^6"), ("billion", "*10^9"), ("trillion", "*10^12"))
 _UNICODE_TO_SYMPY = (("√", "sqrt"), ("π", "pi"), ("∞", "inf"), ("∪", "U"), ("·", "*"), ("×", "*"))
@@ -207,7 +226,7 @@ def _reads_as_integer(text: str) -> bool:
 
 
 def _latex_to_plain(text: str) -> str:
-    """LaTeX -> plain text with pylatexenc, in the spellings sympy reads (`√` -> `sqrt`, `π` -> `pi`, ...)."""
+    """LaTeX as plain text (pylatexenc), in the spellings sympy reads (`√` as `sqrt`, `π` as `pi`, ...)."""
     from pylatexenc import latex2text
 
     text = text.replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac").replace("\\frac", " \\frac")
@@ -218,11 +237,13 @@ def _latex_to_plain(text: str) -> str:
 
 
 def sympy_normalize(answer: str) -> str:
-    r"""The second normaliser of the authors' grader (before its sympy check), of an answer or a reference: an
-    enclosing `\text{...}` unwrapped; `$`, `%` and unit words (degree, cm, meter, mile, second, ..., yard, with plural
-    and power) removed; "million", "billion", "trillion" become powers of ten; " or " / " and " become commas; one pair
-    of enclosing braces dropped; a number within 1e-7 of an integer becomes that integer; LaTeX rendered to text with
-    pylatexenc; spaces and braces removed; lower case; an integer with thousands commas loses them."""
+    r"""The second normaliser of the authors' grader (before its sympy check), of an answer or a reference.
+
+    In order: an enclosing `\text{...}` is unwrapped; `$`, `%` and unit words (degree, cm, meter, mile,
+    second, ..., yard, with plural and power) are removed; "million", "billion", "trillion" become powers of
+    ten; " or " and " and " become commas; one pair of enclosing braces is dropped; a number within 1e-7 of
+    an integer becomes that integer; LaTeX is rendered to text with pylatexenc; spaces and braces are
+    removed; the text is lower-cased; an integer loses its thousands commas."""
     whole_text = _WHOLE_TEXT.search(answer)
     if whole_text is not None:
         answer = whole_text.group("inner")
@@ -240,7 +261,8 @@ def sympy_normalize(answer: str) -> str:
     if value is not None and _is_whole(value):
         answer = str(round(value))
     if "\\" in answer:
-        with contextlib.suppress(Exception):  # unreadable LaTeX stays as it is, as in the authors' grader
+        # Unreadable LaTeX stays as it is, as in the authors' grader.
+        with contextlib.suppress(Exception):
             answer = _latex_to_plain(answer)
     answer = re.sub("- *", "-", answer)
     answer = re.sub("([0-9]) +([0-9])", r"\1+\2", answer)  # a mixed number `7 3/4` -> `7+3/4`
@@ -293,13 +315,15 @@ def _parts_equal(reference: str, answer: str) -> bool:
 
 def sympy_equal(answer: str, reference: str) -> bool:
     """The authors' `grade_answer_sympy` of an extracted answer against one reference: equal after
-    [`sympy_normalize`], or the same tuple/interval brackets and, part by part, equal (see the module's docstring)."""
-    reference, answer = sympy_normalize(reference), sympy_normalize(answer)
+    [`sympy_normalize`], or the same tuple/interval brackets and, part by part, equal (see the module)."""
+    reference = sympy_normalize(reference)
+    answer = sympy_normalize(answer)
     if reference == answer:
         return True
     if not answer:
         return False
-    reference_parts, answer_parts = _tuple_parts(reference), _tuple_parts(answer)
+    reference_parts = _tuple_parts(reference)
+    answer_parts = _tuple_parts(answer)
     if len(reference_parts) > 1 and (reference[0] != answer[0] or reference[-1] != answer[-1]):
         return False
     if len(reference_parts) != len(answer_parts):
@@ -307,11 +331,11 @@ def sympy_equal(answer: str, reference: str) -> bool:
     return all(_parts_equal(ref, ans) for ref, ans in zip(reference_parts, answer_parts, strict=True))
 
 
-# ---------------------------------------------------------------------------------------------------------- the reward
 def reference_answers(solution: object) -> list[str]:
-    r"""The reference answers of `solution` (a string, a number, a list of those, or ORZ's `{"value": ...}`) as the
-    authors read them: each value as `str(...)`, a list as alternatives (any one counts), the `\boxed{}` content of a
-    reference that has one (dropped when it cannot be extracted)."""
+    r"""The reference answers of `solution` (a string, a number, a list of those, or ORZ's `{"value": ...}`).
+
+    They are read as the authors read them: each value as `str(...)`, a list as alternatives (any one
+    counts), the `\boxed{}` content of a reference that has one (dropped when it cannot be extracted)."""
     if isinstance(solution, dict) and "value" in solution:
         solution = solution["value"]
     alternatives = list(solution) if isinstance(solution, (list, tuple)) else [solution]
@@ -329,8 +353,8 @@ def paper_is_correct(
     response: str, solution: object, allow_sympy: Callable[[str], bool] = lambda answer: True
 ) -> bool:
     r"""Whether a response earns the authors' math reward (1) rather than 0 against `solution` (see
-    [`reference_answers`]). `allow_sympy` is called with the answer before any sympy work; `False` skips the sympy
-    check (string rules only)."""
+    [`reference_answers`]). `allow_sympy` is called with the answer before any sympy work; `False` skips the
+    sympy check (string rules only)."""
     answer = last_box_content(graded_text(response))
     if answer is None:
         return False
