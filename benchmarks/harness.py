@@ -31,7 +31,7 @@ from datasets import Dataset
 from transformers import AutoConfig, PrinterCallback, TrainerCallback, set_seed
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer, lopti_mixin, trl_contract
+from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer, lopti_mixin
 from trl_lopti.diagnostics import completion_log_probs, probability_quartiles, probability_shift
 from trl_lopti.lopti_mixin import MicroStep, describe_method
 from trl_lopti.models import build_tiny_model, get_smollm2
@@ -55,7 +55,7 @@ COUNTS = (  # policy forwards outside generation, generate calls and their decod
 FACT_CHECKS = [(lopti_mixin, name) for name in vars(lopti_mixin) if name.startswith("check_") or name == "prompts_of"]
 FACT_CHECKS += [
     (MicroStep, "mark_backward"),
-    *((trl_contract.ReadRecorder, name) for name in ("__init__", "__getitem__")),
+    *((lopti_mixin.ReadRecorder, name) for name in ("__init__", "__getitem__")),
 ]
 """What runs for the runtime checks of the TRL facts, timed as `fact_checks_s` (within the other phases)."""
 LOGGED_PREFIXES = ("lopti/", "reward")

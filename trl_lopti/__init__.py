@@ -1,9 +1,10 @@
 """trl_lopti: Advantage Reweighting and Low-Probability Token Isolation (arXiv 2505.12929) for TRL's
 `GRPOTrainer` and `RLOOTrainer`.
 
-`import trl_lopti` and its tasks (`trl_lopti.tasks`: puzzles, rewards, graders, data loaders) need no TRL. The
-trainers and their configs are imported on first use (`from trl_lopti import LoptiGRPOTrainer`); that import checks the
-installed TRL version (see `trl_lopti.trl_contract`) and fails with a clear message outside the tested range.
+`import trl_lopti` and its tasks (`trl_lopti.tasks`: puzzles, rewards, graders, data loaders) need no TRL.
+The trainers and their configs are imported on first use (`from trl_lopti import LoptiGRPOTrainer`); that
+import checks the installed TRL version (see `trl_lopti.trl_contract`) and fails with a clear message outside
+the tested range.
 """
 
 import importlib

@@ -1,4 +1,5 @@
-"""The configs: TRL's `GRPOConfig` and `RLOOConfig`, each plus the fields of Advantage Reweighting and Lopti."""
+"""The configs: TRL's `GRPOConfig` and `RLOOConfig`, each plus the fields of Advantage Reweighting and
+Lopti."""
 
 import dataclasses
 import math
@@ -20,37 +21,41 @@ from .core_algos import ADVANTAGE_ESTIMATORS, LOPTI_PASS_ORDERS
 
 
 LIGER_MINIMUM_TRL = Version("1.14.0")
-"""Below it, `use_liger_kernel=True` computes GRPO's loss in `compute_liger_loss`, which AR and Lopti cannot reach."""
+"""Below it, `use_liger_kernel=True` computes GRPO's loss in `compute_liger_loss`, which AR and Lopti cannot
+reach."""
 
 
 @dataclass
 class LoptiArguments:
     r"""
-    The fields of Advantage Reweighting (AR) and Low-Probability Token Isolation (Lopti), arXiv 2505.12929, that
-    [`LoptiGRPOConfig`] and [`LoptiRLOOConfig`] add to TRL's configs (written once, here).
+    The fields of Advantage Reweighting (AR) and Low-Probability Token Isolation (Lopti), arXiv 2505.12929,
+    that [`LoptiGRPOConfig`] and [`LoptiRLOOConfig`] add to TRL's configs (written once, here).
 
     Parameters:
         advantage_reweighting_alpha (`float`, *optional*, defaults to `0.3`):
-            alpha in `A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i)`, where `pi_old(i, t)` is the probability
-            of the sampled token under the policy that generated the batch. Must lie in [0, 1]; `0.0` disables AR.
-            RLOO's loss takes one advantage per sequence: there the gradient through each token's log-probability
-            is weighted by the same factor, and the loss's value is unchanged (`trl_lopti.core_algos.reweight_token_gradients`).
-            The paper uses 0.3 together with Lopti on Knights & Knaves, 0.2 for AR alone there, 0.1 on math.
+            alpha in `A'(i, t) = (alpha * pi_old(i, t) + 1 - alpha) * A(i)`, where `pi_old(i, t)` is the
+            probability of the sampled token under the policy that generated the batch. Must lie in [0, 1];
+            `0.0` disables AR. RLOO's loss takes one advantage per sequence: there the gradient through each
+            token's log-probability is weighted by the same factor, and the loss's value is unchanged
+            (`trl_lopti.core_algos.reweight_token_gradients`). The paper uses 0.3 together with Lopti on
+            Knights & Knaves, 0.2 for AR alone there, 0.1 on math.
         lopti_threshold (`float` or `None`, *optional*, defaults to `0.5`):
-            eta: completion tokens with `pi_old < eta` are "low", the others "high". Each generation batch is then
-            trained twice: first with only the low tokens active, then with only the high tokens active (from the
-            parameters the first pass produced). Must lie in (0, 1); `None` (with `lopti_quantile` unset) disables
-            Lopti. The paper uses 0.5 and recommends [0.3, 0.5]; the authors' script for Lopti alone uses 0.4. Each
-            pass is the whole schedule the base trainer runs on a batch, so `max_steps` counts two optimizer steps per
-            generation batch ([The Lopti schedule][the-lopti-schedule-and-what-max_steps-means]).
+            eta: completion tokens with `pi_old < eta` are "low", the others "high". Each generation batch is
+            then trained twice: first with only the low tokens active, then with only the high tokens active
+            (from the parameters the first pass produced). Must lie in (0, 1); `None` (with `lopti_quantile`
+            unset) disables Lopti. The paper uses 0.5 and recommends [0.3, 0.5]; the authors' script for
+            Lopti alone uses 0.4. Each pass is the whole schedule the base trainer runs on a batch, so
+            `max_steps` counts two optimizer steps per generation batch ([The Lopti
+            schedule][the-lopti-schedule-and-what-max_steps-means]).
         lopti_quantile (`float` or `None`, *optional*, defaults to `None`):
-            The authors' other split rule (`seperate_portion`): eta of each generation batch is the quantile at level q
-            in (0, 1) of pi_old over all its completion tokens (every process; linear interpolation), so a share q of
-            the tokens is low however the policy's confidence drifts. It replaces the fixed eta (`lopti_threshold`
-            becomes `None`; another value than its default beside it is an error).
+            The authors' other split rule (`seperate_portion`): eta of each generation batch is the quantile
+            at level q in (0, 1) of pi_old over all its completion tokens (every process; linear
+            interpolation), so a share q of the tokens is low however the policy's confidence drifts. It
+            replaces the fixed eta (`lopti_threshold` becomes `None`; another value than its default beside
+            it is an error).
         lopti_order (`str`, *optional*, defaults to `"low_first"`):
-            Which token group is updated first: `"low_first"` (the method) or `"high_first"` (the paper's ablation,
-            which collapses training; offered for reproducing it).
+            Which token group is updated first: `"low_first"` (the method) or `"high_first"` (the paper's
+            ablation, which collapses training; offered for reproducing it).
     """
 
     advantage_reweighting_alpha: float = field(
@@ -108,12 +113,14 @@ class LoptiArguments:
 
     @property
     def lopti_pass_order(self) -> tuple[str | None, ...]:
-        """The token group active in each pass over a generation batch: `("low", "high")`; `(None,)` without Lopti."""
+        """The token group active in each pass over a generation batch: `("low", "high")`; `(None,)` without
+        Lopti."""
         return LOPTI_PASS_ORDERS[self.lopti_order] if self.lopti_enabled else (None,)
 
     @property
     def lopti_num_passes(self) -> int:
-        """How many times each generation batch is trained (optimizer schedules per batch): 2 with Lopti, else 1."""
+        """How many times each generation batch is trained (optimizer schedules per batch): 2 with Lopti,
+        else 1."""
         return len(self.lopti_pass_order)
 
     @property
@@ -137,17 +144,19 @@ class LoptiGRPOConfig(LoptiArguments, GRPOConfig):
     r"""
     Configuration class for [`LoptiGRPOTrainer`].
 
-    Every field of TRL's `GRPOConfig` keeps its meaning and default. [`LoptiArguments`] adds Advantage Reweighting
-    (`advantage_reweighting_alpha`) and Lopti (`lopti_threshold`, `lopti_quantile`, `lopti_order`); this class adds
-    the paper's second base algorithm, REINFORCE++. With `advantage_reweighting_alpha=0.0`, `lopti_threshold=None` and
-    `advantage_estimator="grpo"` the trainer is exactly TRL's `GRPOTrainer`. With `lopti_quantile`, where TRL computes
-    no pi_old itself, eta costs one no-grad forward per generation batch.
+    Every field of TRL's `GRPOConfig` keeps its meaning and default. [`LoptiArguments`] adds Advantage
+    Reweighting (`advantage_reweighting_alpha`) and Lopti (`lopti_threshold`, `lopti_quantile`,
+    `lopti_order`); this class adds the paper's second base algorithm, REINFORCE++. With
+    `advantage_reweighting_alpha=0.0`, `lopti_threshold=None` and `advantage_estimator="grpo"` the trainer is
+    exactly TRL's `GRPOTrainer`. With `lopti_quantile`, where TRL computes no pi_old itself, eta costs one
+    no-grad forward per generation batch.
 
     Parameters:
         advantage_estimator (`str`, *optional*, defaults to `"grpo"`):
-            `"grpo"`: TRL's group-relative advantages. `"reinforce_plus_plus"`: the paper's REINFORCE++ (outcome
-            reward, gamma 1): each reward whitened over all completion tokens of the generation batch on every process,
-            no per-prompt baseline (`scale_rewards` unused). AR and Lopti apply on top of either.
+            `"grpo"`: TRL's group-relative advantages. `"reinforce_plus_plus"`: the paper's REINFORCE++
+            (outcome reward, gamma 1): each reward whitened over all completion tokens of the generation
+            batch on every process, no per-prompt baseline (`scale_rewards` unused). AR and Lopti apply on
+            top of either.
     """
 
     advantage_estimator: str = field(
@@ -193,10 +202,10 @@ class LoptiRLOOConfig(LoptiArguments, RLOOConfig):
     r"""
     Configuration class for [`LoptiRLOOTrainer`].
 
-    Every field of TRL's `RLOOConfig` keeps its meaning and default (`beta=0.05`: RLOO's KL is a reward penalty).
-    [`LoptiArguments`] adds Advantage Reweighting and Lopti. With `advantage_reweighting_alpha=0.0` and
-    `lopti_threshold=None` the trainer is exactly TRL's `RLOOTrainer`. RLOO computes pi_old at every generation, so
-    neither method, nor `lopti_quantile`, costs a forward pass.
+    Every field of TRL's `RLOOConfig` keeps its meaning and default (`beta=0.05`: RLOO's KL is a reward
+    penalty). [`LoptiArguments`] adds Advantage Reweighting and Lopti. With `advantage_reweighting_alpha=0.0`
+    and `lopti_threshold=None` the trainer is exactly TRL's `RLOOTrainer`. RLOO computes pi_old at every
+    generation, so neither method, nor `lopti_quantile`, costs a forward pass.
     """
 
 
@@ -206,9 +215,9 @@ LOPTI_CONFIGS: dict[type, type] = {GRPOConfig: LoptiGRPOConfig, RLOOConfig: Lopt
 
 def as_lopti_config(args: Any, model: Any, config_class: type = LoptiGRPOConfig) -> LoptiArguments:
     """
-    Returns the Lopti config (`config_class`, e.g. [`LoptiGRPOConfig`]) to train with: `args` itself; for a plain TRL
-    config (a user who only swapped the trainer class) the same values with the paper's defaults for the new fields,
-    with a warning; for `None` the defaults, with TRL's naming of the output folder.
+    Returns the Lopti config (`config_class`, e.g. [`LoptiGRPOConfig`]) to train with: `args` itself; for a
+    plain TRL config (a user who only swapped the trainer class) the same values with the paper's defaults
+    for the new fields, with a warning; for `None` the defaults, with TRL's naming of the output folder.
 
     Args:
         args (`GRPOConfig`, `RLOOConfig` or `None`), model (`str` or `PreTrainedModel`):
@@ -250,7 +259,8 @@ def as_lopti_config(args: Any, model: Any, config_class: type = LoptiGRPOConfig)
 
 
 def lopti_schedule_error(config: LoptiArguments, without_lopti: str) -> str:
-    """The error of a schedule whose Lopti pass would not end on an optimizer step: a fix, or `without_lopti`."""
+    """The error of a schedule whose Lopti pass would not end on an optimizer step: a fix, or
+    `without_lopti`."""
     steps, iterations = config.steps_per_generation, config.num_iterations
     accumulation = config.gradient_accumulation_steps
     fitting = accumulation // math.gcd(accumulation, iterations)
@@ -266,8 +276,8 @@ def lopti_schedule_error(config: LoptiArguments, without_lopti: str) -> str:
 
 
 def warn_if_max_steps_ends_inside_a_cycle(config: LoptiArguments) -> None:
-    """Warns when `max_steps` ends a run between the passes of its last generation batch (which then trains its first
-    pass only), naming the nearest `max_steps` that does not."""
+    """Warns when `max_steps` ends a run between the passes of its last generation batch (which then trains
+    its first pass only), naming the nearest `max_steps` that does not."""
     cycle_steps = config.lopti_cycle_micro_steps // config.gradient_accumulation_steps  # optimizer steps per batch
     if config.lopti_enabled and config.max_steps > 0 and config.max_steps % cycle_steps:
         below = config.max_steps - config.max_steps % cycle_steps
@@ -282,8 +292,8 @@ def warn_if_max_steps_ends_inside_a_cycle(config: LoptiArguments) -> None:
 
 
 def _check_fraction(config: LoptiArguments, name: str, closed: bool, disabled_by: str) -> None:
-    """Makes the field `name` a float if it is a real number (numpy scalars included) in [0, 1] (`closed`) or (0, 1);
-    else raises. `None` stays where `disabled_by` allows it."""
+    """Makes the field `name` a float if it is a real number (numpy scalars included) in [0, 1] (`closed`) or
+    (0, 1); else raises. `None` stays where `disabled_by` allows it."""
     value, interval = getattr(config, name), "[0, 1]" if closed else "(0, 1)"
     if value is None and disabled_by.startswith("None"):
         return

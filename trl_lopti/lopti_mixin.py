@@ -1,35 +1,39 @@
-"""The Lopti mechanism, written once for both trainers: the two-pass schedule, the split, token isolation, the pass
-metrics, the completions table, checkpoints inside a generation batch, and the runtime checks of the TRL facts.
+"""The Lopti mechanism, written once for both trainers: the two-pass schedule, the split, token isolation,
+the pass metrics, the completions table, checkpoints inside a generation batch, and the runtime checks of the
+TRL facts.
 
-[`LoptiTrainerMixin`] sits in front of a TRL trainer (`GRPOTrainer` or `RLOOTrainer`, which TRL keeps in parity). Each
-Lopti trainer adds only what differs: where pi_old comes from, how AR enters its loss, and the TRL facts it relies on
-(`trl_lopti/grpo_trainer.py` for GRPO, `trl_lopti/rloo_trainer.py` for RLOO). The math is in `trl_lopti/core_algos.py`.
+[`LoptiTrainerMixin`] sits in front of a TRL trainer (`GRPOTrainer` or `RLOOTrainer`, which TRL keeps in
+parity). Each Lopti trainer adds only what differs: where pi_old comes from, how AR enters its loss, and the
+TRL facts it relies on (`trl_lopti/grpo_trainer.py` for GRPO, `trl_lopti/rloo_trainer.py` for RLOO). The math
+is in `trl_lopti/core_algos.py`.
 
-- Schedule. TRL runs the passes itself (docs/trainers/grpo.md, "The Lopti schedule"): `self.num_iterations`, TRL's
-  count of the times a generation batch is trained, is the user's `num_iterations` times the passes, so TRL's sampler
-  serves each generation batch once per pass and its `_prepare_inputs` replays the buffered micro-batches in each
-  (facts S1, S2); TRL sees the user's value at generation, where it decides whether pi_old is needed (G2). Every
-  optimizer step is an ordinary Trainer step; the pass of a micro-step follows from TRL's counter `_step`.
-- Split. A generation batch is split once by pi_old (`lopti_low_mask`, with AR its weights `lopti_ar_weights`): at
-  generation where pi_old is known there (TRL's, RLOO's, or the quantile rule's forward), which logs its metrics on
-  the row of TRL's generation metrics; else (on-policy) each micro-batch at its first loss forward, whose detached
-  output is pi_old: no extra forward, and the whole first iteration then fits in one optimizer step. Each generation
-  batch gets its eta at generation (`lopti_batch_eta`): the quantile rule needs the whole batch's pi_old first.
-- Isolation. In a pass, gradient flows only through the active tokens' log-probabilities and entropies; every value of
-  the loss is the base trainer's.
-- Checks. Every TRL fact the mechanism relies on (S1-S5, in `trl_lopti/trl_contract.py`) is checked while training,
-  and stops the run at the first step where it fails, before a wrong update.
+- Schedule. TRL runs the passes itself (docs/trainers/grpo.md, "The Lopti schedule"): `self.num_iterations`,
+  TRL's count of the times a generation batch is trained, is the user's `num_iterations` times the passes, so
+  TRL's sampler serves each generation batch once per pass and its `_prepare_inputs` replays the buffered
+  micro-batches in each (facts S1, S2); TRL sees the user's value at generation, where it decides whether
+  pi_old is needed (G2). Every optimizer step is an ordinary Trainer step; the pass of a micro-step follows
+  from TRL's counter `_step`.
+- Split. A generation batch is split once by pi_old (`lopti_low_mask`, with AR its weights
+  `lopti_ar_weights`): at generation where pi_old is known there (TRL's, RLOO's, or the quantile rule's
+  forward), which logs its metrics on the row of TRL's generation metrics; else (on-policy) each micro-batch
+  at its first loss forward, whose detached output is pi_old: no extra forward, and the whole first iteration
+  then fits in one optimizer step. Each generation batch gets its eta at generation (`lopti_batch_eta`): the
+  quantile rule needs the whole batch's pi_old first.
+- Isolation. In a pass, gradient flows only through the active tokens' log-probabilities and entropies; every
+  value of the loss is the base trainer's.
+- Checks. Every TRL fact the mechanism relies on (S1-S5, in `trl_lopti/trl_contract.py`) is checked while
+  training, and stops the run at the first step where it fails, before a wrong update.
 
-The mixin's own state is one [`LoptiState`] (`self._lopti`). It changes one attribute of TRL's for the duration of a
-hook: `num_iterations`, around generation. It sets `log_completions`, TRL's switch for writing the completions table
-at a log, before each log.
+The mixin's own state is one [`LoptiState`] (`self._lopti`). It changes one attribute of TRL's for the
+duration of a hook: `num_iterations`, around generation. It sets `log_completions`, TRL's switch for writing
+the completions table at a log, before each log.
 
-The overrides, and why each stays: `training_step` (marks the micro-step in flight; checks S2-S5), `compute_loss` (the
-pass's token group; checks S1 and the values AR placed), `_get_per_token_logps_and_entropies` (the one place TRL's loss
-hands out the policy's log-probabilities: split, AR, isolation), `_generate_and_score_completions` (pi_old, eta and the
-split of a new batch; TRL's pi_old decision at the user's `num_iterations`), `_save_checkpoint` and
-`_load_optimizer_and_scheduler` (a batch's schedule across a checkpoint), `log` (one completions table per generation
-batch).
+The overrides, and why each stays: `training_step` (marks the micro-step in flight; checks S2-S5),
+`compute_loss` (the pass's token group; checks S1 and the values AR placed),
+`_get_per_token_logps_and_entropies` (the one place TRL's loss hands out the policy's log-probabilities:
+split, AR, isolation), `_generate_and_score_completions` (pi_old, eta and the split of a new batch; TRL's
+pi_old decision at the user's `num_iterations`), `_save_checkpoint` and `_load_optimizer_and_scheduler` (a
+batch's schedule across a checkpoint), `log` (one completions table per generation batch).
 """
 
 import dataclasses
@@ -64,9 +68,9 @@ from .utils import temporarily_set, trl_completion_logps
 
 logger = logging.get_logger(__name__)
 
-# The keys the trainers add to TRL's batches: the low mask (B, T) of a split batch (pi_old < eta); with AR, the
-# weights alpha * pi_old + 1 - alpha (B, T); under Lopti, the generation batch's eta (0-dim float64 on the CPU); the
-# micro-step of its cycle at which a micro-batch was first trained.
+# The keys the trainers add to TRL's batches: the low mask (B, T) of a split batch (pi_old < eta); with AR,
+# the weights alpha * pi_old + 1 - alpha (B, T); under Lopti, the generation batch's eta (0-dim float64 on
+# the CPU); the micro-step of its cycle at which a micro-batch was first trained.
 LOW_MASK_KEY = "lopti_low_mask"
 AR_WEIGHTS_KEY = "lopti_ar_weights"
 ETA_KEY = "lopti_batch_eta"
@@ -93,12 +97,32 @@ LOPTI_PAPER_CITATION = textwrap.dedent("""\
 
 
 def lopti_paper(trl_trainer_class: type) -> dict[str, str]:
-    """The model card's paper entry of a Lopti trainer: the Lopti paper, cited beside the TRL trainer's own."""
+    """The model card's paper entry of a Lopti trainer: the Lopti paper, cited beside the TRL trainer's
+    own."""
     return {
         "title": "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs",
         "id": "2505.12929",
         "citation": LOPTI_PAPER_CITATION + "\n\n" + trl_trainer_class._paper["citation"],
     }
+
+
+class ReadRecorder(dict):
+    """A dict that records every value read from it by key (`reads`): what TRL's loss read (fact G1)."""
+
+    def __init__(self, values: dict[str, Any]):
+        super().__init__(values)
+        self.reads: dict[str, list[Any]] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        value = super().__getitem__(key)
+        self.reads.setdefault(key, []).append(value)
+        return value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        # dict.get would not go through __getitem__
+        if key in self:
+            return self[key]
+        return default
 
 
 @dataclasses.dataclass
@@ -123,7 +147,8 @@ class MicroStep:
     gradient_outside_the_mask: torch.Tensor | float = 0.0
 
     def mark_backward(self, loss_mask: torch.Tensor, gradient: torch.Tensor) -> None:
-        """A tensor hook on the log-probabilities handed to TRL's loss: records what their backward brought."""
+        """A tensor hook on the log-probabilities handed to TRL's loss: records what their backward
+        brought."""
         self.backward_reached_logps = True
         outside = gradient.abs() * (1 - loss_mask.to(gradient.dtype))
         self.gradient_outside_the_mask = self.gradient_outside_the_mask + outside.sum()
@@ -137,7 +162,7 @@ class LossCall:
     Args:
         batch (`dict`):
             The micro-batch (TRL's buffered dict, which keeps TRL's advantages) and its split.
-        loss_inputs (`trl_contract.ReadRecorder`):
+        loss_inputs (`ReadRecorder`):
             What TRL's `_compute_loss` reads: a copy of the micro-batch, which records its reads.
         token_group (`str` or `None`):
             The tokens that carry gradient in this pass: `"low"`, `"high"`, or `None` for all.
@@ -146,11 +171,12 @@ class LossCall:
         micro_step (`MicroStep` or `None`):
             The training micro-step it belongs to; `None` for a call outside training.
         placed (`dict`):
-            The values a trainer placed in `loss_inputs` during the forward, which TRL's loss must read (fact G1).
+            The values a trainer placed in `loss_inputs` during the forward, which TRL's loss must read
+            (fact G1).
     """
 
     batch: dict[str, Any]
-    loss_inputs: trl_contract.ReadRecorder
+    loss_inputs: ReadRecorder
     token_group: str | None
     trains_aux_loss: bool
     micro_step: MicroStep | None
@@ -159,7 +185,8 @@ class LossCall:
 
 @dataclasses.dataclass
 class SplitTotals:
-    """The split of some completion tokens: how many are low, the sum of their AR weights, how many in all."""
+    """The split of some completion tokens: how many are low, the sum of their AR weights, how many in
+    all."""
 
     low_tokens: torch.Tensor
     ar_weight_sum: torch.Tensor
@@ -184,15 +211,18 @@ class LoptiState:
         generation_logps (`list[torch.Tensor]` or `None`):
             While TRL scores a generation batch: the log-probabilities of each forward it runs, in order.
         split_totals (`SplitTotals` or `None`):
-            The split of the micro-batches of the generation batch in training that were split so far (on-policy).
+            The split of the micro-batches of the generation batch in training that were split so far
+            (on-policy).
         cycle_prompts (`list` or `None`):
             The prompts the dataloader serves through this cycle (fact S2).
         gradient_outside_the_mask (`torch.Tensor` or `float`):
-            The gradient that reached tokens outside the loss mask in this pass, summed on the device (fact S5).
+            The gradient that reached tokens outside the loss mask in this pass, summed on the device
+            (fact S5).
         completions_table_batch (`int` or `None`):
             The generation batch whose completions table was written last.
         empty_groups (`list` or `None`):
-            The token group each of the first generation batches left empty, until warned about (`None` then).
+            The token group each of the first generation batches left empty, until warned about
+            (`None` then).
     """
 
     micro_step: MicroStep | None = None
@@ -214,7 +244,8 @@ class LoptiTrainerMixin:
     (`old_per_token_logps_at_generation`) and how AR enters its loss (`apply_advantage_reweighting`).
     """
 
-    # The trainer's Lopti config (a `LoptiArguments`), the TRL trainer it extends, and its name in `trl-lopti check`.
+    # The trainer's Lopti config (a `LoptiArguments`), the TRL trainer it extends, and its name in
+    # `trl-lopti check`.
     config_class: ClassVar[type]
     trl_trainer_class: ClassVar[type]
     contract_name: ClassVar[str]
@@ -301,7 +332,8 @@ class LoptiTrainerMixin:
         finally:
             self._lopti.micro_step = None
         check_backward_reached(micro_step.backward_reached_logps)
-        # Fact S5 is read at the end of each pass, not at every micro-step: reading a device's value waits for it.
+        # Fact S5 is read at the end of each pass, not at every micro-step: reading a device's value waits
+        # for it.
         outside = self._lopti.gradient_outside_the_mask + micro_step.gradient_outside_the_mask
         self._lopti.gradient_outside_the_mask = outside
         if (step + 1) % self.args.lopti_pass_micro_steps == 0:
@@ -332,8 +364,8 @@ class LoptiTrainerMixin:
 
     def lopti_eta(self, batch: dict[str, Any]) -> float:
         """
-        eta of a generation batch: `lopti_threshold`, or the `lopti_quantile` quantile of pi_old over the whole batch
-        (every process). Override it to split otherwise.
+        eta of a generation batch: `lopti_threshold`, or the `lopti_quantile` quantile of pi_old over the
+        whole batch (every process). Override it to split otherwise.
 
         Args:
             batch (`dict`):
@@ -366,7 +398,7 @@ class LoptiTrainerMixin:
             expected = None if micro_step.first_visit else first_position
             check_micro_batch(micro_step.position, expected, inputs.get(FIRST_TRAINED_KEY))
             inputs[FIRST_TRAINED_KEY] = first_position
-        call = LossCall(inputs, trl_contract.ReadRecorder(inputs), token_group, pass_index == 0, micro_step)
+        call = LossCall(inputs, ReadRecorder(inputs), token_group, pass_index == 0, micro_step)
         self._lopti.loss_call = call
         try:
             loss = super().compute_loss(model, call.loss_inputs, return_outputs, num_items_in_batch)
@@ -378,9 +410,11 @@ class LoptiTrainerMixin:
         return loss
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        per_token_logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+        output = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
+        check_forward_output(output)
+        per_token_logps, entropies, aux_loss = output
         call = self._lopti.loss_call
         # A forward outside the loss: pi_old, or the reference model's log-probabilities.
         if call is None:
@@ -408,7 +442,8 @@ class LoptiTrainerMixin:
 
     # ------------------------------------------------------------------------------------------------ split
     def _split_eta(self, batch: dict[str, Any]) -> float:
-        """The eta `batch` is split at: its generation's (`ETA_KEY`), else the fixed eta; 0.5 for reporting only."""
+        """The eta `batch` is split at: its generation's (`ETA_KEY`), else the fixed eta; 0.5 for reporting
+        only."""
         if not self.args.lopti_enabled:
             return UNSPLIT_REPORTING_THRESHOLD
         if ETA_KEY not in batch and self.args.lopti_quantile is not None:
@@ -416,8 +451,8 @@ class LoptiTrainerMixin:
         return float(batch.get(ETA_KEY, self.args.lopti_threshold))
 
     def _split(self, batch: dict[str, Any], old_per_token_logps: torch.Tensor) -> tuple[SplitTotals, float]:
-        """Splits `batch` (a generation batch or a micro-batch) by its pi_old: its low mask and, with AR, its AR
-        weights; returns its totals and the eta it was split at."""
+        """Splits `batch` (a generation batch or a micro-batch) by its pi_old: its low mask and, with AR, its
+        AR weights; returns its totals and the eta it was split at."""
         eta = self._split_eta(batch)
         mask = loss_token_mask(batch)
         low_mask = low_probability_token_mask(old_per_token_logps, mask, eta)
@@ -430,13 +465,14 @@ class LoptiTrainerMixin:
         return totals, eta
 
     def _split_at_first_forward(self, call: LossCall, forward_logps: torch.Tensor) -> None:
-        """Splits a micro-batch at its first loss forward, where pi_old is the batch's or, on-policy, that forward's
-        detached output; logs the split once the generation batch's last micro-batch is split."""
+        """Splits a micro-batch at its first loss forward, where pi_old is the batch's or, on-policy, that
+        forward's detached output; logs the split once the generation batch's last micro-batch is split."""
         batch = call.batch
         old_per_token_logps = batch.get("old_per_token_logps")
         # On-policy, pi_old is this forward's output; a later pass's ratio is against it.
         if old_per_token_logps is None:
-            # Fact G2: no optimizer step came between the batch's generation (its cycle's first micro-step) and now.
+            # Fact G2: no optimizer step came between the batch's generation (its cycle's first micro-step)
+            # and now.
             accumulation = self.args.gradient_accumulation_steps
             position = call.micro_step.position if call.micro_step is not None else 0
             if (self._step - position) // accumulation != self._step // accumulation:
@@ -514,8 +550,9 @@ class LoptiTrainerMixin:
         self._metrics["train"][f"lopti/loss_{token_group}_pass"].append(value)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # TRL writes the completions table at every log while `log_completions` is set. Lopti trains each generation
-        # batch for twice the optimizer steps, so a batch's table is written at its first log only.
+        # TRL writes the completions table at every log while `log_completions` is set. Lopti trains each
+        # generation batch for twice the optimizer steps, so a batch's table is written at its first log
+        # only.
         if self.model.training:
             batch_index = (self._step - 1) // self.args.lopti_cycle_micro_steps
             self.log_completions = self.args.log_completions and batch_index != self._lopti.completions_table_batch
@@ -540,8 +577,8 @@ class LoptiTrainerMixin:
         }
 
     def _save_checkpoint(self, model, trial):
-        # Inside a generation batch's schedule, the batch and its split are kept for the rest of it (fact S4), in the
-        # folder transformers saves the checkpoint to, before it is pushed.
+        # Inside a generation batch's schedule, the batch and its split are kept for the rest of it
+        # (fact S4), in the folder transformers saves the checkpoint to, before it is pushed.
         if self._step % self.args.lopti_cycle_micro_steps != 0 and self._buffered_inputs is not None:
             checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             folder = os.path.join(self._get_output_dir(trial=trial), checkpoint)
@@ -583,8 +620,8 @@ class LoptiTrainerMixin:
 
 
 # ---------------------------------------------------------------------------------------------------- runtime checks
-# Each raises `trl_contract.broken_fact` where TRL no longer behaves as a fact of `trl_contract.TRL_FACTS` says, before
-# the update it would make wrong.
+# Each raises `trl_contract.broken_fact` where TRL no longer behaves as a fact of `trl_contract.TRL_FACTS`
+# says, before the update it would make wrong.
 def prompts_of(generation_batch: Any) -> list[Any] | None:
     """The prompts of a generation batch as TRL's dataloader serves it (a list of rows), for fact S2."""
     if isinstance(generation_batch, list):
@@ -592,16 +629,27 @@ def prompts_of(generation_batch: Any) -> list[Any] | None:
     return None
 
 
+def check_forward_output(output: Any) -> None:
+    """Fact S3: TRL's log-prob forward returned (log-probabilities, entropies, auxiliary loss). Where it does
+    not, the run could not go on anyway: the check names the fact, so that `trl-lopti check` finds it
+    broken."""
+    if not isinstance(output, tuple) or len(output) != 3:
+        saw = f"{len(output)} values" if isinstance(output, tuple) else type(output).__name__
+        saw = f"_get_per_token_logps_and_entropies returned {saw}, not three"
+        raise trl_contract.broken_fact(trl_contract.LOSS_FORWARD, saw)
+
+
 def check_cycle_prompts(prompts: Any, cycle_prompts: Any, position: int) -> None:
-    """Fact S2: at micro-step `position` of its cycle, the dataloader served the prompts of the cycle's first."""
+    """Fact S2: at micro-step `position` of its cycle, the dataloader served the prompts of the cycle's
+    first."""
     if prompts != cycle_prompts:
         saw = f"at micro-step {position} of a cycle the dataloader served other prompts than at its first"
         raise trl_contract.broken_fact(trl_contract.DATALOADER, saw)
 
 
 def check_step_counter(step: int, global_step: int, accumulation: int, cycle: int) -> None:
-    """Fact S4: at an optimizer step's first micro-step, TRL's counter `_step` lies where `global_step` optimizer steps
-    of `accumulation` micro-steps put it in a `cycle`-micro-step cycle."""
+    """Fact S4: at an optimizer step's first micro-step, TRL's counter `_step` lies where `global_step`
+    optimizer steps of `accumulation` micro-steps put it in a `cycle`-micro-step cycle."""
     if cycle % accumulation == 0 and step % accumulation == 0 and (global_step * accumulation - step) % cycle:
         saw = (
             f"at optimizer step {global_step} TRL's micro-step counter _step is {step}, not where {accumulation} "
@@ -612,31 +660,32 @@ def check_step_counter(step: int, global_step: int, accumulation: int, cycle: in
 
 
 def check_resumed_state(global_step: int) -> None:
-    """Fact S4: a checkpoint inside a generation batch (an optimizer step in, at least) is resumed with the trainer
-    state at `global_step` loaded."""
+    """Fact S4: a checkpoint inside a generation batch (an optimizer step in, at least) is resumed with the
+    trainer state at `global_step` loaded."""
     if global_step == 0:
         saw = "_load_optimizer_and_scheduler ran before the trainer state was loaded"
         raise trl_contract.broken_fact(trl_contract.CHECKPOINTS, saw)
 
 
 def check_micro_batch(position: int, first_position: int | None, trained_at: int | None) -> None:
-    """Fact S1: the micro-batch served at micro-step `position` of its cycle, first trained at `trained_at` (`None`:
-    never), is the one this cycle first trained at `first_position` (`None`: it is new)."""
+    """Fact S1: the micro-batch served at micro-step `position` of its cycle, first trained at `trained_at`
+    (`None`: never), is the one this cycle first trained at `first_position` (`None`: it is new)."""
     if trained_at != first_position:
         saw = f"micro-step {position} of a cycle got a micro-batch first trained at {trained_at}, not {first_position}"
         raise trl_contract.broken_fact(trl_contract.SCHEDULE, saw)
 
 
 def check_loss_read(placed: dict[str, Any], reads: dict[str, list[Any]], fact: trl_contract.TRLFact) -> None:
-    """Fact `fact` (G1), after a loss: it read every value placed in its inputs during its forward (`placed`, by key),
-    and nothing else under those keys (`reads`: what it read, by key)."""
+    """Fact `fact` (G1), after a loss: it read every value placed in its inputs during its forward (`placed`,
+    by key), and nothing else under those keys (`reads`: what it read, by key)."""
     for key, value in placed.items():
         if not reads.get(key) or any(read is not value for read in reads[key]):
             raise trl_contract.broken_fact(fact, f"TRL's loss did not read the {key} placed during its forward")
 
 
 def check_backward_reached(reached: bool) -> None:
-    """Fact S3, after a training micro-step: its backward reached the log-probabilities handed to TRL's loss."""
+    """Fact S3, after a training micro-step: its backward reached the log-probabilities handed to TRL's
+    loss."""
     if not reached:
         saw = "the backward of a training step never reached the loss's log-probabilities"
         raise trl_contract.broken_fact(trl_contract.LOSS_FORWARD, saw)
@@ -650,15 +699,17 @@ def check_loss_mask(gradient_outside_the_mask: float) -> None:
 
 
 def check_on_policy(step: int, position: int, accumulation: int) -> None:
-    """Fact G2: a micro-batch without pi_old, first trained at micro-step `step` (`position` of its cycle, generated
-    at the cycle's first), saw no optimizer step (every `accumulation` micro-steps) since its generation."""
+    """Fact G2: a micro-batch without pi_old, first trained at micro-step `step` (`position` of its cycle,
+    generated at the cycle's first), saw no optimizer step (every `accumulation` micro-steps) since its
+    generation."""
     if (step - position) // accumulation != step // accumulation:
         saw = f"no pi_old came with a micro-batch first trained after an optimizer step (micro-step {position})"
         raise trl_contract.broken_fact(trl_contract.GRPO_GENERATION, saw)
 
 
 def resume_error(checkpoint: str, saved: dict[str, Any], current: dict[str, Any]) -> ValueError:
-    """The error for a checkpoint taken inside a generation batch with a schedule (`saved`) the run (`current`) lacks."""
+    """The error for a checkpoint taken inside a generation batch with a schedule (`saved`) the run
+    (`current`) lacks."""
     differ = [key for key in saved if saved[key] != current.get(key)]
     return ValueError(
         f"{checkpoint} was saved inside a generation batch with {', '.join(f'{k}={saved[k]}' for k in differ)}; this "

@@ -1,12 +1,14 @@
-"""REINFORCE++, the paper's second base algorithm, as one advantage estimator beside TRL's group-relative one.
+"""REINFORCE++, the paper's second base algorithm, as one advantage estimator beside TRL's group-relative
+one.
 
-`ReinforcePlusPlusMixin`, a base class of `LoptiGRPOTrainer`, acts only with `advantage_estimator=
-"reinforce_plus_plus"`: it replaces each generation batch's advantages by `core_algos.reinforce_plus_plus_advantages`
-of its rewards, before AR and Lopti read them. Deleting it (and the config value) changes nothing else.
+`ReinforcePlusPlusMixin`, a base class of `LoptiGRPOTrainer`, acts only with
+`advantage_estimator= "reinforce_plus_plus"`: it replaces each generation batch's advantages by
+`core_algos.reinforce_plus_plus_advantages` of its rewards, before AR and Lopti read them. Deleting it (and
+the config value) changes nothing else.
 
-It relies on fact G3 (`_calculate_rewards`, stated in `trl_lopti/trl_contract.py`), checked here at every generation
-batch. It shows its advantages in TRL's completions table, in place of GRPO's (`self._logs["advantages"]`), and warns
-where a TRL release keeps that table otherwise.
+It relies on fact G3 (`_calculate_rewards`, stated in `trl_lopti/trl_contract.py`), checked here at every
+generation batch. It shows its advantages in TRL's completions table, in place of GRPO's
+(`self._logs["advantages"]`), and warns where a TRL release keeps that table otherwise.
 """
 
 import warnings
@@ -18,7 +20,8 @@ from .trl_contract import GRPO_REWARDS, broken_fact
 
 
 class ReinforcePlusPlusMixin:
-    """`GRPOTrainer` mixin: REINFORCE++ advantages in place of GRPO's when `args.advantage_estimator` says so."""
+    """`GRPOTrainer` mixin: REINFORCE++ advantages in place of GRPO's when `args.advantage_estimator` says
+    so."""
 
     # The rewards of the batch being scored: every process, a column per reward function.
     _rewards_of_scored_batch: torch.Tensor | None = None
@@ -41,7 +44,8 @@ class ReinforcePlusPlusMixin:
         return output
 
     def _reinforce_plus_plus_advantages(self, rewards_per_func: torch.Tensor, output: dict) -> torch.Tensor:
-        """This process's REINFORCE++ advantages, whitened over the loss tokens of the whole generation batch."""
+        """This process's REINFORCE++ advantages, whitened over the loss tokens of the whole generation
+        batch."""
         rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
         # Unscorable completions, as TRL marks them.
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan

@@ -1,11 +1,12 @@
 """
-trl_lopti's contract with TRL: the facts about TRL's trainers that AR and Lopti rely on ([`TRLFact`], `TRL_FACTS`),
-their runtime checks, which stop a run at the first step where TRL breaks one ([`broken_fact`]), and the gate of a TRL
-release outside `TESTED_TRL_RELEASES` ([`require_verified_contract`]).
+trl_lopti's contract with TRL: the facts about TRL's trainers that AR and Lopti rely on ([`TRLFact`],
+`TRL_FACTS`), their runtime checks, which stop a run at the first step where TRL breaks one
+([`broken_fact`]), and the gate of a TRL release outside `TESTED_TRL_RELEASES`
+([`require_verified_contract`]).
 
-`tests/test_trl_contract.py` pins each fact on every tested release; `tests/test_fact_checks.py` breaks each on purpose.
-The config and trainer modules import this module before TRL (it checks TRL's version); `trl_lopti.tasks` never
-imports TRL.
+`tests/test_trl_contract.py` pins each fact on every tested release; `tests/test_fact_checks.py` breaks each
+on purpose. The config and trainer modules import this module before TRL (it checks TRL's version);
+`trl_lopti.tasks` never imports TRL.
 """
 
 import dataclasses
@@ -88,7 +89,7 @@ LOSS_FORWARD = TRLFact(
     "`_compute_loss(model, inputs)` calls `self._get_per_token_logps_and_entropies` for the policy, which returns "
     "(log-probabilities, entropies, auxiliary loss), and is differentiated through those log-probabilities",
     "an update whose gradient bypasses the log-probabilities that AR and Lopti act on",
-    "`lopti_mixin.check_backward_reached`, at every micro-step",
+    "`lopti_mixin.check_forward_output`, `lopti_mixin.check_backward_reached`, at every loss",
 )
 CHECKPOINTS = TRLFact(
     "S4",
@@ -160,7 +161,8 @@ TRL_FACTS = (
 
 
 def broken_fact(fact: TRLFact, saw: str) -> RuntimeError:
-    """The error of a runtime check: the installed TRL no longer behaves as `fact` says, and `saw` says what it saw."""
+    """The error of a runtime check: the installed TRL no longer behaves as `fact` says, and `saw` says what
+    it saw."""
     return RuntimeError(
         f"TRL {TRL_VERSION} broke fact {fact.code} of trl_lopti ({fact.name}): {saw}. Training stops here rather than "
         f"train {fact.prevents}. Install a tested release (pip install 'trl=={TESTED_TRL_RELEASES[-1]}'); "
@@ -168,35 +170,7 @@ def broken_fact(fact: TRLFact, saw: str) -> RuntimeError:
     )
 
 
-class ReadRecorder(dict):
-    """A dict that records every value read from it by key (`reads`): what TRL's loss read (fact G1)."""
-
-    def __init__(self, values: dict[str, Any]):
-        super().__init__(values)
-        self.reads: dict[str, list[Any]] = {}
-
-    def __getitem__(self, key: str) -> Any:
-        value = super().__getitem__(key)
-        self.reads.setdefault(key, []).append(value)
-        return value
-
-    def get(self, key: str, default: Any = None) -> Any:
-        # dict.get would not go through __getitem__
-        if key in self:
-            return self[key]
-        return default
-
-
 # ------------------------------------------------------------------------------------------------ the gate
-def run_precision(args) -> str:
-    """The precision of a run with these `TrainingArguments`, which its verdict must hold for: its mixed precision."""
-    if args.bf16:
-        return "bf16"
-    if args.fp16:
-        return "fp16"
-    return "fp32"
-
-
 def verdict_key(trainer: str, device_type: str, precision: str) -> dict[str, str]:
     """
     What a verdict of `trl-lopti check` holds for; a verdict made for another key is never used.
@@ -248,14 +222,15 @@ def read_verdict(key: dict[str, str]) -> dict[str, Any] | None:
 
 
 def write_verdict(verdict: dict[str, Any]) -> dict[str, Any]:
-    """Caches a verdict that passed or found a fact broken, never an inconclusive one; returns it with `cached_in`
-    (the file) or, where the cache cannot be written, `cache_error`."""
+    """Caches a verdict that passed or found a fact broken, never an inconclusive one; returns it with
+    `cached_in` (the file) or, where the cache cannot be written, `cache_error`."""
     if verdict["outcome"] == "inconclusive":
         return verdict
     path = verdict_path(verdict["key"])
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # A file of this process's own, then an atomic rename: processes of other machines may read the cache.
+        # A file of this process's own, then an atomic rename: processes of other machines may read the
+        # cache.
         partial = path.with_suffix(f".{os.getpid()}.partial")
         partial.write_text(json.dumps(verdict, indent=1) + "\n")
         partial.replace(path)
@@ -268,7 +243,8 @@ _verifying_contract = False
 """True while `trl-lopti check` runs its own trainers, which the gate lets train."""
 
 _verdicts_of_this_process: dict[str, dict[str, Any]] = {}
-"""The conclusive verdicts this process obtained, by key: they hold for the process where the cache cannot keep them."""
+"""The conclusive verdicts this process obtained, by key: they hold for the process where the cache cannot
+keep them."""
 
 _warned_skip = False
 
@@ -279,7 +255,8 @@ def check_command(key: dict[str, str], device_type: str) -> str:
 
 
 def run_check(key: dict[str, str], device_type: str) -> dict[str, Any]:
-    """The verdict of `key` by `trl-lopti check`, run in a process of its own without the launcher's settings."""
+    """The verdict of `key` by `trl-lopti check`, run in a process of its own without the launcher's
+    settings."""
     command = check_command(key, device_type)
     sys.stderr.write(f"trl_lopti: TRL {TRL_VERSION} is untested: checking trl_lopti's contract once: {command}\n")
     environment = {name: value for name, value in os.environ.items() if not LAUNCHER_VARIABLES.match(name)}
@@ -296,11 +273,12 @@ def run_check(key: dict[str, str], device_type: str) -> dict[str, Any]:
 
 def require_verified_contract(trainer: str, args) -> None:
     """
-    The gate of an untested TRL release: a Lopti trainer trains once `trl-lopti check` has passed on this machine for
-    its trainer and stack ([`verdict_key`]).
+    The gate of an untested TRL release: a Lopti trainer trains once `trl-lopti check` has passed on this
+    machine for its trainer and stack ([`verdict_key`]).
 
-    Where no verdict is cached, the first process of each machine runs the check once while every other process of
-    every machine waits; each then takes its machine's verdict. `TRL_LOPTI_SKIP_CHECK=1` trains without the check.
+    Where no verdict is cached, the first process of each machine runs the check once while every other
+    process of every machine waits; each then takes its machine's verdict. `TRL_LOPTI_SKIP_CHECK=1` trains
+    without the check.
 
     Args:
         trainer (`str`):
@@ -326,7 +304,9 @@ def require_verified_contract(trainer: str, args) -> None:
     from accelerate import PartialState
 
     device_type = args.device.type
-    key = verdict_key(trainer, device_type, run_precision(args))
+    # The precision of the run is its mixed precision.
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    key = verdict_key(trainer, device_type, precision)
     name = json.dumps(key, sort_keys=True)
     verdict = _verdicts_of_this_process.get(name) or read_verdict(key)
     state = PartialState()

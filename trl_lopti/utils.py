@@ -1,4 +1,5 @@
-"""Small helpers over TRL's trainers: TRL's own log-prob forward on a batch, and instance attributes set for a block."""
+"""Small helpers over TRL's trainers: TRL's own log-prob forward on a batch, and instance attributes set for
+a block."""
 
 import contextlib
 import functools
@@ -9,11 +10,11 @@ from typing import Any
 @functools.cache
 def extra_forward_keys() -> tuple[str, ...]:
     """
-    The multimodal inputs of TRL's log-prob forward, as TRL names them (its other arguments are ids, masks and
-    options).
+    The multimodal inputs of TRL's log-prob forward, as TRL names them (its other arguments are ids, masks
+    and options).
 
-    TRL 1.14's `GRPOTrainer` takes them as `**kwargs` in `_get_per_token_logps_and_entropies` and passes them on to
-    `_full_logits_logps`, which names them.
+    TRL 1.14's `GRPOTrainer` takes them as `**kwargs` in `_get_per_token_logps_and_entropies` and passes them
+    on to `_full_logits_logps`, which names them.
     """
     from trl import GRPOTrainer
 
@@ -26,8 +27,8 @@ def trl_completion_logps(trainer, batch: dict[str, Any], model=None, **kwargs: A
     """
     Per-token log-probabilities and entropies of the completions of a TRL batch, by TRL's own forward.
 
-    The forward is `_get_per_token_logps_and_entropies` of the trainer's TRL class, whatever a subclass overrides: its
-    LM head, temperature and autocast. It keeps gradient where grad mode is on.
+    The forward is `_get_per_token_logps_and_entropies` of the trainer's TRL class, whatever a subclass
+    overrides: its LM head, temperature and autocast. It keeps gradient where grad mode is on.
 
     Args:
         trainer (`GRPOTrainer` or `RLOOTrainer`):
