@@ -77,7 +77,6 @@ def test_every_trl_fact_is_checked_where_it_says_broken_on_purpose_and_listed_in
     tests/test_fact_checks.py) and a row of docs/releases.md; and no other code appears in any of those places."""
     from testing_utils import TRL_MUTATIONS
 
-    import trl_lopti
     from trl_lopti import trl_contract
     from trl_lopti.trl_contract import TRL_FACTS
 
@@ -94,9 +93,10 @@ def test_every_trl_fact_is_checked_where_it_says_broken_on_purpose_and_listed_in
         # Each place it names exists, and one of them raises it, or is it.
         found = []
         for place in re.findall(r"`([\w.]+)`", fact.checked_by):
-            module, _, name = place.rpartition(".")
-            owner = importlib.import_module(f"trl_lopti.{module}") if module.islower() else getattr(trl_lopti, module)
-            value = getattr(owner, name)
+            module, *names = place.split(".")
+            value = importlib.import_module(f"trl_lopti.{module}")
+            for name in names:
+                value = getattr(value, name)
             found.append(value is fact or (callable(value) and constants[fact.code] in inspect.getsource(value)))
         assert any(found), f"{fact.code} is not checked where it says: {fact.checked_by}"
     sections = re.findall(r"^# -+ (.+)$", (TESTS / "test_trl_contract.py").read_text(), re.MULTILINE)

@@ -112,7 +112,7 @@ GRPO_LOSS = TRLFact(
     "GRPO loss",
     "`_compute_loss` reads `inputs['advantages']` (token-level (B, T) accepted) only after its policy forward",
     "an update with the plain advantages where AR placed reweighted ones",
-    "`lopti_mixin.check_loss_read` of `LoptiGRPOTrainer.placement_fact`, at every loss",
+    "`lopti_mixin.check_loss_read` of `grpo_trainer.LoptiGRPOTrainer.placement_fact`, at every loss",
 )
 GRPO_GENERATION = TRLFact(
     "G2",
@@ -128,7 +128,7 @@ GRPO_REWARDS = TRLFact(
     "`_generate_and_score_completions` calls `self._calculate_rewards` once per generation batch, which returns the "
     "rewards of every completion of the batch (all processes, in process order), a column per reward function",
     "REINFORCE++ advantages whitened over the rewards of other completions",
-    "`ReinforcePlusPlusMixin._generate_and_score_completions`, at every generation batch",
+    "`reinforce_plus_plus.ReinforcePlusPlusMixin._generate_and_score_completions`, at every generation batch",
 )
 RLOO_GENERATION = TRLFact(
     "R1",
@@ -136,14 +136,14 @@ RLOO_GENERATION = TRLFact(
     "`_generate_and_score_completions` computes pi_old with its first `_get_per_token_logps_and_entropies` call (the "
     "policy, without gradient, before the reference model's) and returns its masked sum as `old_logps`",
     "a split and AR weights from other log-probabilities than pi_old (the reference model's)",
-    "`LoptiRLOOTrainer.old_per_token_logps_at_generation`, at every generation batch",
+    "`rloo_trainer.LoptiRLOOTrainer.old_per_token_logps_at_generation`, at every generation batch",
 )
 RLOO_LOSS = TRLFact(
     "R2",
     "RLOO loss",
     "`_compute_loss` sums the log-probabilities of its one policy forward over `completion_mask` (no `tool_mask`)",
     "a split over a `tool_mask` that RLOO's loss ignores, so that the two passes do not cover the tokens it trains",
-    "`LoptiRLOOTrainer.old_per_token_logps_at_generation`, at every generation batch",
+    "`rloo_trainer.LoptiRLOOTrainer.old_per_token_logps_at_generation`, at every generation batch",
 )
 TRL_FACTS = (
     SCHEDULE,
