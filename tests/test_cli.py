@@ -2,11 +2,13 @@
 real name and where a bad value came from (exit code 2), the dry run, the datasets of each task, and real training runs
 from a YAML file."""
 
+import ast
 import dataclasses
 import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,76 @@ def test_usage_version_and_unknown_command(run_cli):
     assert run_cli(["--version"])[:2] == (0, f"trl-lopti {__version__}\n")
 
 
+def imports_of_the_cli() -> dict[str, set[str]]:
+    """The modules of trl_lopti/cli that each of its modules imports: at its top or in a function, by an import
+    statement or `importlib.import_module`, and, for `main`, the modules of its commands (which it imports by name)."""
+    from trl_lopti.cli.base import COMMANDS
+
+    folder = REPO / "trl_lopti" / "cli"
+    modules = {path.stem for path in folder.glob("*.py")}
+    graph = {}
+    for path in folder.glob("*.py"):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                imported |= {node.module} if node.module else {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported.add(node.module.removeprefix("trl_lopti.cli.").split(".")[0])
+            elif isinstance(node, ast.Import):
+                imported |= {alias.name.removeprefix("trl_lopti.cli.").split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module"):
+                name = node.args[0].value if isinstance(node.args[0], ast.Constant) else ""
+                imported.add(name.removeprefix("trl_lopti.cli").lstrip(".").split(".")[0])
+        graph[path.stem] = imported & modules
+    graph["main"] |= {target.split(":")[0] for target, _ in COMMANDS.values()} & modules
+    return graph
+
+
+def test_the_modules_of_the_cli_import_one_way():
+    """No circle: main -> each command's module -> parsing -> preset_files -> base (`presets` imports `train` for its
+    dry run, `train` never imports `presets`; `rehearse` imports `train`, which never imports `rehearse`)."""
+    from graphlib import CycleError, TopologicalSorter
+
+    graph = imports_of_the_cli()
+    assert graph["base"] == set() and graph["main"] >= {"base", "train_command", "presets", "demo", "diagnose"}
+    assert graph["presets"] >= {"preset_files", "train"} and graph["rehearse"] >= {"parsing", "train"}
+    assert graph["train_command"] >= {"train", "rehearse"} and "preset_files" in graph["parsing"]
+    try:
+        order = list(TopologicalSorter(graph).static_order())
+    except CycleError as error:
+        pytest.fail(f"modules of trl_lopti/cli import each other in a circle: {' -> '.join(error.args[1])}")
+    assert order[0] == "base" and order[-2:] == ["main", "__init__"]
+    # What the check finds if `train` imported `rehearse` again.
+    with pytest.raises(CycleError):
+        list(TopologicalSorter({**graph, "train": graph["train"] | {"rehearse"}}).static_order())
+
+
+def test_presets_path_prints_the_installed_launcher_or_preset_from_any_folder(run_cli, tmp_path):
+    """`accelerate launch --config_file "$(trl-lopti presets --path accelerate/fsdp2)" ...` from an installed package:
+    the path alone on stdout, without loading TRL."""
+    from trl_lopti.cli.preset_files import PRESETS
+
+    for name, file in [
+        ("accelerate/fsdp2", "accelerate/fsdp2.yaml"),
+        ("accelerate/zero3.yaml", "accelerate/zero3.yaml"),
+        ("kk/qwen2.5-3b-instruct_ar_lopti", "kk/qwen2.5-3b-instruct_ar_lopti.yaml"),
+    ]:
+        code, out, _ = run_cli(["presets", "--path", name])
+        assert code == 0 and out == f"{PRESETS / file}\n" and Path(out.strip()).is_file()
+    code, out, err = run_cli(["presets", "--path", "accelerate/fsdp"])
+    expected = (
+        "--path: no file accelerate/fsdp, nor a preset or a launcher of that name; did you mean accelerate/fsdp2?"
+    )
+    assert code == 2 and out == "" and err == f"trl-lopti presets: error: {expected}\n"
+    # From another folder, in a new process: the path, and no TRL imported.
+    script = "import sys; from trl_lopti.cli import main; main(['presets', '--path', 'accelerate/fsdp2']); "
+    script += "print('trl' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=60, check=False
+    )
+    assert result.returncode == 0 and result.stdout == f"{PRESETS / 'accelerate/fsdp2.yaml'}\nFalse\n", result.stderr
+
+
 def test_help_fits_a_screen_with_config_and_the_lopti_fields_first_and_help_all_lists_every_field(run_cli):
     code, out, _ = run_cli(["grpo", "--help"])
     lines = out.splitlines()
@@ -68,6 +140,38 @@ def test_help_fits_a_screen_with_config_and_the_lopti_fields_first_and_help_all_
         missing = [f.name for f in dataclasses.fields(config_class) if f.init and f"--{f.name} " not in everything]
         assert missing == [], missing
     assert run_cli(["rloo", "--help"])[1].count("(LoptiRLOOConfig):") == 1
+
+
+def test_the_help_of_a_no_flag_says_what_it_does(run_cli):
+    """transformers' parser adds `--no_FIELD` for a bool field that defaults to True, with the field's own help: each
+    says what it does, and the `--no_` flag shows no default of its own (False, which is not the field's)."""
+    from trl_lopti.cli.train import train_parser
+
+    code, out, _ = run_cli(["grpo", "--help"])
+    shown = " ".join(out.split())
+    assert (
+        code == 0
+        and "--kk_prefill_think [VALUE] End K&K prompts with an assistant '<think>'. (default: True)" in shown
+    )
+    assert (
+        "--no_kk_prefill_think The opposite of --kk_prefill_think: sets kk_prefill_think to False. --kk_data_dir"
+        in shown
+    )
+    everything = " ".join(run_cli(["grpo", "--help_all"])[1].split())
+    assert (
+        "--no-kk-prefill-think The opposite of --kk_prefill_think: sets kk_prefill_think to False. --kk_data_dir"
+        in everything
+    )
+    no_flags = {
+        action.option_strings[0]: action.help
+        for action in train_parser("grpo")._actions
+        if action.option_strings[0].startswith("--no_")
+    }
+    assert len(no_flags) > 5 and "--no_gradient_checkpointing" in no_flags
+    for flag, help_text in no_flags.items():
+        assert help_text == f"The opposite of --{flag[5:]}: sets {flag[5:]} to False.", (flag, help_text)
+    assert parse_train_args(["--use_cpu", "true", "--no_kk_prefill_think"])[0].kk_prefill_think is False
+    assert parse_train_args(["--use_cpu", "true"])[0].kk_prefill_think is True
 
 
 @pytest.mark.parametrize("command", ["grpo", "rloo", "diagnose"])
@@ -316,6 +420,114 @@ def test_a_data_file_loads_by_a_bare_name_a_dot_path_a_subfolder_or_an_absolute_
     assert train.to_list() == rows and evaluation is None
 
 
+REWARD = "trl_lopti.tasks.arithmetic.exact_answer_reward"
+
+
+@pytest.fixture
+def prompts(tmp_path, monkeypatch) -> Path:
+    """A data file of the user's, `prompts.jsonl`, in the current folder."""
+    rows = [{"prompt": f"What is {i} + 1?", "answer": i + 1} for i in range(3)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "prompts.jsonl"
+
+
+def test_a_dataset_name_without_a_task_is_the_users_data_as_in_trl(base, prompts):
+    """`trl-lopti grpo --dataset_name prompts.jsonl --reward_funcs ...`, no `--task`: the user's data, as `trl grpo`
+    reads it; without a dataset name, or with the name of the paper's data or a K&K source, the paper's task."""
+    flags = ["--model_name_or_path", base["model_name_or_path"], "--use_cpu", "true"]
+    script_args, training_args, _ = parse_train_args(
+        [*flags, "--dataset_name", "prompts.jsonl", "--reward_funcs", REWARD]
+    )
+    assert script_args.task == "dataset"
+    train, _ = build_datasets(script_args, training_args)
+    assert train.to_list() == [json.loads(line) for line in prompts.read_text().splitlines()]
+    tasks_of = {
+        (): "knights_knaves",
+        ("--dataset_name", "K-and-K/knights-and-knaves"): "knights_knaves",
+        ("--dataset_name", "me/my-kk-copy", "--kk_source", "hub"): "knights_knaves",
+        ("--dataset_name", "dsr_uniform"): "math",
+        ("--dataset_name", "me/my-prompts", "--reward_funcs", REWARD): "dataset",
+    }
+    for given, task in tasks_of.items():
+        assert parse_train_args([*flags, *given])[0].task == task, given
+    # Every preset names its task, which its dataset name does not change (`make presets` checks them all).
+    for preset in sorted((REPO / "configs").glob("[!a]*/*.yaml")):
+        values = yaml.safe_load(preset.read_text())
+        parsed = parse_train_args(["--config", str(preset), "--dry_run"], values.get("trainer", "grpo"))
+        assert parsed[0].task == values["task"], preset
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (
+            ["--dataset_name", "missing.jsonl", "--reward_funcs", REWARD],
+            "dataset_name: no file or folder 'missing.jsonl' in {cwd} (task 'dataset'; --task dataset reads your data",
+        ),
+        (
+            ["--dataset_name", "./data/missing", "--reward_funcs", REWARD],
+            "dataset_name: no file or folder './data/missing' in {cwd}",
+        ),
+        (
+            ["--task", "knights_knaves", "--dataset_name", "prompts.jsonl"],
+            (
+                "dataset_name: 'prompts.jsonl' is your data, not K&K puzzles (task 'knights_knaves' reads them from "
+                "the hub, the paper or the generator, see kk_source): train on it with --task dataset"
+            ),
+        ),
+        (["--task", "math", "--dataset_name", "prompts.jsonl"], "task 'math' takes one of"),
+    ],
+)
+def test_a_dataset_name_that_cannot_work_fails_at_once_naming_task_dataset(base, prompts, run_cli, flags, error):
+    """Refused as it is parsed, before any data or model loads: no look-up of a local path on the Hub, which retries
+    for about 30 s before it fails (`datasets.load_dataset` is never reached)."""
+    start = time.perf_counter()
+    code, _, err = run_cli(["grpo", "--model_name_or_path", base["model_name_or_path"], "--use_cpu", "true", *flags])
+    assert code == 2 and error.format(cwd=prompts.parent) in err and "--task dataset" in err, err
+    assert "(dataset_name from the flag --dataset_name" in err and time.perf_counter() - start < 10
+
+
+def test_a_hub_id_is_still_read_from_the_hub(base, monkeypatch):
+    """A name that may be a hub id (`owner/name`, no data file extension) goes to `datasets.load_dataset`, as in
+    `trl grpo` (stood in for here: the tests run offline)."""
+    import datasets
+
+    loaded = []
+    monkeypatch.setattr(
+        datasets,
+        "load_dataset",
+        lambda *args, **kwargs: loaded.append(args) or datasets.Dataset.from_list([{"prompt": "x"}]),
+    )
+    flags = ["--model_name_or_path", base["model_name_or_path"], "--use_cpu", "true", "--reward_funcs", REWARD]
+    train, _ = build_datasets(*parse_train_args([*flags, "--dataset_name", "trl-lib/DeepMath-103K"])[:2])
+    assert loaded == [("trl-lib/DeepMath-103K", None)] and train.to_list() == [{"prompt": "x"}]
+
+
+@pytest.mark.parametrize(
+    "name, text, error",
+    [
+        ("empty.jsonl", "", "dataset_name: the data file {path} is empty"),
+        ("blank.jsonl", "\n\n", "dataset_name: cannot read the data file {path}: "),
+        (
+            "broken.jsonl",
+            '{"prompt": "a"}\n{"prompt": "b"\n',
+            "dataset_name: cannot read the data file {path}: JSON parse",
+        ),
+        ("text.jsonl", '{"prompt": "a"}\nnot json\n', "dataset_name: cannot read the data file {path}: JSON parse"),
+        ("broken.csv", 'prompt,answer\n"a,1\n', "dataset_name: cannot read the data file {path}: Error tokenizing"),
+    ],
+)
+def test_an_empty_or_malformed_data_file_is_an_error_that_names_it(tmp_path, base, run_cli, name, text, error):
+    path = tmp_path / name
+    path.write_text(text)
+    argv = ["grpo", "--model_name_or_path", base["model_name_or_path"], "--output_dir", base["output_dir"]]
+    code, _, err = run_cli([*argv, "--use_cpu", "true", "--dataset_name", str(path), "--reward_funcs", REWARD])
+    assert code == 2 and error.format(path=path) in err and "Traceback" not in err, err
+    # Refused before any model loads.
+    assert not Path(base["output_dir"]).exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Real runs
 # ---------------------------------------------------------------------------------------------------------------------
@@ -344,8 +556,11 @@ def test_train_from_yaml_with_lora(tmp_path, base, run_cli):
         "advantage_reweighting_alpha": 0.3,
         "lopti_threshold": 0.5,
     }
-    code, _, err = run_cli(["grpo", "--config", write_yaml(tmp_path / "train.yaml", values)])
+    code, out, err = run_cli(["grpo", "--config", write_yaml(tmp_path / "train.yaml", values)])
     assert code == 0, err
+    # Where it trains: said first, once.
+    assert out.splitlines()[0] == "trl-lopti grpo: training on cpu, 1 process"
+    assert out.count("training on") == 1 and f"trl-lopti grpo: model saved to {base['output_dir']}" in out
     out_dir = Path(base["output_dir"])
     adapter = json.loads((out_dir / "adapter_config.json").read_text())
     assert adapter["r"] == 4 and sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]

@@ -175,8 +175,9 @@ def test_preset_reproduces_the_authors_script(path, capsys):
     # offload for the 7B models, and the header gives the memory arithmetic.
     assert model_args.dtype == "float32" and training_args.bf16 is True
     assert training_args.model_init_kwargs == {"device_map": None}
-    launcher_name = re.search(r"accelerate launch --config_file configs/accelerate/(\S+)", text).group(1)
-    launcher = yaml.safe_load((CONFIGS / "accelerate" / launcher_name).read_text())
+    launch = r'accelerate launch --config_file "\$\(trl-lopti presets --path accelerate/([\w.]+)\)"'
+    launcher_name = re.search(launch, text).group(1)
+    launcher = yaml.safe_load((CONFIGS / "accelerate" / f"{launcher_name}.yaml").read_text())
     assert launcher["mixed_precision"] == "bf16" and launcher["distributed_type"] == "FSDP"
     assert launcher["fsdp_config"]["fsdp_version"] == 2
     is_7b = "7B" in model_args.model_name_or_path

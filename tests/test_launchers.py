@@ -26,8 +26,10 @@ its own 1-process reference.
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -360,6 +362,161 @@ def test_rehearsal_of_the_vllm_server_preset_on_a_machine_without_vllm(tmp_path)
         (tmp_path / "outputs/kk_qwen2.5-3b-instruct_ar_lopti_vllm_server-rehearsal/rehearsal.json").read_text()
     )
     assert report["failures"] == [] and report["low_pass_steps"] == [1, 2] and "vllm_run_weight_syncs" not in report
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The documentation's launch commands, as users copy them: run from any folder with an installed package
+# (.ci/docs_launch_commands.py, which .ci/run's wheel stage runs outside the checkout)
+# ---------------------------------------------------------------------------------------------------------------------
+DOCS_LAUNCH_COMMANDS = runpy.run_path(str(ROOT / ".ci" / "docs_launch_commands.py"))
+DOC_FILES = ["README.md", "configs/README.md", *sorted(str(page.relative_to(ROOT)) for page in ROOT.glob("docs/*.md"))]
+INSTALLED_LAUNCHER = re.compile(r'"\$\((?:\S*/)?trl-lopti presets --path accelerate/(?P<name>[\w<>]+)\)"')
+
+
+def test_every_config_file_of_the_docs_is_an_installed_launcher_by_name():
+    """`--config_file "$(trl-lopti presets --path accelerate/fsdp2)"`: a path in the checkout
+    (`configs/accelerate/fsdp2.yaml`) is no file outside a clone, where a wheel's user runs the command."""
+    from trl_lopti.cli.preset_files import installed_file
+
+    value_of = re.compile(r'--config_file[ =]("\$\([^)]*\)"|\S+)')
+    values = {doc: value_of.findall((ROOT / doc).read_text()) for doc in DOC_FILES}
+    assert len(values["docs/cpu.md"]) >= 2 and values["docs/scale.md"] and values["configs/README.md"]
+    for doc, found in values.items():
+        for value in found:
+            named = INSTALLED_LAUNCHER.fullmatch(" ".join(value.split()))
+            assert named, (
+                f'{doc}: --config_file {value}: name an installed launcher, "$(trl-lopti presets --path ...)"'
+            )
+            if named["name"] not in ("<file>", "NAME"):
+                assert installed_file(f"accelerate/{named['name']}").is_file()
+
+
+def test_the_docs_launch_commands_run_from_the_installed_package_gpu_ones_as_dry_runs():
+    """What .ci/run's wheel stage runs: every launch command of the docs, a CPU command as written, a GPU command with
+    `--dry_run`, the CPU vLLM environment's skipped (another environment); each names its preset by name."""
+    commands = DOCS_LAUNCH_COMMANDS["launch_commands"](ROOT)
+    how = {}
+    for command in commands:
+        how.setdefault(command.where.split(":")[0], []).append(command.how.split(":")[0])
+    cpu = "as written (a CPU command)"
+    gpu = "with --dry_run (a command for GPUs)"
+    assert how == {
+        "configs/README.md": [gpu, gpu],
+        # The CPU vLLM environment's command (.venv-vllm-cpu/bin/accelerate) is skipped.
+        "docs/cpu.md": [cpu, "skipped"],
+        "docs/scale.md": [gpu, cpu, gpu],
+    }
+    for command in commands:
+        assert command.run in (None, command.written, f"{command.written} --dry_run"), command
+        assert INSTALLED_LAUNCHER.search(command.written) or "torchrun" in command.written, command
+        # Nothing of the checkout.
+        assert not re.search(r"\s(configs|trl_lopti)/", command.written), command
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "docs_launch_commands.py"), str(ROOT), "--list"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert completed.returncode == 0 and completed.stdout.count("\ndocs: ") == len(commands), completed.stdout
+
+
+def docs_cpu_commands() -> dict[str, str]:
+    """The complete CPU launch commands, as written: docs/scale.md's (torchrun) and docs/cpu.md's (accelerate)."""
+    commands = DOCS_LAUNCH_COMMANDS["launch_commands"](ROOT)
+    written = {command.where.split(":")[0]: command.written for command in commands if command.run == command.written}
+    # One in each.
+    assert sorted(written) == ["docs/cpu.md", "docs/scale.md"], written
+    assert written["docs/scale.md"].startswith("ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m trl_lopti")
+    assert written["docs/cpu.md"].startswith("accelerate launch --config_file")
+    return {"torchrun": written["docs/scale.md"], "accelerate": written["docs/cpu.md"]}
+
+
+LAUNCH_REPEATS = 10
+LAUNCH_TIMEOUT_S = 150
+
+
+@pytest.mark.slow
+def test_the_docs_cpu_launch_commands_exit_every_time_two_at_a_time(tmp_path):
+    """Every launch exits. The torchrun and accelerate CPU commands of the docs, each LAUNCH_REPEATS times, one of each
+    at a time (load): each must exit 0 within LAUNCH_TIMEOUT_S (a launch that trained, saved and then hung in a gloo
+    group's teardown did not), its first line saying where it trains. Each runs in a folder of its own, on a port of
+    its own: the command as written but for `--main_process_port` (accelerate) and `PET_MASTER_PORT` (torchrun)."""
+    commands = docs_cpu_commands()
+    environment = dict(
+        os.environ,
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+        PYTHONPATH=str(ROOT),
+        HF_HUB_OFFLINE="1",
+        WANDB_MODE="disabled",
+    )
+    first_lines = {
+        "torchrun": "trl-lopti grpo: training on cpu, 2 processes (DDP)",
+        "accelerate": "trl-lopti grpo: training on cpu, 2 processes (FSDP)",
+    }
+    exits = {name: [] for name in commands}
+
+    def launch(name: str, repeat: int) -> None:
+        folder = tmp_path / f"{name}-{repeat}"
+        folder.mkdir()
+        port = str(free_port())
+        command = commands[name].replace("accelerate launch ", f"accelerate launch --main_process_port {port} ")
+        code, output = DOCS_LAUNCH_COMMANDS["run"](
+            command, LAUNCH_TIMEOUT_S, cwd=folder, env=dict(environment, PET_MASTER_PORT=port)
+        )
+        said = [line for line in output.splitlines() if line.startswith(("trl-lopti grpo:", "rehearse:"))]
+        exits[name].append(code)
+        assert code == 0 and said[:1] == [first_lines[name]], f"{name} #{repeat}: exit code {code}\n{output[-4000:]}"
+        assert (
+            json.loads((folder / "outputs/kk_qwen2.5-3b-instruct_ar_lopti-rehearsal/rehearsal.json").read_text())[
+                "failures"
+            ]
+            == []
+        )
+
+    failures = []
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for repeat in range(LAUNCH_REPEATS):
+            for future in [pool.submit(launch, name, repeat) for name in commands]:
+                try:
+                    future.result()
+                except AssertionError as error:
+                    failures.append(str(error))
+    counts = {name: f"{codes.count(0)} of {len(codes)} exited 0" for name, codes in exits.items()}
+    report_row({"docs CPU launch commands, two at a time": counts, "exit codes": exits})
+    assert failures == [], f"{counts}\n" + "\n".join(failures)
+
+
+@pytest.mark.slow
+def test_a_rehearsal_clears_the_folder_of_the_one_before(tmp_path):
+    """Two rehearsals in a row in the same output_dir, FSDP2 on 2 processes then 1 process: the second reads nothing of
+    the first (whose FSDP checkpoint, resumed without FSDP, was an error after the second had trained)."""
+    preset = ["--config", "kk/qwen2.5-3b-instruct_ar_lopti", "--output_dir", "out"]
+    run(accelerate_launch(ROOT / "configs/accelerate/fsdp2.yaml", *preset), tmp_path)
+    folder = tmp_path / "out-rehearsal"
+    assert json.loads((folder / "rehearsal.json").read_text())["backend"].startswith("FSDP on 2 process")
+    # FSDP's own checkpoint files.
+    assert list((folder / "run").glob("checkpoint-2/pytorch_model_fsdp*"))
+    run([sys.executable, "-m", "trl_lopti", "grpo", *preset, "--rehearse"], tmp_path)
+    report = json.loads((folder / "rehearsal.json").read_text())
+    assert report["backend"].startswith("NO on 1 process") and report["failures"] == []
+    assert not list(folder.rglob("*fsdp*")) and report["checkpoint"].endswith("(with lopti_generation_batch_rank0.pt)")
+
+
+def test_a_rehearsal_refuses_to_clear_a_folder_it_did_not_write(tmp_path):
+    from trl_lopti.cli import CliError
+    from trl_lopti.cli.rehearse import clear
+
+    folder = tmp_path / "out-rehearsal"
+    for name in ("run/checkpoint-2", "resumed", "tiny-qwen2"):
+        (folder / name).mkdir(parents=True)
+    (folder / "rehearsal.json").write_text("{}")
+    clear(folder)
+    assert not folder.exists()
+    (folder / "run").mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(CliError, match=r"out-rehearsal holds files a rehearsal does not write \(notes\.txt\)"):
+        clear(folder)
+    assert (folder / "notes.txt").read_text() == "mine"
 
 
 def test_every_shipped_launcher_is_tested_or_excluded_with_a_reason():

@@ -261,7 +261,8 @@ def as_lopti_config(args: Any, model: Any, config_class: type = LoptiGRPOConfig)
 def lopti_schedule_error(config: LoptiArguments, without_lopti: str) -> str:
     """The error of a schedule whose Lopti pass would not end on an optimizer step: a fix, or
     `without_lopti`."""
-    steps, iterations = config.steps_per_generation, config.num_iterations
+    steps = config.steps_per_generation
+    iterations = config.num_iterations
     accumulation = config.gradient_accumulation_steps
     fitting = accumulation // math.gcd(accumulation, iterations)
     suggestion = steps + (-steps) % fitting  # the next steps_per_generation that fits
@@ -294,7 +295,8 @@ def warn_if_max_steps_ends_inside_a_cycle(config: LoptiArguments) -> None:
 def _check_fraction(config: LoptiArguments, name: str, closed: bool, disabled_by: str) -> None:
     """Makes the field `name` a float if it is a real number (numpy scalars included) in [0, 1] (`closed`) or
     (0, 1); else raises. `None` stays where `disabled_by` allows it."""
-    value, interval = getattr(config, name), "[0, 1]" if closed else "(0, 1)"
+    value = getattr(config, name)
+    interval = "[0, 1]" if closed else "(0, 1)"
     if value is None and disabled_by.startswith("None"):
         return
     real = isinstance(value, numbers.Real) and not isinstance(value, bool)

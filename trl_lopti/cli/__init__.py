@@ -1,3 +1,4 @@
-"""The `trl-lopti` command line: `main` and its table of commands (in `main.py`), and one module per command."""
+"""The `trl-lopti` command line: `main` (`main.py`), its table of commands (`base.py`), one module per command."""
 
-from .main import CliError, main
+from .base import CliError
+from .main import main

@@ -24,10 +24,17 @@ from .train import policy_model_init_kwargs
 
 DEMO_TRAINING_DEFAULTS: dict[str, Any] = {
     "output_dir": "outputs/demo",
-    "per_device_train_batch_size": 32,  # 4 prompts x 8 completions (num_generations) per generation batch
-    "max_completion_length": 4,  # " 15." is 4 tokens; the first number is all the reward reads
-    "learning_rate": 2e-5,  # far above the paper's 1e-6: this run is 6 generation batches long
-    **dict(lr_scheduler_type="constant", gradient_checkpointing=False, logging_steps=1, save_strategy="no", seed=0),
+    # 4 prompts x 8 completions (num_generations) per generation batch.
+    "per_device_train_batch_size": 32,
+    # " 15." is 4 tokens; the first number is all the reward reads.
+    "max_completion_length": 4,
+    # Far above the paper's 1e-6: this run is 6 generation batches long.
+    "learning_rate": 2e-5,
+    "lr_scheduler_type": "constant",
+    "gradient_checkpointing": False,
+    "logging_steps": 1,
+    "save_strategy": "no",
+    "seed": 0,
 }
 """Defaults of `trl-lopti demo` for fields of `LoptiGRPOConfig` (flags and `--config` override them). The others keep
 their `LoptiGRPOConfig` defaults: temperature 1 (top_k 0, top_p 1), beta 0, alpha 0.3, eta 0.5, no `report_to`."""
@@ -91,7 +98,9 @@ def main(argv: Sequence[str]) -> int:
     """`trl-lopti demo [--field value ...]`: model, evaluation before, training, evaluation after, table, JSON, PNG."""
     cpu = {} if torch.accelerator.is_available() else {"use_cpu": True, "bf16": False}
     demo_args, training_args, model_args = make_parser().parse(argv, cpu and cpu_settings(argv, "trl-lopti demo", cpu))
-    start, args, rollout_batches = time.perf_counter(), training_args, demo_args.rollout_batches
+    start = time.perf_counter()
+    args = training_args
+    rollout_batches = demo_args.rollout_batches
     model_path = check_model_name_or_path(model_args.model_name_or_path or get_smollm2())
     train_problems, held_out = split_problems("add", demo_args.num_eval_pairs, split_seed=args.seed)
     prompts = rollout_batches * args.generation_batch_size // args.num_generations

@@ -77,7 +77,8 @@ def main(argv: Sequence[str]) -> int:
     trainer = build_trainer(script_args, training_args, model_args, num_prompts)
     inputs, summary = sample_generation_batch(trainer, list(trainer.train_dataset))
     print(f"generated {summary['num_completions']} completions (mean reward {summary['reward_mean']:.3f})", flush=True)
-    micro_batch_size, steps = training_args.per_device_train_batch_size, training_args.num_iterations - 1
+    micro_batch_size = training_args.per_device_train_batch_size
+    steps = training_args.num_iterations - 1
     inner = None  # TRL's last iteration on a batch sees the policy num_iterations - 1 steps on
     if steps:
         inner = advance_policy_on_batch(trainer, inputs, steps, training_args.learning_rate, micro_batch_size)

@@ -17,8 +17,8 @@ import yaml
 from trl import TrlParser
 
 from .. import LoptiGRPOConfig, LoptiRLOOConfig
-from .main import COMMANDS, CliError, nearest
-from .presets import preset_path
+from .base import COMMANDS, CliError, nearest
+from .preset_files import preset_path
 
 
 CONFIGS = {"grpo": LoptiGRPOConfig, "rloo": LoptiRLOOConfig}
@@ -53,7 +53,16 @@ class LoptiParser(TrlParser):
 
     def __init__(self, dataclass_types: Sequence[type], command: str, trainer: str = "grpo"):
         super().__init__(dataclass_types, prog=f"trl-lopti {command}", description=COMMANDS[command][1])
-        self.allow_abbrev, self.trainer, self.sources, self.config = False, trainer, {}, None
+        self.allow_abbrev = False
+        self.trainer = trainer
+        self.sources = {}
+        self.config = None
+        # transformers' parser gives the `--no_FIELD` flag of a bool field that defaults to True the field's help, which
+        # it contradicts, and a default of its own (False), which is not the field's: it gets its own help, no default.
+        for action in self._actions:
+            if action.option_strings[:1] == [f"--no_{action.dest}"]:
+                action.help = f"The opposite of --{action.dest}: sets {action.dest} to False."
+                action.default = argparse.SUPPRESS
 
     def error(self, message: str):
         raise CliError(re.sub(r"(--\w+)/--[\w-]+", r"\1", message))  # argparse's, with no dashed alias
@@ -62,13 +71,16 @@ class LoptiParser(TrlParser):
         formatter = Formatter(self.prog, max_help_position=34, width=119)
         formatter.add_usage(f"{self.prog} [--config FILE|PRESET] [--FIELD VALUE ...]", [], [])
         formatter.add_text(self.description)
-        config, actions = CONFIGS[self.trainer], {action.dest: action for action in self._actions}
-        lopti, own = own_fields(config), [n for c in self.dataclass_types if c is not config for n in own_fields(c)]
+        config = CONFIGS[self.trainer]
+        lopti = own_fields(config)
+        own = [name for cls in self.dataclass_types if cls is not config for name in own_fields(cls)]
+        # Each field's flags: a bool field that defaults to True has two, `--FIELD` and `--no_FIELD`.
+        own_actions = [action for name in own for action in self._actions if action.dest == name]
         formatter.start_section("options")
-        formatter.add_arguments([*OPTIONS, self._option_string_actions["-h"], *(actions[name] for name in own)])
+        formatter.add_arguments([*OPTIONS, self._option_string_actions["-h"], *own_actions])
         formatter.end_section()
         formatter.start_section(f"Advantage Reweighting and Lopti ({config.__name__})")
-        formatter.add_arguments([actions[name] for name in lopti])
+        formatter.add_arguments([action for name in lopti for action in self._actions if action.dest == name])
         formatter.end_section()
         lines = [f"and the fields of TRL's classes, as `trl {self.trainer}` reads them (--help_all):"]
         for cls in self.dataclass_types:  # by the TRL class each extends: ScriptArguments, GRPOConfig, ModelConfig
@@ -82,7 +94,8 @@ class LoptiParser(TrlParser):
         """The dataclasses from `--config FILE|PRESET` (a YAML mapping; `env:` sets environment variables, as TRL's
         parser does) and the flags, which win, and the settings `added` for this machine that no flag gives. `sources`
         says where the values that are not defaults came from: `config_file`, `flags` or `this_machine`."""
-        args, values = [part for a in argv for part in (a.split("=", 1) if a.startswith("--config=") else [a])], {}
+        args = [part for a in argv for part in (a.split("=", 1) if a.startswith("--config=") else [a])]
+        values = {}
         if "--help_all" in args:
             print(super().format_help())
             raise SystemExit(0)
@@ -102,7 +115,8 @@ class LoptiParser(TrlParser):
             if values.setdefault("trainer", self.trainer) != self.trainer:  # a check: the command is the trainer
                 raise CliError(f"trainer: {self.config} is for `trl-lopti {values['trainer']}`, not {self.prog}")
             del values["trainer"]
-        options, names = self._option_string_actions, [action.dest for action in self._actions]
+        options = self._option_string_actions
+        names = [action.dest for action in self._actions]
         flags = [arg.split("=")[0] for arg in args if arg.startswith("--")]
         for name, known in [*((key, names) for key in values), *((flag, list(options)) for flag in flags)]:
             if name not in known:

@@ -1,47 +1,45 @@
-"""`trl-lopti presets [--dry_run]`: the presets installed with the package (the repository's `configs/`), one line each:
-the name `--config` takes, the command that trains it, and what it reproduces (its header's first line and script);
-then the folder of the `accelerate` launchers. `--dry_run`: each preset checked as `--dry_run` does on a CPU."""
+"""`trl-lopti presets [--dry_run | --path NAME]`: the presets installed with the package (the repository's `configs/`),
+one line each: the name `--config` takes, the command that trains it, and what it reproduces (its header's first line
+and script); then the folder of the `accelerate` launchers. `--dry_run`: each preset checked as `--dry_run` does on a
+CPU. `--path NAME`: the installed file of a preset or a launcher, for `accelerate launch --config_file "$(trl-lopti
+presets --path accelerate/fsdp2)" ...` from any folder."""
 
 import argparse
 import re
 from collections.abc import Sequence
-from importlib.resources import files
-from pathlib import Path
 
-from .main import CliError, nearest
-
-
-PRESETS = Path(str(files("trl_lopti"))) / "presets"
-"""The presets installed with the package: the repository's `configs/` (`trl_lopti/presets` links to it)."""
-
-
-def preset_names() -> list[str]:
-    """The names of the training presets (`kk/qwen2.5-3b-instruct_ar_lopti`), the launchers left out."""
-    return sorted(
-        f"{path.parent.name}/{path.stem}" for path in PRESETS.glob("*/*.yaml") if "accelerate" not in str(path)
-    )
-
-
-def preset_path(name: str) -> Path:
-    """`--config`'s file: a path, else a preset's name (`kk/qwen2.5-3b-instruct_ar_lopti`, `.yaml` optional)."""
-    path, preset = Path(name).expanduser(), PRESETS / (name if name.endswith(".yaml") else f"{name}.yaml")
-    if not path.is_file() and not preset.is_file():
-        raise CliError(f"--config: no file {name}, nor a preset of that name{nearest(name, preset_names())}")
-    return path if path.is_file() else preset
+from .preset_files import PRESETS, installed_file, preset_names
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="trl-lopti presets", description=__doc__)
-    parser.add_argument("--dry_run", action="store_true", help="check every preset (`make presets`)")
-    if dry_run := parser.parse_args(argv).dry_run:  # (imported here: the list needs no TRL)
+    """`trl-lopti presets`: lists the presets, checks them (`--dry_run`) or prints one file's path (`--path NAME`).
+
+    Args:
+        argv (`Sequence[str]`): the arguments after `presets`.
+    """
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="trl-lopti presets", description=__doc__, formatter_class=formatter)
+    options = parser.add_mutually_exclusive_group()
+    options.add_argument("--dry_run", action="store_true", help="check every preset (`make presets`)")
+    options.add_argument("--path", metavar="NAME", help="print the installed file of a preset or a launcher, and exit")
+    args = parser.parse_args(argv)
+    if args.path:
+        print(installed_file(args.path))
+        return 0
+    # Imported here: the list and --path load no TRL.
+    if args.dry_run:
         from .train import checked_args
     print(f"presets in {PRESETS} (trl-lopti COMMAND --config NAME):")
-    for name in (names := preset_names()):
-        text = (PRESETS / f"{name}.yaml").read_text()
+    names = preset_names(PRESETS)
+    for name in names:
+        path = PRESETS / f"{name}.yaml"
+        text = path.read_text()
         command = (re.findall(r"^trainer: *(\w+)", text, re.MULTILINE) or ["grpo"])[0]
-        if dry_run:
-            checked_args(["--config", name, "--dry_run"], command, {"use_cpu": True})  # (on any machine)
-        script = re.findall(r"\A.*\n# Reproduces scripts/(\S+)", text)  # the authors' script, where one is named
+        # Checked on any machine, with the CPU settings.
+        if args.dry_run:
+            checked_args(["--config", str(path), "--dry_run"], command, {"use_cpu": True})
+        # The authors' script, where one is named.
+        script = re.findall(r"\A.*\n# Reproduces scripts/(\S+)", text)
         what = text.splitlines()[0].lstrip("# ") + (f" (the authors' {script[0]})" if script else "")
         print(f"  {name:<{max(map(len, names))}}  {command}  {what}", flush=True)
     print(f"launchers (accelerate launch --config_file FILE): {PRESETS / 'accelerate'}/*.yaml")

@@ -6,7 +6,9 @@ trains against a CPU `vllm serve` where vLLM is installed (`cpu_backends.vllm_se
 
 import json
 import os
+import shutil
 import time
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,8 @@ from ..cpu_backends import accelerate as cpu_backends
 from ..cpu_backends import vllm_server
 from ..models import PEAKED_TINY_MODEL, build_tiny_model
 from ..tasks.math import make_math_prompt
-from .parsing import CliError, cpu_settings
+from .base import CliError
+from .parsing import cpu_settings
 from .train import DEFAULT_REWARD_FUNCS, parse_train_args, run_training
 
 
@@ -37,10 +40,19 @@ RESUME_TOLERANCE = 1e-6
 FAMILIES = {"qwen": "qwen2", "llama": "llama", "smollm": "llama"}
 """Tiny model architecture (`trl_lopti.models.build_tiny_model`) by a part of the model's name or `model_type`."""
 
+WRITTEN = ("run", "resumed", "tiny-*", "math.parquet", "vllm_server.log", "rehearsal.json")
+"""What a rehearsal writes in its folder (`OUTPUT_DIR-rehearsal`), which the next one clears first."""
+
 
 def main(argv: list[str], command: str) -> int:
-    """Rehearses `trl-lopti COMMAND ARGV` (`grpo` or `rloo`, with `--rehearse`); returns the exit code."""
-    start, say = time.perf_counter(), print if os.environ.get("RANK", "0") == "0" else (lambda *_: None)
+    """Rehearses `trl-lopti COMMAND ARGV` (`grpo` or `rloo`, with `--rehearse`); returns the exit code.
+
+    Args:
+        argv (`list[str]`): the arguments after the command.
+        command (`str`): `grpo` or `rloo`.
+    """
+    start = time.perf_counter()
+    say = print if os.environ.get("RANK", "0") == "0" else (lambda *_: None)
     overrides = {} if torch.cuda.is_available() else cpu_backends.install()
     # the settings transformers, accelerate and DeepSpeed need to run the launcher on CPU processes
     added = cpu_settings(argv, f"trl-lopti {command} --rehearse", overrides) if overrides else {}
@@ -56,13 +68,24 @@ def main(argv: list[str], command: str) -> int:
 
     script_args, training_args, model_args = parse()
     unset_hf_deepspeed_config()  # the tiny model is built whole on the main process, not under ZeRO-3's zero.Init
-    with training_args.main_process_first(desc="rehearsal inputs"):  # the main process writes the model and data
-        folder = Path(f"{training_args.output_dir}-rehearsal")
-        scale = _scaled_flags(script_args, training_args, model_args, folder, say)
+    folder = Path(f"{training_args.output_dir}-rehearsal")
+    # Said after the run's first line (where it trains).
+    said = []
+    # The main process clears an earlier rehearsal's folder, then writes the model and data.
+    with training_args.main_process_first(desc="rehearsal inputs"):
+        if training_args.local_process_index == 0:
+            clear(folder)
+        scale = _scaled_flags(script_args, training_args, model_args, folder, said.append)
     checkpoint = folder / "run" / f"checkpoint-{scale['save_steps']}"
     served = scale["model_name_or_path"] if training_args.use_vllm and scale.get("use_vllm", True) else None
     with vllm_server.ServerRuns.start(served and str(served), folder / "vllm_server.log") as vllm:
-        trainer = run_training(*parse(scale, vllm.flags()), end=False, prepare=vllm.attach)
+
+        def prepare(trainer) -> None:
+            for line in said:
+                say(line)
+            vllm.attach(trainer)
+
+        trainer = run_training(*parse(scale, vllm.flags()), end=False, prepare=prepare)
         batches = ", ".join(sorted(path.name for path in checkpoint.glob("lopti_generation_batch*")))  # mid-cycle
         report = {
             "trainer": type(trainer).__name__,
@@ -76,7 +99,7 @@ def main(argv: list[str], command: str) -> int:
         vllm.check(report, "run", expected_sync_steps=[0, cycle])
         del trainer
         resumed_flags = {"resume_from_checkpoint": checkpoint, "output_dir": folder / "resumed"}
-        resumed = run_training(*parse(scale, vllm.flags(), resumed_flags), prepare=vllm.attach)
+        resumed = run_training(*parse(scale, vllm.flags(), resumed_flags), prepare=vllm.attach, say_where=False)
         vllm.check(report, "resumed", expected_sync_steps=[cycle])  # the stored batch's high pass first: no sync
     if resumed.accelerator.is_main_process:  # its final model against the uninterrupted run's
         run, rerun = (load_file(folder / name / "model.safetensors") for name in ("run", "resumed"))
@@ -96,10 +119,24 @@ def main(argv: list[str], command: str) -> int:
     return 1 if report["failures"] else 0
 
 
+def clear(folder: Path) -> None:
+    """Removes an earlier rehearsal's `folder`, so that this one reads none of its files (a checkpoint of another
+    launcher would not resume); refuses a folder that holds anything a rehearsal does not write.
+
+    Args:
+        folder (`Path`): the rehearsal's folder.
+    """
+    others = [path.name for path in folder.glob("*") if not any(fnmatch(path.name, name) for name in WRITTEN)]
+    if others:
+        raise CliError(f"rehearse: {folder} holds files a rehearsal does not write ({', '.join(sorted(others))})")
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> dict[str, Any]:
     """The flags that scale a parsed preset down to a rehearsal, with the inputs they name; says what they change."""
     folder.mkdir(parents=True, exist_ok=True)
-    world, rows = int(os.environ.get("WORLD_SIZE", "1")), REHEARSAL_SCALE["rows_per_optimizer_step"]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rows = REHEARSAL_SCALE["rows_per_optimizer_step"]
     per_device = min(REHEARSAL_SCALE["per_device_train_batch_size"], rows // world)
     steps_per_pass, rest = divmod(training_args.lopti_pass_micro_steps, training_args.gradient_accumulation_steps)
     if world not in (1, 2, 4, 8) or rest:
@@ -107,7 +144,8 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
             f"rehearse: needs 1, 2, 4 or 8 processes (got {world}) and steps_per_generation * "
             "num_iterations a multiple of gradient_accumulation_steps"
         )
-    accumulation, cycle_steps = rows // (per_device * world), training_args.lopti_num_passes * steps_per_pass
+    accumulation = rows // (per_device * world)
+    cycle_steps = training_args.lopti_num_passes * steps_per_pass
     vllm_reason = vllm_server.unavailable(training_args) if training_args.use_vllm else None
     max_steps = (2 if training_args.use_vllm and not vllm_reason else 1) * cycle_steps  # vLLM: two generation batches
     model = Path(model_args.model_name_or_path).expanduser()  # a local model under 100 MB as it is, else a tiny one
@@ -175,7 +213,8 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
 
 def _passes(trainer) -> dict[str, Any]:
     """From the logs: each pass's optimizer steps and gradient norms, eta, the low-token share, and what failed."""
-    logs, lopti = [entry for entry in trainer.state.log_history if "grad_norm" in entry], trainer.args.lopti_enabled
+    logs = [entry for entry in trainer.state.log_history if "grad_norm" in entry]
+    lopti = trainer.args.lopti_enabled
     eta = [entry["lopti/threshold"] for entry in logs if "lopti/threshold" in entry]
     shares = [entry["lopti/low_token_share"] for entry in logs if "lopti/low_token_share" in entry]
     report = {"eta": eta, "low_token_share": shares}

@@ -1,25 +1,25 @@
-"""`trl-lopti grpo` and `trl-lopti rloo`: TRL's `trl grpo` and `trl rloo` with [`LoptiGRPOTrainer`] and
-[`LoptiRLOOTrainer`] and the paper's tasks; the fields of the trainer's config, TRL's `ModelConfig` and
-[`LoptiScriptArguments`], from `--config FILE|PRESET` and flags."""
+"""The training runs of `trl-lopti grpo` and `trl-lopti rloo` (`train_command`): TRL's `trl grpo` and `trl rloo` with
+[`LoptiGRPOTrainer`] and [`LoptiRLOOTrainer`] and the paper's tasks or your data; the fields of the trainer's config,
+TRL's `ModelConfig` and [`LoptiScriptArguments`], from `--config FILE|PRESET` and flags."""
 
 import dataclasses
 import importlib
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import datasets
 import torch
+from datasets.exceptions import DatasetGenerationError
 from transformers import AutoTokenizer
 from trl import ModelConfig, ScriptArguments, get_peft_config, get_quantization_config
 
 from .. import LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer, tasks
-from .parsing import CONFIGS, CliError, LoptiParser, check_model_name_or_path, cpu_settings, own_fields
+from .base import CliError
+from .parsing import CONFIGS, LoptiParser, check_model_name_or_path, cpu_settings, own_fields
 
 
 REWARD_FUNCS = {
@@ -38,17 +38,21 @@ REWARD_FUNCS = {
 DEFAULT_REWARD_FUNCS = {"knights_knaves": ["knights_knaves_reward"], "math": ["math_reward"], "dataset": []}
 """The tasks (values of `task`) and the reward functions of each when `reward_funcs` is unset."""
 
+DATA_FILE_SUFFIXES = {".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".txt"}
+"""The extensions of the data files `datasets` reads (compressed too: `.jsonl.gz`)."""
+
 
 @dataclass
 class LoptiScriptArguments(ScriptArguments):
     """Script arguments of `trl-lopti grpo` and `rloo`: TRL's `ScriptArguments` (`dataset_name`, `dataset_config`,
     `dataset_train_split`, `dataset_test_split`: the evaluation set when `eval_strategy` is not `"no"`) plus these."""
 
-    task: str = field(
-        default="knights_knaves",
+    task: str | None = field(
+        default=None,
         metadata={
-            "help": "'knights_knaves' (see kk_source), 'math' (dataset_name: a paper set or a math dataset of "
-            "trl_lopti.tasks.math) or 'dataset' (dataset_name: a hub id, a data file or a folder)."
+            "help": "'knights_knaves' (see kk_source), 'math' (a paper set or a math dataset of trl_lopti.tasks.math) "
+            "or 'dataset' (your data: a data file, a folder or a hub id). None: 'dataset' for a dataset_name that is "
+            "not the paper's."
         },
     )
     reward_funcs: list[str] | None = field(
@@ -76,19 +80,40 @@ class LoptiScriptArguments(ScriptArguments):
     def __post_init__(self):
         self.reward_funcs = [self.reward_funcs] if isinstance(self.reward_funcs, str) else self.reward_funcs
         self.kk_num_people = [self.kk_num_people] if isinstance(self.kk_num_people, int) else self.kk_num_people
+        math_sets = [*tasks.PAPER_MATH_FILES, *tasks.MATH_DATASETS]
+        # No task named: a dataset name means the user's data, as in `trl grpo`, unless it names the paper's data.
+        if self.task is None and self.dataset_name in math_sets:
+            self.task = "math"
+        elif self.task is None:
+            kk_data = self.kk_source is not None or self.dataset_name in (None, tasks.KNIGHTS_KNAVES_HUB_ID)
+            self.task = "knights_knaves" if kk_data else "dataset"
         if self.task not in DEFAULT_REWARD_FUNCS:
             raise ValueError(f"task: must be one of {list(DEFAULT_REWARD_FUNCS)}, got {self.task!r}")
         if self.kk_source not in (None, "paper", "hub", "generated"):
             raise ValueError(f"kk_source: must be 'paper', 'hub', 'generated' or unset, got {self.kk_source!r}")
         if not self.kk_num_people or not all(isinstance(n, int) and 2 <= n <= 8 for n in self.kk_num_people):
             raise ValueError(f"kk_num_people: every size must be an integer from 2 to 8, got {self.kk_num_people!r}")
-        math_sets = [*tasks.PAPER_MATH_FILES, *tasks.MATH_DATASETS]
         if self.task == "math" and self.dataset_name not in math_sets:
-            raise ValueError(f"dataset_name: task 'math' takes one of {math_sets}")
+            raise ValueError(f"dataset_name: task 'math' takes one of {math_sets}; your own data: --task dataset")
         if self.task == "dataset" and not (self.dataset_name and self.reward_funcs):
             raise ValueError(f"{'reward_funcs' if self.dataset_name else 'dataset_name'}: required for task 'dataset'")
         if self.dataset_streaming:
             raise ValueError("dataset_streaming: trl-lopti does not stream datasets")
+        # A name that can only be a local path: a data file's extension, or a path's separator (a hub id has one `/`).
+        name = self.dataset_name or ""
+        local = name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1
+        local = local or bool(DATA_FILE_SUFFIXES & set(Path(name).suffixes))
+        # Checked here, in seconds: `datasets` would look for a missing local path on the Hub, retrying for a while.
+        if local and not Path(name).expanduser().exists():
+            raise ValueError(
+                f"dataset_name: no file or folder {self.dataset_name!r} in {os.getcwd()} (task {self.task!r}; "
+                "--task dataset reads your data: a data file, a folder or a hub id)"
+            )
+        if Path(name).expanduser().is_file() and self.task == "knights_knaves" and self.kk_source in (None, "hub"):
+            raise ValueError(
+                f"dataset_name: {self.dataset_name!r} is your data, not K&K puzzles (task 'knights_knaves' reads "
+                "them from the hub, the paper or the generator, see kk_source): train on it with --task dataset"
+            )
 
 
 def train_parser(trainer: str) -> LoptiParser:
@@ -124,7 +149,8 @@ def resolved_config(parser: LoptiParser, script_args, training_args, model_args)
     process and on all processes of this launch, the reward functions, the AR and Lopti fields, then every field as the
     run would have it on this machine (`to_dict`: JSON), grouped by where its value came from."""
     values = {**dataclasses.asdict(script_args), **dataclasses.asdict(model_args), **training_args.to_dict()}
-    args, groups = training_args, {"config_file": {}, "flags": {}, "this_machine": {}, "defaults": {}}
+    args = training_args
+    groups = {"config_file": {}, "flags": {}, "this_machine": {}, "defaults": {}}
     for name, value in values.items():
         groups[parser.sources.get(name, "defaults")][name] = value
     steps = (1, args.gradient_accumulation_steps, args.steps_per_generation)
@@ -147,7 +173,8 @@ def resolved_config(parser: LoptiParser, script_args, training_args, model_args)
 
 def build_datasets(script_args: LoptiScriptArguments, training_args) -> tuple:
     """The task's training set and, when `eval_strategy` is not `"no"`, its evaluation set (else `None`)."""
-    args, with_eval = script_args, training_args.eval_strategy != "no"
+    args = script_args
+    with_eval = training_args.eval_strategy != "no"
     kk_source = args.kk_source or ("hub" if args.dataset_name else "generated")
     if args.task == "knights_knaves" and kk_source == "generated":  # held out: the puzzles after the training ones
         total = args.kk_num_samples + (args.kk_num_eval_samples if with_eval else 0)
@@ -159,7 +186,8 @@ def build_datasets(script_args: LoptiScriptArguments, training_args) -> tuple:
         if args.task == "knights_knaves" and kk_source == "generated":
             return puzzles.select(range(args.kk_num_samples) if train else range(args.kk_num_samples, total))
         if args.task == "knights_knaves":
-            hub_id, prefill = args.dataset_name or tasks.KNIGHTS_KNAVES_HUB_ID, args.kk_prefill_think
+            hub_id = args.dataset_name or tasks.KNIGHTS_KNAVES_HUB_ID
+            prefill = args.kk_prefill_think
             kk = (args.kk_num_people, split, kk_source, args.kk_data_dir, hub_id)
             return tasks.load_knights_knaves_dataset(*kk, prefill_think=prefill)
         if args.task == "math":  # two math sets: dataset_name, and dataset_test_split to evaluate on
@@ -167,14 +195,24 @@ def build_datasets(script_args: LoptiScriptArguments, training_args) -> tuple:
             if name in tasks.PAPER_MATH_FILES:
                 return tasks.load_paper_math_dataset(name, args.math_data_file if train else None)
             return tasks.load_math_dataset(name)
-        path = Path(args.dataset_name).expanduser().resolve()  # (a bare name's parent "." would read as no folder)
-        if path.is_file():  # all its rows in either split; the builder (json, parquet, ...) follows from its extension
+        # Resolved: a bare name's parent "." would read as no folder.
+        path = Path(args.dataset_name).expanduser().resolve()
+        # A hub id, a folder of data files or a `save_to_disk` folder.
+        if not path.is_file():
+            return datasets.load_dataset(args.dataset_name, args.dataset_config, split=split)
+        if not path.stat().st_size:
+            raise CliError(f"dataset_name: the data file {path} is empty")
+        # All its rows in either split; the builder (json, parquet, ...) follows from its extension.
+        try:
             return datasets.load_dataset(str(path.parent), data_files=path.name, split="train")
-        return datasets.load_dataset(args.dataset_name, args.dataset_config, split=split)  # or a `save_to_disk` folder
+        except (DatasetGenerationError, StopIteration, ValueError) as error:
+            raise CliError(f"dataset_name: cannot read the data file {path}: {error.__cause__ or error}") from error
 
     try:
         train = load(args.dataset_train_split, train=True)
         evaluation = load(args.dataset_test_split, train=False) if with_eval else None
+    except CliError:
+        raise
     except (OSError, ValueError) as error:
         raise CliError(f"cannot load the {args.task} data: {error}") from error
     if "prompt" not in train.column_names:
@@ -202,7 +240,8 @@ def build_trainer(script_args, training_args, model_args, num_train_prompts: int
         train_dataset = train_dataset.select(range(min(num_train_prompts, len(train_dataset))))
     if script_args.task == "knights_knaves" and script_args.kk_prefill_think:
         # GRPO and RLOO never continue a final assistant message: give them the "<think>"-prefilled prompts as text.
-        revision, trust_remote_code = model_args.model_revision, training_args.trust_remote_code
+        revision = model_args.model_revision
+        trust_remote_code = training_args.trust_remote_code
         tokenizer = AutoTokenizer.from_pretrained(
             model_args.model_name_or_path, revision=revision, trust_remote_code=trust_remote_code
         )
@@ -220,25 +259,47 @@ def build_trainer(script_args, training_args, model_args, num_train_prompts: int
     )
 
 
-def run_training(script_args, training_args, model_args, end: bool = True, prepare: Callable | None = None):
-    """Trains and saves the trainer of [`build_trainer`] as `trl grpo` (`trl rloo`) does; `end`: then end its trackers
-    and process group; `prepare`: called with the trainer before it trains."""
+BACKENDS = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed", "NO": ""}
+"""What a launch runs its processes with, by accelerate's distributed type; any other type: DDP."""
+
+
+def run_training(
+    script_args, training_args, model_args, end: bool = True, prepare: Callable | None = None, say_where: bool = True
+):
+    """Trains and saves the trainer of [`build_trainer`] as `trl grpo` (`trl rloo`) does.
+
+    Args:
+        script_args (`LoptiScriptArguments`): the task's arguments.
+        training_args (`LoptiGRPOConfig` or `LoptiRLOOConfig`): the trainer's config.
+        model_args (`trl.ModelConfig`): the model's arguments.
+        end (`bool`, *optional*): then end its trackers and process group, once every process has arrived.
+        prepare (`Callable`, *optional*): called with the trainer before it trains.
+        say_where (`bool`, *optional*): first say the device and the number of processes (the main process, once).
+    """
     trainer = build_trainer(script_args, training_args, model_args)
+    command = f"trl-lopti {'rloo' if isinstance(training_args, LoptiRLOOConfig) else 'grpo'}"
+    accelerator = trainer.accelerator
+    # `training on cpu, 1 process`, `training on cuda (NVIDIA H100 80GB HBM3), 4 processes (FSDP)`.
+    if say_where and accelerator.is_main_process:
+        device = accelerator.device
+        count = accelerator.num_processes
+        backend = BACKENDS.get(accelerator.distributed_type.value, "DDP")
+        where = f"{device.type} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else device.type
+        where += f", {count} process{'es' * (count > 1)}" + (f" ({backend})" if backend else "")
+        print(f"{command}: training on {where}", flush=True)
     if prepare is not None:
         prepare(trainer)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
-    trainer.accelerator.print(f"trl-lopti: model saved to {training_args.output_dir}")
+    accelerator.print(f"{command}: model saved to {training_args.output_dir}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    # Every process waits for all (a barrier), then ends its trackers and process group (`Trainer.end`): no process
+    # tears its group down while another still works in it, whose gloo group would then wait in its destructor forever.
     if end:
+        accelerator.wait_for_everyone()
         trainer.end()
     return trainer
-
-
-USAGE = """needs a preset (trl-lopti presets), a YAML file or flags (trl-lopti {0} --help), e.g.
-  trl-lopti {0} --config kk/qwen2.5-3b-instruct{1}_ar_lopti --dry_run     # checked and printed; no model loaded
-  trl-lopti {0} --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --task knights_knaves --output_dir out"""
 
 
 def checked_args(argv: Sequence[str], trainer: str, added: dict[str, Any] | None = None) -> tuple:
@@ -251,27 +312,3 @@ def checked_args(argv: Sequence[str], trainer: str, added: dict[str, Any] | None
         return *parsed, resolved_config(parser, *parsed)
     except CliError as error:
         raise CliError(parser.where(str(error))) from error
-
-
-def main(argv: Sequence[str], trainer: str) -> int:
-    """`trl-lopti grpo` or `rloo` (`trainer`): parse, check, then print the resolved configuration (`--dry_run`),
-    rehearse (`--rehearse`) or train."""
-    if not argv:
-        raise CliError(USAGE.format(trainer, "_rloo" if trainer == "rloo" else ""))
-    if any(arg.startswith("--rehearse") for arg in argv):  # before parsing: it sets up the launcher's backend first
-        return importlib.import_module(".rehearse", __package__).main(list(argv), trainer)
-    script_args, training_args, model_args, resolved = checked_args(argv, trainer)
-    if not script_args.dry_run:
-        run_training(script_args, training_args, model_args)
-    elif os.environ.get("RANK", "0") == "0":  # once under a launcher
-        print(json.dumps(resolved, indent=2, default=str))
-    return 0
-
-
-grpo, rloo = partial(main, trainer="grpo"), partial(main, trainer="rloo")  # `trl-lopti grpo`, `trl-lopti rloo`
-
-
-def train(argv: Sequence[str]) -> int:
-    """`trl-lopti train`: `trl-lopti grpo` under its former name, which says so."""
-    print("trl-lopti train: now `trl-lopti grpo` (`trl-lopti rloo` for RLOO), which runs", file=sys.stderr)
-    return grpo(argv)
