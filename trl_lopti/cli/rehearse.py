@@ -61,10 +61,11 @@ def main(argv: list[str], command: str) -> int:
         args = list(argv)
         for name, value in (item for values in flags for item in values.items()):
             args += [f"--{name}", *map(str, value)] if isinstance(value, list) else [f"--{name}={value}"]
-        parsed = parse_train_args(args, command, added)
-        if overrides and cpu_backends.launcher_uses("DEEPSPEED"):  # DeepSpeed's config checks bf16 against it
-            parsed[1].bf16 = parsed[1].mixed_precision == "bf16"
-        return parsed
+        script_args, training_args, model_args = parse_train_args(args, command, added)
+        # DeepSpeed's config checks bf16 against the launcher's mixed precision.
+        if overrides and cpu_backends.launcher_uses("DEEPSPEED"):
+            training_args.bf16 = training_args.mixed_precision == "bf16"
+        return script_args, training_args, model_args
 
     script_args, training_args, model_args = parse()
     unset_hf_deepspeed_config()  # the tiny model is built whole on the main process, not under ZeRO-3's zero.Init

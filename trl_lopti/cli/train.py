@@ -13,6 +13,7 @@ from typing import Any
 
 import datasets
 import torch
+from accelerate import PartialState
 from datasets.exceptions import DatasetGenerationError
 from transformers import AutoTokenizer
 from trl import ModelConfig, ScriptArguments, get_peft_config, get_quantization_config
@@ -269,24 +270,32 @@ def run_training(
     """Trains and saves the trainer of [`build_trainer`] as `trl grpo` (`trl rloo`) does.
 
     Args:
-        script_args (`LoptiScriptArguments`): the task's arguments.
-        training_args (`LoptiGRPOConfig` or `LoptiRLOOConfig`): the trainer's config.
-        model_args (`trl.ModelConfig`): the model's arguments.
-        end (`bool`, *optional*): then end its trackers and process group, once every process has arrived.
-        prepare (`Callable`, *optional*): called with the trainer before it trains.
-        say_where (`bool`, *optional*): first say the device and the number of processes (the main process, once).
+        script_args (`LoptiScriptArguments`):
+            The task's arguments.
+        training_args (`LoptiGRPOConfig` or `LoptiRLOOConfig`):
+            The trainer's config.
+        model_args (`trl.ModelConfig`):
+            The model's arguments.
+        end (`bool`, *optional*, defaults to `True`):
+            Whether to end its trackers and process group once every process has arrived.
+        prepare (`Callable`, *optional*):
+            Called with the trainer before it trains.
+        say_where (`bool`, *optional*, defaults to `True`):
+            Whether the run's first line (the main process's, once) says its device and number of processes.
     """
-    trainer = build_trainer(script_args, training_args, model_args)
     command = f"trl-lopti {'rloo' if isinstance(training_args, LoptiRLOOConfig) else 'grpo'}"
-    accelerator = trainer.accelerator
-    # `training on cpu, 1 process`, `training on cuda (NVIDIA H100 80GB HBM3), 4 processes (FSDP)`.
-    if say_where and accelerator.is_main_process:
-        device = accelerator.device
-        count = accelerator.num_processes
-        backend = BACKENDS.get(accelerator.distributed_type.value, "DDP")
+    # Before anything loads: `training on cpu, 1 process`, `training on cuda (NVIDIA H100 80GB HBM3), 4 processes
+    # (FSDP)`.
+    state = PartialState()
+    if say_where and state.is_main_process:
+        device = training_args.device
+        count = state.num_processes
+        backend = BACKENDS.get(state.distributed_type.value, "DDP")
         where = f"{device.type} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else device.type
         where += f", {count} process{'es' * (count > 1)}" + (f" ({backend})" if backend else "")
         print(f"{command}: training on {where}", flush=True)
+    trainer = build_trainer(script_args, training_args, model_args)
+    accelerator = trainer.accelerator
     if prepare is not None:
         prepare(trainer)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -306,9 +315,10 @@ def checked_args(argv: Sequence[str], trainer: str, added: dict[str, Any] | None
     """`(script_args, training_args, model_args, what --dry_run prints)` for `trl-lopti TRAINER ARGV`, checked before
     anything loads ([`parse_train_args`])."""
     parser = train_parser(trainer)
-    parsed = parse_train_args(argv, trainer, added, parser)
+    script_args, training_args, model_args = parse_train_args(argv, trainer, added, parser)
     try:
-        check_model_name_or_path(parsed[2].model_name_or_path)
-        return *parsed, resolved_config(parser, *parsed)
+        check_model_name_or_path(model_args.model_name_or_path)
+        resolved = resolved_config(parser, script_args, training_args, model_args)
     except CliError as error:
         raise CliError(parser.where(str(error))) from error
+    return script_args, training_args, model_args, resolved
