@@ -3,13 +3,13 @@
 Every check runs in every real training run. Here TRL is made to behave as a plausible future release that breaks one
 fact (`testing_utils.TRL_MUTATIONS`), and a short real training run of the Lopti trainer must stop with that fact's
 number; the same run with TRL as it is trains to the end (the control). A TRL that changes only what the logs and the
-completions table show (`testing_utils.LOG_ONLY_MUTATIONS`) never stops a run: no update is wrong.
+completions table show (`testing_utils.NO_WRONG_UPDATE_MUTATIONS`) never stops a run: no update is wrong.
 """
 
 import warnings
 
 import pytest
-from testing_utils import LOG_ONLY_MUTATIONS, TRL_MUTATIONS, conversational_dataset, length_reward, small_config
+from testing_utils import NO_WRONG_UPDATE_MUTATIONS, TRL_MUTATIONS, conversational_dataset, length_reward, small_config
 from trl import GRPOTrainer, RLOOTrainer
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer
@@ -89,14 +89,17 @@ def test_a_broken_trl_fact_stops_training_with_its_number(
     print(f"{trainer_name}, {mutation}: {error.value}")  # noqa: T201 - what a user sees (pytest -s)
 
 
-@pytest.mark.parametrize("mutation", list(LOG_ONLY_MUTATIONS))
-def test_what_only_the_logs_show_never_stops_a_run(tiny_model_path, tmp_path, monkeypatch, mutation):
-    LOG_ONLY_MUTATIONS[mutation](monkeypatch, GRPOTrainer)
-    settings = {"advantage_estimator": "reinforce_plus_plus"}
+@pytest.mark.parametrize("mutation", list(NO_WRONG_UPDATE_MUTATIONS))
+def test_what_leaves_every_update_the_methods_never_stops_a_run(tiny_model_path, tmp_path, monkeypatch, mutation):
+    NO_WRONG_UPDATE_MUTATIONS[mutation](monkeypatch, GRPOTrainer)
+    settings = {"advantage_estimator": "reinforce_plus_plus", "max_steps": 8}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = run("grpo", tiny_model_path, tmp_path, **settings)
-    assert trainer.state.global_step == 4
-    table_warnings = [str(w.message) for w in caught if "REINFORCE++: TRL's completions table" in str(w.message)]
-    # Only a table that no longer shows the advantages trained on is worth a warning.
-    assert bool(table_warnings) == (mutation == "advantages not logged"), table_warnings
+    assert trainer.state.global_step == 8
+    messages = [str(w.message) for w in caught]
+    # A table that no longer shows the advantages trained on, and prompts left untrained, are worth a warning.
+    table = [m for m in messages if "REINFORCE++: TRL's completions table" in m]
+    assert bool(table) == (mutation == "advantages not logged"), table
+    prompts = [m for m in messages if "the prompts served in between are not trained" in m]
+    assert len(prompts) == (mutation == "sampler repeats once per pass"), prompts

@@ -194,17 +194,21 @@ def test_resume_between_the_two_passes_continues_the_batch_to_the_uninterrupted_
     assert_no_nan_in_logs(resumed)
 
 
-def test_completions_are_logged_once_per_generation_batch(tiny_model_path, tmp_path, mid_gap_trainer):
+def test_completions_are_logged_as_trl_logs_them(tiny_model_path, tmp_path, mid_gap_trainer):
+    """TRL writes the completions table at every log: each optimizer step of a generation batch, both passes here,
+    shows that batch's completions."""
     import pandas as pd
 
     config = small_config(tmp_path, lopti_threshold=ETA_FROM_EACH_BATCH, log_completions=True, max_steps=4)
     train(tiny_model_path, config, trainer_class=mid_gap_trainer)
     tables = sorted((tmp_path / "completions").glob("completions_*.parquet"))
-    # 4 optimizer steps = 2 generation batches (low pass, high pass each): one table per generation batch
-    assert [path.name for path in tables] == ["completions_00001.parquet", "completions_00003.parquet"]
-    first, second = (pd.read_parquet(path) for path in tables)
-    assert len(first) == len(second) == 8  # per_device_train_batch_size 4 x steps_per_generation 2
-    assert first["completion"].astype(str).tolist() != second["completion"].astype(str).tolist()
+    # 4 optimizer steps = 2 generation batches (a low pass and a high pass each).
+    assert [path.name for path in tables] == [f"completions_0000{step}.parquet" for step in (1, 2, 3, 4)]
+    completions = [pd.read_parquet(path)["completion"].astype(str).tolist() for path in tables]
+    # per_device_train_batch_size 4 x steps_per_generation 2
+    assert [len(table) for table in completions] == [8, 8, 8, 8]
+    assert completions[0] == completions[1] and completions[2] == completions[3]
+    assert completions[0] != completions[2]
 
 
 def test_low_token_share_is_logged_once_per_generation_batch_over_the_whole_batch(

@@ -1,5 +1,5 @@
 """The TRL behaviour the trainers rely on, checked by running it, under the codes of `trl_lopti.trl_contract.TRL_FACTS`:
-S1-S5 for both `GRPOTrainer` and `RLOOTrainer`, G1-G3 for `GRPOTrainer`, R1-R2 for `RLOOTrainer` (all stated in
+S1-S4 for both `GRPOTrainer` and `RLOOTrainer`, G1-G3 for `GRPOTrainer`, R1-R2 for `RLOOTrainer` (all stated in
 trl_lopti/trl_contract.py; tests/test_fact_checks.py breaks each on purpose and sees the trainer's runtime check stop it),
 and what the completions table relies on, which no fact guards (it shows no update).
 
@@ -67,7 +67,7 @@ class ReadRecorder(dict):
         return super().get(key, default)
 
 
-# ------------------------------------------------------------------------------------------------------ S3, G1
+# ------------------------------------------------------------------------------------------------------ S2, G1
 def test_compute_loss_runs_one_policy_forward_and_reads_advantages_and_pi_old_after_it(
     tiny_model_path, tmp_path, monkeypatch
 ):
@@ -154,7 +154,33 @@ def test_prepare_inputs_generates_every_steps_per_generation_times_num_iteration
         assert slices[2:] == slices[:2]
 
 
-# ------------------------------------------------------------------------------------------------------ S2
+@pytest.mark.parametrize("trl_trainer", list(TRL_TRAINERS))
+def test_num_iterations_is_read_only_as_the_schedule_and_at_generation(trl_trainer):
+    """The one attribute of TRL's the mixin changes: `self.num_iterations`, the user's value times the passes, which
+    TRL reads as the times a generation batch is trained (the sampler, the iterable dataset's repeats, the buffer's
+    replays), and as the user's value at generation, where GRPO decides whether it needs pi_old (the mixin's swap).
+    A TRL that reads it anywhere else fails here, in every release of the matrix."""
+    import ast
+    import inspect
+
+    trainer_class, _ = TRL_TRAINERS[trl_trainer]
+    tree = ast.parse(inspect.getsource(inspect.getmodule(trainer_class)))
+    readers = set()
+    for function in ast.walk(tree):
+        if isinstance(function, ast.FunctionDef):
+            for node in ast.walk(function):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr == "num_iterations"
+                    and isinstance(node.ctx, ast.Load)
+                ):
+                    if isinstance(node.value, ast.Name) and node.value.id == "self":
+                        readers.add(function.name)
+    schedule = {"_get_train_sampler", "get_train_dataloader", "_prepare_inputs"}
+    assert schedule & readers and readers <= schedule | {"_generate_and_score_completions"}, sorted(readers)
+
+
+# ------------------------------------ the sampler (no fact: it decides which prompts train, not an update)
 @pytest.mark.parametrize("trl_trainer", list(TRL_TRAINERS))
 def test_train_sampler_repeats_each_generation_batch_as_num_iterations_says_when_built(
     tiny_model_path, tmp_path, trl_trainer
@@ -230,18 +256,7 @@ def test_rewards_are_gathered_in_process_order_once_per_generation(tiny_model_pa
             assert gathered[batch] == in_process_order
 
 
-# ------------------------------------------------------------------------ the completions table (logs only, no fact)
-def test_log_writes_the_completions_table_at_each_log_while_log_completions_is_set(tiny_model_path, tmp_path):
-    trainer = grpo_trainer(tiny_model_path, tmp_path, log_completions=True, max_steps=2)
-    trainer.train()
-    tables = sorted(path.name for path in (tmp_path / "completions").glob("completions_*.parquet"))
-    assert tables == ["completions_00001.parquet", "completions_00002.parquet"]
-    trainer.log_completions = False  # what LoptiGRPOTrainer.log sets around a log that must not write one
-    trainer.state.global_step = 3
-    trainer.log({"loss": 0.0})
-    assert len(list((tmp_path / "completions").glob("completions_*.parquet"))) == 2
-
-
+# ------------------------------------------------------------------------- the model card, the release, Liger (no fact)
 @pytest.mark.parametrize("trl_trainer", list(TRL_TRAINERS))
 def test_model_card_reads_the_trainer_name_and_paper(tiny_model_path, tmp_path, trl_trainer):
     trainer = grpo_trainer(tiny_model_path, tmp_path, trl_trainer)
@@ -284,7 +299,7 @@ def test_liger_is_refused_at_config_construction_below_the_release_that_routes_i
 
 
 def test_a_loss_that_no_longer_runs_the_log_prob_forward_stops_the_trainer(tiny_model_path, tmp_path, monkeypatch):
-    """The runtime check of fact S3: a TRL whose loss bypasses the hook (as Liger below 1.14 does) fails loudly, at the
+    """The runtime check of fact S2: a TRL whose loss bypasses the hook (as Liger below 1.14 does) fails loudly, at the
     first training step, before an optimizer step."""
     config = LoptiGRPOConfig(
         output_dir=str(tmp_path),
@@ -300,7 +315,7 @@ def test_a_loss_that_no_longer_runs_the_log_prob_forward_stops_the_trainer(tiny_
         model=tiny_model_path, reward_funcs=reward, args=config, train_dataset=Dataset.from_dict({"prompt": ["p"] * 4})
     )
     monkeypatch.setattr(GRPOTrainer, "_compute_loss", lambda self, model, inputs: torch.zeros((), requires_grad=True))
-    with pytest.raises(RuntimeError, match=r"broke fact S3 .*never reached the loss's log-probabilities"):
+    with pytest.raises(RuntimeError, match=r"broke fact S2 .*never reached the loss's log-probabilities"):
         trainer.train()
     assert trainer.state.global_step == 0
 
@@ -351,7 +366,7 @@ def test_lopti_rloo_stops_when_pi_old_is_no_longer_the_first_forward(tiny_model_
         trainer._generate_and_score_completions([{"prompt": "p"}, {"prompt": "p"}])
 
 
-# ------------------------------------------------------------------------------------------------------ S3, R2
+# ------------------------------------------------------------------------------------------------------ S2, R2
 def test_rloo_loss_runs_one_policy_forward_sums_it_and_reads_old_logps_and_advantages_after_it(
     tiny_model_path, tmp_path, monkeypatch
 ):
@@ -385,22 +400,7 @@ def test_rloo_loss_runs_one_policy_forward_sums_it_and_reads_old_logps_and_advan
         torch.testing.assert_close(loss.detach(), expected, atol=1e-6, rtol=1e-5)
 
 
-# ------------------------------------------------------------------ the completions table of RLOO (logs only, no fact)
-def test_rloo_log_prints_the_completions_table_while_log_completions_is_set(tiny_model_path, tmp_path, monkeypatch):
-    import trl.trainer.rloo_trainer as rloo_module
-
-    printed = []
-    monkeypatch.setattr(rloo_module, "print_prompt_completions_sample", lambda *args, **kwargs: printed.append(args))
-    trainer = grpo_trainer(tiny_model_path, tmp_path, "rloo", log_completions=True, max_steps=2)
-    trainer.train()
-    logs = len(trainer.state.log_history)  # two steps and the summary at the end of training
-    assert len(printed) == logs == 3, "one table at each log"
-    trainer.log_completions = False
-    trainer.log({"loss": 0.0})
-    assert len(printed) == 3
-
-
-# ------------------------------------------------------------------------------------------------------ S3 (its output)
+# ------------------------------------------------------------------------------------------------------ S2 (its output)
 @pytest.mark.parametrize("trl_trainer", list(TRL_TRAINERS))
 def test_the_log_prob_forward_returns_logps_entropies_and_aux_loss(tiny_model_path, tmp_path, trl_trainer):
     """TRL's own forward, as its loss calls it: (log-probabilities (B, T) with gradient, entropies, auxiliary loss)."""
@@ -417,7 +417,7 @@ def test_the_log_prob_forward_returns_logps_entropies_and_aux_loss(tiny_model_pa
     assert logps.shape == entropies.shape == (2, COMPLETION_LENGTH) and logps.requires_grad and aux_loss is None
 
 
-# ------------------------------------------------------------------------------------------------------ S3 (arguments)
+# ------------------------------------------------------------------------------------------------------ S2 (arguments)
 @pytest.mark.parametrize("trl_trainer", list(TRL_TRAINERS))
 def test_the_log_prob_forward_names_the_multimodal_inputs_trl_lopti_passes(trl_trainer):
     """trl_lopti passes a batch's multimodal inputs (`extra_forward_keys()`) to TRL's log-prob forward by name. TRL 1.14's
@@ -452,7 +452,7 @@ def test_grpo_returns_pi_old_exactly_off_policy_and_logs_the_batch_advantages(
     assert list(trainer._logs["advantages"])[-len(output["advantages"]) :] == output["advantages"].tolist()
 
 
-# ------------------------------------------------------------------------------------------------------ S4
+# ------------------------------------------------------------------------------------------------------ S3
 @pytest.mark.parametrize("trl_trainer", list(TRL_TRAINERS))
 def test_checkpoint_hooks_save_at_each_checkpoint_and_load_after_the_state(tiny_model_path, tmp_path, trl_trainer):
     calls = []
@@ -478,7 +478,7 @@ def test_checkpoint_hooks_save_at_each_checkpoint_and_load_after_the_state(tiny_
     assert ("load", 1, True) in calls, "called on resume, after the state (global_step 1) is loaded"
 
 
-# ------------------------------------------------------------------------------------------------------ S5
+# ------------------------------------------------------------------------------------------------------ S4
 GRPO_LOSS_TYPES = ["dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
 
 

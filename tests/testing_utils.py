@@ -601,7 +601,7 @@ def _generates_at_every_pass(monkeypatch, trl_class):  # S1: generates by the us
     monkeypatch.setattr(trl_class, "_prepare_inputs", regenerating)
 
 
-def _repeats_once_per_pass(monkeypatch, trl_class):  # S2: the sampler repeats by args.num_iterations
+def _repeats_once_per_pass(monkeypatch, trl_class):  # the sampler repeats by args.num_iterations
     from trl_lopti.utils import temporarily_set
 
     sampler = trl_class._get_train_sampler
@@ -632,7 +632,7 @@ def _loss_not_through_the_hook(monkeypatch, trl_class):  # S3: a fused loss; the
 
 def _loss_counts_padding(
     monkeypatch, trl_class
-):  # S5: a loss that sums its terms over padding too (as TRL 1.9's LUSPO)
+):  # S4: a loss that sums its terms over padding too (as TRL 1.9's LUSPO)
     from trl_lopti.utils import temporarily_set
 
     loss = trl_class._compute_loss
@@ -735,11 +735,10 @@ def _tool_mask(monkeypatch, trl_class):  # R2: RLOO returns a tool_mask, which i
 TRL_MUTATIONS = {
     "copied micro-batch": ("S1", _copies_the_micro_batch),
     "generation at every pass": ("S1", _generates_at_every_pass),
-    "sampler repeats once per pass": ("S2", _repeats_once_per_pass),
-    "loss not through the hooked forward": ("S3", _loss_not_through_the_hook),
-    "state loaded after the hook": ("S4", _state_loaded_after_the_hook),
-    "hook not called on resume": ("S4", _hook_not_called),
-    "a loss that counts padding": ("S5", _loss_counts_padding),
+    "loss not through the hooked forward": ("S2", _loss_not_through_the_hook),
+    "state loaded after the hook": ("S3", _state_loaded_after_the_hook),
+    "hook not called on resume": ("S3", _hook_not_called),
+    "a loss that counts padding": ("S4", _loss_counts_padding),
     "advantages read before the forward": ("G1", _advantages_read_first),
     "no pi_old off-policy": ("G2", _no_pi_old),
     "rewards from another method": ("G3", _rewards_elsewhere),
@@ -750,8 +749,8 @@ TRL_MUTATIONS = {
 trl_class)`)."""
 
 
-# What only logs and tables show: a TRL that changes it leaves every update the method's, so a run warns or carries
-# on (tests/test_fact_checks.py).
+# What leaves every update the method's (the logs, the completions table, the prompts the sampler serves inside a
+# cycle): a TRL that changes it never stops a run, which warns or carries on (tests/test_fact_checks.py).
 def _metrics_kept(monkeypatch, trl_class):  # log keeps the metrics it averaged (a running mean)
     log = trl_class.log
 
@@ -776,5 +775,9 @@ def _advantages_unlogged(monkeypatch, trl_class):  # the advantages logged elsew
     monkeypatch.setattr(trl_class, "_generate_and_score_completions", unlogged)
 
 
-LOG_ONLY_MUTATIONS = {"metrics kept after log": _metrics_kept, "advantages not logged": _advantages_unlogged}
-"""Mutation name -> `mutation(monkeypatch, trl_class)`, of what only the logs and the completions table show."""
+NO_WRONG_UPDATE_MUTATIONS = {
+    "metrics kept after log": _metrics_kept,
+    "advantages not logged": _advantages_unlogged,
+    "sampler repeats once per pass": _repeats_once_per_pass,
+}
+"""Mutation name -> `mutation(monkeypatch, trl_class)`, of what leaves every update the method's."""

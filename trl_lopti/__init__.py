@@ -3,8 +3,8 @@
 
 `import trl_lopti` and its tasks (`trl_lopti.tasks`: puzzles, rewards, graders, data loaders) need no TRL.
 The trainers and their configs are imported on first use (`from trl_lopti import LoptiGRPOTrainer`); that
-import checks the installed TRL version (see `trl_lopti.trl_contract`) and fails with a clear message outside
-the tested range.
+import warns once on a TRL release outside the tested ones, whose trainers then train once `trl-lopti check` has
+passed on the machine (`trl_lopti.trl_contract`).
 """
 
 import importlib

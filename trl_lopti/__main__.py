@@ -31,7 +31,8 @@ def exit_launched_process(code: int) -> NoReturn:
     for stream in {sys.stdout, sys.__stdout__, sys.stderr, sys.__stderr__}:
         try:
             stream.flush()
-        except (AttributeError, OSError, ValueError):  # None, closed or detached
+        except (AttributeError, OSError, ValueError):
+            # None, closed or detached.
             pass
     os._exit(code)
 
@@ -40,7 +41,8 @@ def run() -> NoReturn:
     """The `trl-lopti` console script and `python -m trl_lopti`: exits with `trl_lopti.cli.main.main()`'s code, a
     launched process through `exit_launched_process`."""
     code = main()
-    if "LOCAL_RANK" in os.environ:  # set by accelerate launch and torchrun in each process they start
+    # accelerate launch and torchrun set LOCAL_RANK in each process they start.
+    if "LOCAL_RANK" in os.environ:
         exit_launched_process(code)
     sys.exit(code)
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from packaging.version import Version
 
-from . import trl_contract  # (checks the TRL version before TRL is imported)
+# Checks the TRL version before TRL is imported.
+from . import trl_contract
 
 
 # isort: split
@@ -88,20 +89,26 @@ class LoptiArguments:
     )
 
     def __post_init__(self):
-        _check_fraction(self, "advantage_reweighting_alpha", closed=True, disabled_by="0 disables AR")
-        _check_fraction(self, "lopti_threshold", closed=False, disabled_by="None disables Lopti")
-        _check_fraction(self, "lopti_quantile", closed=False, disabled_by="None splits at lopti_threshold")
+        _check_fraction(self, "advantage_reweighting_alpha", closed=True, allows_none=False, meaning="0 disables AR")
+        _check_fraction(self, "lopti_threshold", closed=False, allows_none=True, meaning="None disables Lopti")
+        _check_fraction(
+            self, "lopti_quantile", closed=False, allows_none=True, meaning="None splits at lopti_threshold"
+        )
         if self.lopti_quantile is not None:
-            if self.lopti_threshold not in (None, LoptiArguments.lopti_threshold):  # its default gives way
+            # Its default gives way.
+            if self.lopti_threshold not in (None, LoptiArguments.lopti_threshold):
                 raise ValueError(
                     f"lopti_threshold={self.lopti_threshold:g} and lopti_quantile={self.lopti_quantile:g} are two "
                     "Lopti split rules (a fixed eta, or eta at a quantile of each generation batch): set only one"
                 )
-            self.lopti_threshold = None  # the quantile replaces the fixed eta
+            # The quantile replaces the fixed eta.
+            self.lopti_threshold = None
         if self.lopti_order not in LOPTI_PASS_ORDERS:
             raise ValueError(f"lopti_order must be one of {sorted(LOPTI_PASS_ORDERS)}, got {self.lopti_order!r}")
-        super().__post_init__()  # TRL's: derives steps_per_generation, which the schedule check needs
-        if self.lopti_enabled and self.lopti_pass_micro_steps % self.gradient_accumulation_steps:  # ends on a step
+        # TRL's: derives steps_per_generation, which the schedule check needs.
+        super().__post_init__()
+        # Ends on a step.
+        if self.lopti_enabled and self.lopti_pass_micro_steps % self.gradient_accumulation_steps:
             rule = "lopti_threshold" if self.lopti_quantile is None else "lopti_quantile"
             raise ValueError(lopti_schedule_error(self, f"set {rule}=None to train without Lopti"))
         warn_if_max_steps_ends_inside_a_cycle(self)
@@ -220,12 +227,19 @@ def as_lopti_config(args: Any, model: Any, config_class: type = LoptiGRPOConfig)
     for the new fields, with a warning; for `None` the defaults, with TRL's naming of the output folder.
 
     Args:
-        args (`GRPOConfig`, `RLOOConfig` or `None`), model (`str` or `PreTrainedModel`):
-            The configuration and the model given to the trainer (the model names the default output folder).
-        config_class (`type`): [`LoptiGRPOConfig`] or [`LoptiRLOOConfig`].
+        args (`GRPOConfig`, `RLOOConfig` or `None`):
+            The configuration given to the trainer.
+        model (`str` or `PreTrainedModel`):
+            The model given to the trainer: it names the default output folder.
+        config_class (`type`, *optional*, defaults to [`LoptiGRPOConfig`]):
+            [`LoptiGRPOConfig`] or [`LoptiRLOOConfig`].
+
+    Returns:
+        [`LoptiArguments`]: the config to train with.
     """
-    base = next(trl for trl, lopti in LOPTI_CONFIGS.items() if lopti is config_class)
-    trainer = base.__name__.removesuffix("Config")  # "GRPO", "RLOO": TRL's trainer and folder name
+    base = next(trl_class for trl_class, lopti_class in LOPTI_CONFIGS.items() if lopti_class is config_class)
+    # "GRPO", "RLOO": TRL's trainer, and the folder name.
+    trainer = base.__name__.removesuffix("Config")
     if isinstance(args, config_class):
         return args
     if args is None:
@@ -234,9 +248,11 @@ def as_lopti_config(args: Any, model: Any, config_class: type = LoptiGRPOConfig)
     if not isinstance(args, base):
         raise TypeError(f"args must be a {config_class.__name__} or a {base.__name__}, got {type(args).__name__}")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(base) if f.init}
-    values["generation_batch_size"] = None  # TRL derived it from steps_per_generation; both set is an error
+    # TRL derived it from steps_per_generation; both set is an error.
+    values["generation_batch_size"] = None
     upgrade = f"Lopti{trainer}Trainer got a plain {base.__name__} and turns on the paper's defaults for it"
-    try:  # Lopti's schedule is checked below, with advice for a plain config (it has no lopti_threshold to set)
+    # Lopti's schedule is checked below, with advice for a plain config, which has no lopti_threshold to set.
+    try:
         config = config_class(**values, lopti_threshold=None)
     except ValueError as error:
         raise ValueError(f"{upgrade}: {error} (in a trl_lopti.{config_class.__name__})") from None
@@ -265,7 +281,8 @@ def lopti_schedule_error(config: LoptiArguments, without_lopti: str) -> str:
     iterations = config.num_iterations
     accumulation = config.gradient_accumulation_steps
     fitting = accumulation // math.gcd(accumulation, iterations)
-    suggestion = steps + (-steps) % fitting  # the next steps_per_generation that fits
+    # The next steps_per_generation that fits.
+    suggestion = steps + (-steps) % fitting
     global_batch = config.generation_batch_size // steps
     return (
         f"Lopti trains each generation batch in two passes, and each pass must end on an optimizer step: "
@@ -279,7 +296,8 @@ def lopti_schedule_error(config: LoptiArguments, without_lopti: str) -> str:
 def warn_if_max_steps_ends_inside_a_cycle(config: LoptiArguments) -> None:
     """Warns when `max_steps` ends a run between the passes of its last generation batch (which then trains
     its first pass only), naming the nearest `max_steps` that does not."""
-    cycle_steps = config.lopti_cycle_micro_steps // config.gradient_accumulation_steps  # optimizer steps per batch
+    # Optimizer steps per batch.
+    cycle_steps = config.lopti_cycle_micro_steps // config.gradient_accumulation_steps
     if config.lopti_enabled and config.max_steps > 0 and config.max_steps % cycle_steps:
         below = config.max_steps - config.max_steps % cycle_steps
         fits = " or max_steps=".join(str(steps) for steps in (below, below + cycle_steps) if steps > 0)
@@ -292,14 +310,29 @@ def warn_if_max_steps_ends_inside_a_cycle(config: LoptiArguments) -> None:
         )
 
 
-def _check_fraction(config: LoptiArguments, name: str, closed: bool, disabled_by: str) -> None:
-    """Makes the field `name` a float if it is a real number (numpy scalars included) in [0, 1] (`closed`) or
-    (0, 1); else raises. `None` stays where `disabled_by` allows it."""
+def _check_fraction(config: LoptiArguments, name: str, closed: bool, allows_none: bool, meaning: str) -> None:
+    """
+    Makes the field `name` of `config` a float if it is a real number (numpy scalars included) in its interval;
+    else raises, naming the field, the interval and `meaning`.
+
+    Args:
+        config (`LoptiArguments`):
+            The config being built.
+        name (`str`):
+            The field.
+        closed (`bool`):
+            Whether the interval is [0, 1]; else (0, 1).
+        allows_none (`bool`):
+            Whether `None` is a value of the field.
+        meaning (`str`):
+            What the field's special value means, for the error.
+    """
     value = getattr(config, name)
     interval = "[0, 1]" if closed else "(0, 1)"
-    if value is None and disabled_by.startswith("None"):
+    if value is None and allows_none:
         return
     real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not (real and ((0.0 <= value <= 1.0) if closed else (0.0 < value < 1.0))):  # NaN fails both
-        raise ValueError(f"{name} must be a number in {interval} ({disabled_by}), got {value!r}")
+    # NaN fails both comparisons.
+    if not (real and ((0.0 <= value <= 1.0) if closed else (0.0 < value < 1.0))):
+        raise ValueError(f"{name} must be a number in {interval} ({meaning}), got {value!r}")
     setattr(config, name, float(value))

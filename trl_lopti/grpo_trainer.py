@@ -22,7 +22,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from .trl_contract import GRPO_LOSS  # (checks the TRL version before TRL is imported)
+# Checks the TRL version before TRL is imported.
+from .trl_contract import GRPO_LOSS
 
 
 # isort: split
@@ -60,7 +61,7 @@ class LoptiGRPOTrainer(LoptiTrainerMixin, ReinforcePlusPlusMixin, GRPOTrainer):
 
     [Metrics][lopti-metrics] (`lopti/low_token_share`, `ar_weight_mean`, `threshold` per generation batch, on
     the log row of its reward; `loss_low_pass`, `loss_high_pass` per pass; `eval_lopti/*` at each
-    evaluation). Completions are logged once per generation batch.
+    evaluation). The completions table is TRL's, written at every log.
     """
 
     config_class = LoptiGRPOConfig

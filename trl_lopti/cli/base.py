@@ -21,7 +21,10 @@ COMMANDS = {
     "presets": ("presets:main", "the presets and launchers installed with the package (--config NAME, --path NAME)"),
     "demo": ("demo:main", "the offline demo: SmolLM2-135M-Instruct trained on the CPU, a before/after table"),
     "diagnose": ("diagnose:main", "per-token gradients by probability quartile (the paper's analysis)"),
-    "check": (".check:main", "verify trl_lopti's contract with the installed TRL on this machine (about 10 s)"),
+    "check": (
+        ".check:main",
+        "verify trl_lopti's contract with the installed TRL on this machine (10 to 20 s on a CPU)",
+    ),
     # The name of `grpo` before 0.1.0, which says so; not listed.
     "train": ("train_command:train", None),
 }

@@ -109,7 +109,8 @@ def main(argv: Sequence[str]) -> int:
     args.model_init_kwargs = policy_model_init_kwargs(args, model_args)
     trainer = LoptiGRPOTrainer(model=model_path, reward_funcs=exact_answer_reward, args=args, train_dataset=dataset)
     evaluation = (trainer.processing_class, held_out, exact_answer_reward, args.max_completion_length)
-    evaluation += (args.temperature, demo_args.eval_samples, args.seed + 1)  # (sampled with another seed)
+    # Sampled with another seed.
+    evaluation += (args.temperature, demo_args.eval_samples, args.seed + 1)
     before = evaluate_held_out(trainer.model, *evaluation)
     print(f"before training: held-out reward {before['reward']:.3f}, accuracy {before['accuracy']:.3f}", flush=True)
     initial = {name: param.detach().clone() for name, param in trainer.model.named_parameters()}
@@ -141,7 +142,8 @@ def main(argv: Sequence[str]) -> int:
         "args": asdict(demo_args),
     }
     (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(  # the table and the line after it: what the README shows (.ci/check_demo.py compares them)
+    # The table and the line after it: what the README shows (.ci/check_demo.py compares them).
+    print(
         f"\n{results['table']}\n{results['rollouts']} rollouts, {results['optimizer_steps']} optimizer steps; weights "
         f"moved: {moved['changed_tensors']} of {moved['tensors']} tensors, ||after - before|| / ||before|| = "
         f"{moved['relative_change']:.3e}\n\nwall time {timings['total'] / 60:.1f} min (train "

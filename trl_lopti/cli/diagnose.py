@@ -67,19 +67,22 @@ def parse_args(argv: Sequence[str]) -> tuple:
 
 def main(argv: Sequence[str]) -> int:
     """`trl-lopti diagnose`: sample a generation batch of the run and write its token diagnostics."""
-    if not argv:  # (`smollm2`: the demo's model)
+    # `smollm2`: the demo's model.
+    if not argv:
         example = "diagnose --model_name_or_path smollm2 --kk_num_samples 8 --num_iterations 2 --output_dir diag"
         raise CliError(f"needs a model (--model_name_or_path: a folder or a hub id), e.g.\n  trl-lopti {example}")
     diagnose_args, script_args, training_args, model_args = parse_args(argv)
     if model_args.model_name_or_path.lower() == "smollm2" and not Path(model_args.model_name_or_path).exists():
-        model_args.model_name_or_path = get_smollm2()  # the demo's model
+        # The demo's model.
+        model_args.model_name_or_path = get_smollm2()
     num_prompts = diagnose_args.num_prompts or training_args.generation_batch_size // training_args.num_generations
     trainer = build_trainer(script_args, training_args, model_args, num_prompts)
     inputs, summary = sample_generation_batch(trainer, list(trainer.train_dataset))
     print(f"generated {summary['num_completions']} completions (mean reward {summary['reward_mean']:.3f})", flush=True)
     micro_batch_size = training_args.per_device_train_batch_size
     steps = training_args.num_iterations - 1
-    inner = None  # TRL's last iteration on a batch sees the policy num_iterations - 1 steps on
+    # TRL's last iteration on a batch sees the policy num_iterations - 1 steps on.
+    inner = None
     if steps:
         inner = advance_policy_on_batch(trainer, inputs, steps, training_args.learning_rate, micro_batch_size)
     methods = [] if "none" in diagnose_args.probe_methods else diagnose_args.probe_methods
@@ -95,7 +98,8 @@ def main(argv: Sequence[str]) -> int:
     try:
         if diagnose_args.plots:
             plot_report(report, output_dir)
-    except ImportError as error:  # matplotlib is an optional dependency (the `demo` extra)
+    except ImportError as error:
+        # Matplotlib is an optional dependency (the `demo` extra).
         print(f"no plots ({error}); pip install matplotlib", file=sys.stderr)
     print(f"{tables}\n\nwrote the report to {output_dir}")
     return 0

@@ -35,6 +35,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as error:
         print(f"trl-lopti {argv[0]}: error: {error}", file=sys.stderr)
         return 2
-    # --help, or argparse's usage error of a command that parses with argparse alone.
     except SystemExit as exit_:
+        # --help, or argparse's usage error of a command that parses with argparse alone.
         return int(exit_.code or 0)

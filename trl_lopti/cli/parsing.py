@@ -30,7 +30,8 @@ CONFIG_HELP = "A YAML file of `field: value` lines, or a preset's name (trl-lopt
 def own_fields(config_class: type) -> list[str]:
     """The fields that trl_lopti's classes declare in `config_class` (not TRL's or transformers' classes)."""
     declared_by = {}
-    for cls in reversed(config_class.__mro__):  # the first class of the MRO to annotate a name declares it
+    # The first class of the MRO to annotate a name declares it.
+    for cls in reversed(config_class.__mro__):
         declared_by |= dict.fromkeys(vars(cls).get("__annotations__", {}), cls.__module__)
     return [f.name for f in fields(config_class) if f.init and declared_by[f.name].startswith("trl_lopti")]
 
@@ -65,7 +66,8 @@ class LoptiParser(TrlParser):
                 action.default = argparse.SUPPRESS
 
     def error(self, message: str):
-        raise CliError(re.sub(r"(--\w+)/--[\w-]+", r"\1", message))  # argparse's, with no dashed alias
+        # Argparse's, with no dashed alias.
+        raise CliError(re.sub(r"(--\w+)/--[\w-]+", r"\1", message))
 
     def format_help(self) -> str:
         formatter = Formatter(self.prog, max_help_position=34, width=119)
@@ -83,7 +85,8 @@ class LoptiParser(TrlParser):
         formatter.add_arguments([action for name in lopti for action in self._actions if action.dest == name])
         formatter.end_section()
         lines = [f"and the fields of TRL's classes, as `trl {self.trainer}` reads them (--help_all):"]
-        for cls in self.dataclass_types:  # by the TRL class each extends: ScriptArguments, GRPOConfig, ModelConfig
+        # By the TRL class each extends: ScriptArguments, GRPOConfig, ModelConfig.
+        for cls in self.dataclass_types:
             names = [f.name for f in fields(cls) if f.init and f.name not in own + lopti]
             base = next(k for k in cls.__mro__ if not k.__module__.startswith("trl_lopti")).__name__
             lines += [f"  {base} ({len(names)}): --{', --'.join(names[:4])}, ..."] if names else []
@@ -112,7 +115,8 @@ class LoptiParser(TrlParser):
             if not isinstance(values, dict) or not isinstance(values.get("env", {}), dict):
                 raise CliError(f"--config {self.config}: must be a YAML mapping of field: value (env: a mapping too)")
             os.environ.update({name: str(value) for name, value in values.pop("env", {}).items()})
-            if values.setdefault("trainer", self.trainer) != self.trainer:  # a check: the command is the trainer
+            # A check: the command is the trainer.
+            if values.setdefault("trainer", self.trainer) != self.trainer:
                 raise CliError(f"trainer: {self.config} is for `trl-lopti {values['trainer']}`, not {self.prog}")
             del values["trainer"]
         options = self._option_string_actions
@@ -132,7 +136,8 @@ class LoptiParser(TrlParser):
             return tuple(self.parse_args_into_dataclasses(args))
         except ValueError as error:
             message = str(error)
-            if "use_cpu" in message and not torch.accelerator.is_available():  # transformers' bf16 check, on a CPU
+            # Transformers' bf16 check, on a CPU.
+            if "use_cpu" in message and not torch.accelerator.is_available():
                 message += "; this machine has no accelerator: add --use_cpu true to run on its CPU"
             raise CliError(self.where(message)) from error
 
@@ -160,7 +165,8 @@ class LoptiParser(TrlParser):
         return CliError(f"{name} ({origin}): no such {kind}{nearest(name, known)}")
 
 
-OPTIONS = [  # the options `parse` reads itself, as `--help` shows them
+# The options `parse` reads itself, as `--help` shows them.
+OPTIONS = [
     argparse.Action(["--config"], "config", metavar="FILE|PRESET", default=argparse.SUPPRESS, help=CONFIG_HELP),
     argparse.Action(["--help_all"], "help_all", 0, default=argparse.SUPPRESS, help="Every option, and exit."),
 ]
@@ -171,7 +177,8 @@ def cpu_settings(argv: Sequence[str], command: str, settings: dict[str, Any] | N
     machine without an accelerator, where TRL's default bf16 would refuse to start, but those `argv` gives; said once."""
     given = {arg.split("=")[0] for arg in argv}
     added = {name: value for name, value in (settings or {"use_cpu": True}).items() if f"--{name}" not in given}
-    if added and os.environ.get("RANK", "0") == "0":  # once under a launcher
+    # Once under a launcher.
+    if added and os.environ.get("RANK", "0") == "0":
         flags = " ".join(f"--{name}={value}" for name, value in added.items())
         print(f"{command}: no accelerator on this machine, CPU settings: {flags}", file=sys.stderr)
     return added

@@ -68,7 +68,8 @@ def main(argv: list[str], command: str) -> int:
         return script_args, training_args, model_args
 
     script_args, training_args, model_args = parse()
-    unset_hf_deepspeed_config()  # the tiny model is built whole on the main process, not under ZeRO-3's zero.Init
+    # The tiny model is built whole on the main process, not under ZeRO-3's zero.Init.
+    unset_hf_deepspeed_config()
     folder = Path(f"{training_args.output_dir}-rehearsal")
     # Said after the run's first line (where it trains).
     said = []
@@ -87,7 +88,8 @@ def main(argv: list[str], command: str) -> int:
             vllm.attach(trainer)
 
         trainer = run_training(*parse(scale, vllm.flags()), end=False, prepare=prepare)
-        batches = ", ".join(sorted(path.name for path in checkpoint.glob("lopti_generation_batch*")))  # mid-cycle
+        # The generation batch a checkpoint between the passes keeps.
+        batches = ", ".join(sorted(path.name for path in checkpoint.glob("lopti_generation_batch*")))
         report = {
             "trainer": type(trainer).__name__,
             "backend": cpu_backends.check_backend(trainer.accelerator),
@@ -96,13 +98,16 @@ def main(argv: list[str], command: str) -> int:
             **_passes(trainer),
             "checkpoint": f"{checkpoint} (with {batches or 'no batch'})",
         }
-        cycle = scale["max_steps"] // 2  # vLLM: sent before each generation batch, never between its passes
+        # vLLM: sent before each generation batch, never between its passes.
+        cycle = scale["max_steps"] // 2
         vllm.check(report, "run", expected_sync_steps=[0, cycle])
         del trainer
         resumed_flags = {"resume_from_checkpoint": checkpoint, "output_dir": folder / "resumed"}
         resumed = run_training(*parse(scale, vllm.flags(), resumed_flags), prepare=vllm.attach, say_where=False)
-        vllm.check(report, "resumed", expected_sync_steps=[cycle])  # the stored batch's high pass first: no sync
-    if resumed.accelerator.is_main_process:  # its final model against the uninterrupted run's
+        # The stored batch's high pass first: no sync.
+        vllm.check(report, "resumed", expected_sync_steps=[cycle])
+    # The resumed run's final model, against the uninterrupted run's.
+    if resumed.accelerator.is_main_process:
         run, rerun = (load_file(folder / name / "model.safetensors") for name in ("run", "resumed"))
         difference = report["resume_max_abs_difference"] = max(
             float((run[k].double() - rerun[k].double()).abs().max()) for k in run
@@ -148,8 +153,10 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
     accumulation = rows // (per_device * world)
     cycle_steps = training_args.lopti_num_passes * steps_per_pass
     vllm_reason = vllm_server.unavailable(training_args) if training_args.use_vllm else None
-    max_steps = (2 if training_args.use_vllm and not vllm_reason else 1) * cycle_steps  # vLLM: two generation batches
-    model = Path(model_args.model_name_or_path).expanduser()  # a local model under 100 MB as it is, else a tiny one
+    # vLLM: two generation batches.
+    max_steps = (2 if training_args.use_vllm and not vllm_reason else 1) * cycle_steps
+    # A local model under 100 MB as it is, else a tiny one.
+    model = Path(model_args.model_name_or_path).expanduser()
     if not (model.is_dir() and sum(file.stat().st_size for file in model.glob("*.safetensors")) < 100e6):
         model_type = json.loads((model / "config.json").read_text())["model_type"] if model.is_dir() else str(model)
         family = next((arch for key, arch in FAMILIES.items() if key in model_type.lower()), None)
@@ -182,7 +189,8 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
             f"rehearse: vLLM ({training_args.vllm_mode} mode) NOT rehearsed: {vllm_reason}; completions come from "
             "transformers' generate"
         )
-    elif training_args.use_vllm:  # seeded sampling: the resumed run samples the second batch as the uninterrupted one
+    elif training_args.use_vllm:
+        # Seeded sampling: the resumed run samples the second batch as the uninterrupted one.
         seeded = {**(training_args.generation_kwargs or {}), "seed": training_args.seed}
         flags["generation_kwargs"] = json.dumps(seeded)
         say(
@@ -193,7 +201,8 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
     if script_args.task == "knights_knaves":
         flags.update(kk_source="generated", kk_num_samples=REHEARSAL_SCALE["prompts"])
         data = f"{REHEARSAL_SCALE['prompts']} K&K puzzles generated offline ({script_args.kk_num_people} people)"
-    elif script_args.task == "math":  # in the authors' parquet layout
+    elif script_args.task == "math":
+        # In the authors' parquet layout.
         flags.update(dataset_name="dsr_uniform", math_data_file=folder / "math.parquet")
         data = "8 local addition problems in the authors' format"
         problems = [
@@ -201,7 +210,8 @@ def _scaled_flags(script_args, training_args, model_args, folder: Path, say) -> 
             for a in range(3, 7)
             for b in range(11, 13)
         ]
-        if not flags["math_data_file"].is_file():  # written once, by the main process
+        # Written once, by the main process.
+        if not flags["math_data_file"].is_file():
             Dataset.from_list(problems).to_parquet(flags["math_data_file"])
     say(
         f"rehearse: model {model_args.model_name_or_path} -> {model}; data: {data}; rewards: "

@@ -177,7 +177,8 @@ def build_datasets(script_args: LoptiScriptArguments, training_args) -> tuple:
     args = script_args
     with_eval = training_args.eval_strategy != "no"
     kk_source = args.kk_source or ("hub" if args.dataset_name else "generated")
-    if args.task == "knights_knaves" and kk_source == "generated":  # held out: the puzzles after the training ones
+    # Held out: the puzzles after the training ones.
+    if args.task == "knights_knaves" and kk_source == "generated":
         total = args.kk_num_samples + (args.kk_num_eval_samples if with_eval else 0)
         puzzles = tasks.generate_dataset(
             args.kk_num_people, total, seed=args.kk_seed, prefill_think=args.kk_prefill_think
@@ -191,7 +192,8 @@ def build_datasets(script_args: LoptiScriptArguments, training_args) -> tuple:
             prefill = args.kk_prefill_think
             kk = (args.kk_num_people, split, kk_source, args.kk_data_dir, hub_id)
             return tasks.load_knights_knaves_dataset(*kk, prefill_think=prefill)
-        if args.task == "math":  # two math sets: dataset_name, and dataset_test_split to evaluate on
+        # Two math sets: dataset_name, and dataset_test_split to evaluate on.
+        if args.task == "math":
             name = args.dataset_name if train else split
             if name in tasks.PAPER_MATH_FILES:
                 return tasks.load_paper_math_dataset(name, args.math_data_file if train else None)

@@ -35,8 +35,8 @@ def main(argv: Sequence[str], trainer: str) -> int:
     script_args, training_args, model_args, resolved = checked_args(argv, trainer)
     if not script_args.dry_run:
         run_training(script_args, training_args, model_args)
-    # Printed once under a launcher.
     elif os.environ.get("RANK", "0") == "0":
+        # Printed once under a launcher.
         print(json.dumps(resolved, indent=2, default=str))
     return 0
 

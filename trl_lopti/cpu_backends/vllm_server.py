@@ -114,7 +114,8 @@ def weight_transfer_report(url: str) -> dict:
     """What the server's worker received (`vllm_worker.WeightTransferOnCpu.trl_lopti_weight_transfer`)."""
     response = requests.post(f"{url}/collective_rpc", json={"method": "trl_lopti_weight_transfer"}, timeout=60)
     response.raise_for_status()
-    (report,) = response.json()["results"]  # one worker
+    # One worker.
+    (report,) = response.json()["results"]
     return report
 
 

@@ -109,7 +109,8 @@ def run_with_time_limit(func: Callable[[], _T], seconds: float | None) -> _T:
     if in_main_thread():
         try:
             return _run_with_alarm(func, seconds)
-        except ValueError as error:  # signals unavailable here (e.g. a sub-interpreter)
+        except ValueError as error:
+            # Signals unavailable here (e.g. a sub-interpreter).
             if "signal" not in str(error):
                 raise
     return _run_in_thread(func, seconds)
@@ -171,7 +172,8 @@ class WorkerProcess:
             if timeout_seconds is not None and timeout_seconds > 0:
                 wait = timeout_seconds + WORKER_GRACE_SECONDS
             reply = self._wait_for_line(wait)
-            if not reply:  # too slow, or the child died
+            # Too slow, or the child died.
+            if not reply:
                 self._stop()
                 return None
             return json.loads(reply)
