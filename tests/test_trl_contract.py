@@ -169,13 +169,11 @@ def test_num_iterations_is_read_only_as_the_schedule_and_at_generation(trl_train
     for function in ast.walk(tree):
         if isinstance(function, ast.FunctionDef):
             for node in ast.walk(function):
-                if (
-                    isinstance(node, ast.Attribute)
-                    and node.attr == "num_iterations"
-                    and isinstance(node.ctx, ast.Load)
-                ):
-                    if isinstance(node.value, ast.Name) and node.value.id == "self":
-                        readers.add(function.name)
+                # A read of `self.num_iterations`.
+                read = isinstance(node, ast.Attribute) and node.attr == "num_iterations"
+                read = read and isinstance(node.ctx, ast.Load) and getattr(node.value, "id", None) == "self"
+                if read:
+                    readers.add(function.name)
     schedule = {"_get_train_sampler", "get_train_dataloader", "_prepare_inputs"}
     assert schedule & readers and readers <= schedule | {"_generate_and_score_completions"}, sorted(readers)
 
