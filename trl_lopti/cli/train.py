@@ -262,8 +262,15 @@ def build_trainer(script_args, training_args, model_args, num_train_prompts: int
     )
 
 
-BACKENDS = {"FSDP": "FSDP", "DEEPSPEED": "DeepSpeed", "NO": ""}
-"""What a launch runs its processes with, by accelerate's distributed type; any other type: DDP."""
+def launch_backend(training_args, num_processes: int) -> str:
+    """What the processes of a launch train with, before accelerate's `Accelerator` decides it: DeepSpeed or FSDP
+    (from `accelerate launch`'s config, or the trainer's own `deepspeed` and `fsdp`), DDP, or nothing for one
+    process."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" or training_args.deepspeed:
+        return "DeepSpeed"
+    if os.environ.get("ACCELERATE_USE_FSDP") == "true" or training_args.fsdp:
+        return "FSDP"
+    return "DDP" if num_processes > 1 else ""
 
 
 def run_training(
@@ -292,7 +299,7 @@ def run_training(
     if say_where and state.is_main_process:
         device = training_args.device
         count = state.num_processes
-        backend = BACKENDS.get(state.distributed_type.value, "DDP")
+        backend = launch_backend(training_args, count)
         where = f"{device.type} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else device.type
         where += f", {count} process{'es' * (count > 1)}" + (f" ({backend})" if backend else "")
         print(f"{command}: training on {where}", flush=True)
