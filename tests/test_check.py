@@ -243,7 +243,7 @@ def test_an_rloo_only_break_leaves_the_grpo_trainer_training(tmp_path, tiny_mode
 
 def test_an_inconclusive_check_refuses_without_caching_and_names_the_skip_variable(untested, tmp_path):
     untested.outcome = "inconclusive"
-    with pytest.raises(RuntimeError, match=r"could not tell .* OutOfMemoryError.* TRL_LOPTI_SKIP_CHECK=1") as error:
+    with pytest.raises(RuntimeError, match=r"could not confirm .* OutOfMemoryError.* TRL_LOPTI_SKIP_CHECK=1") as error:
         build(tmp_path)
     print(error.value)  # noqa: T201 - what a user sees (pytest -s)
     # Nothing cached: the next run checks again, and an interrupted check gives no verdict either.
@@ -312,3 +312,43 @@ def test_machines_whose_caches_differ_meet_at_the_gate(tiny_model_path, tmp_path
     assert [(report["trained_steps"], report["ran_check"]) for report in reports] == [(2, 0), (2, 1)]
     [verdict_file] = (tmp_path / "hf1" / "trl_lopti" / "contract").glob("grpo-*.json")
     assert json.loads(verdict_file.read_text())["outcome"] == "passed"
+
+
+def test_a_machine_that_refuses_stops_every_machine_of_the_run(tiny_model_path, tmp_path):
+    """torchrun's two nodes, each with a cache of its own: the first holds a passing verdict, the second a failed one.
+    Every process refuses, at once: none trains, and none waits for the others in vain."""
+    port = str(free_port())
+    processes = []
+    environment = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
+    script = str(Path(__file__).with_name("gate_script.py"))
+    for node in range(2):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node)]
+        command += ["--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port]
+        command += [script, tiny_model_path, str(tmp_path), "other_machine_refuses"]
+        processes.append(subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        outputs = [process.communicate(timeout=300)[0].decode() for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    assert all(process.returncode != 0 for process in processes), [output[-2000:] for output in outputs]
+    assert "Another machine of this run refuses to train. There: TRL" in outputs[0], outputs[0][-3000:]
+    assert (
+        "breaks trl_lopti's contract for LoptiGRPOTrainer on this machine (cpu, bf16): broken facts S4" in outputs[1]
+    )
+    assert not list(tmp_path.glob("rank*.json")), "no process trained"
+
+
+def test_a_relation_that_names_no_fact_is_inconclusive_and_not_cached(monkeypatch, tmp_path, capsys, single_thread):
+    """A relation beyond its tolerance, with no fact named (a device's rounding can do it): the check refuses the run
+    but caches nothing, names no fact, and says how to train anyway (exit code 3)."""
+    from trl_lopti import check
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    # Every relation misses a tolerance below zero; no runtime check breaks.
+    monkeypatch.setitem(check.TOLERANCES, "fp64", -1.0)
+    assert main(["--trainers", "grpo", "--precision", "fp64"]) == 3
+    output = capsys.readouterr().out
+    assert "FAIL " in output and "relative difference" in output and "broken facts" not in output
+    assert "grpo: inconclusive (not cached: the next run checks again)" in output
+    assert not (tmp_path / "hf").exists()
