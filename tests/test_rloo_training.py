@@ -151,10 +151,10 @@ def test_completions_table_at_every_log_and_split_metrics_once_per_generation_ba
         model=tiny_model_path, reward_funcs=length_reward, args=config, train_dataset=conversational_dataset()
     )
     trainer.train()
-    # 4 optimizer steps = 2 generation batches (low pass, high pass each): a table at every log, as TRL prints it.
-    # The global step each table was printed at:
+    # 4 optimizer steps = 2 generation batches (low pass, high pass each): a table at every log, as TRL prints it,
+    # the training's closing summary included. The global step each table was printed at:
     steps_printed = [args[4] for args in printed]
-    assert steps_printed == [1, 2, 3, 4], steps_printed
+    assert steps_printed == [1, 2, 3, 4, 4], steps_printed
     rows = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert ["lopti/low_token_share" in row for row in rows] == [True, False, True, False]
     assert ["lopti/ar_weight_mean" in row for row in rows] == [True, False, True, False]

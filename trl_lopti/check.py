@@ -576,8 +576,9 @@ def main(argv: list[str]) -> int:
     every = [result for trainer in args.trainers for result in results[trainer]]
     unfinished = [result for result in every if result.status != "PASS"]
     if "failed" in outcomes:
+        failed = [result for result in every if result.status == "FAIL"]
         broken = " ".join(sorted({fact for result in every for fact in result.broken}))
-        print(f"FAILED: {len(unfinished)} of {len(every)} checks in {seconds:.0f} s, broken facts {broken}")
+        print(f"FAILED: {len(failed)} of {len(every)} checks in {seconds:.0f} s, broken facts {broken}")
         return 1
     if "inconclusive" in outcomes:
         print(
