@@ -1,8 +1,8 @@
 """
 trl_lopti's contract with TRL: the facts about TRL's trainers that AR and Lopti rely on ([`TRLFact`],
-`TRL_FACTS`), their runtime checks, which stop a run at the first step where TRL breaks one
-([`broken_fact`]), and the gate of a TRL release outside `TESTED_TRL_RELEASES`
-([`require_verified_contract`]).
+`TRL_FACTS`), each with the wrong update its runtime check prevents and where it is checked (the checks sit
+beside the hooks that rely on them, and raise [`broken_fact`]), and the gate of a TRL release outside
+`TESTED_TRL_RELEASES` ([`require_verified_contract`]).
 
 `tests/test_trl_contract.py` pins each fact on every tested release; `tests/test_fact_checks.py` breaks each
 on purpose. The config and trainer modules import this module before TRL (it checks TRL's version);
@@ -97,7 +97,7 @@ LOSS_MASK = TRLFact(
     "every loss sums its per-token terms over `completion_mask` (times `tool_mask` where the batch has one)",
     "gradient through tokens that belong to neither Lopti group (padding, tool output), so that the two passes do not "
     "add up to the whole update",
-    "`lopti_mixin.check_loss_mask`, at the end of every pass",
+    "`lopti_mixin.check_loss_mask`, before every optimizer step",
 )
 GRPO_LOSS = TRLFact(
     "G1",
