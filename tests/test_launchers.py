@@ -467,7 +467,7 @@ def test_the_docs_cpu_launch_commands_exit_every_time_two_at_a_time(tmp_path):
         # The processes share the output: another process's progress bar (a carriage return, no newline) may end
         # on the line where the first process starts its own, so what is said first is found by position.
         where_at = output.find(first_lines[name])
-        rehearse_at = output.find("rehearse: ")
+        rehearse_at = output.find("rehearse: model ")
         said_first = 0 <= where_at < rehearse_at
         assert code == 0 and said_first, (
             f"{name} #{repeat}: exit code {code}, {where_at}, {rehearse_at}\n{output[-4000:]}"
