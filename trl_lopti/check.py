@@ -457,10 +457,12 @@ def run_checks(
         for trainer in trainers:
             results[trainer] = []
             losses = {}
+            # The status of each check run so far, by name.
+            statuses = {}
             for check, facts in CHECK_FACTS[trainer].items():
                 result = CheckResult(f"{trainer} {check}", tuple(fact.code for fact in facts))
                 needed = "off" if check != "resume" else "cycle"
-                if check != "off" and results[trainer][list(CHECK_FACTS[trainer]).index(needed)].status != "PASS":
+                if check != "off" and statuses[needed] != "PASS":
                     result.status = "SKIP"
                     result.detail = f"it needs the {needed} check"
                 else:
@@ -478,6 +480,7 @@ def run_checks(
                     except Exception as error:  # noqa: BLE001 - a verdict for every check, whatever breaks
                         record_failure(result, error)
                     result.seconds = time.perf_counter() - start
+                statuses[check] = result.status
                 results[trainer].append(result)
                 if report is not None:
                     report(result)

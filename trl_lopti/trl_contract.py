@@ -184,9 +184,11 @@ def verdict_key(trainer: str, device_type: str, precision: str) -> dict[str, str
     key["trl_lopti_source"] = source.hexdigest()[:16]
     key["trainer"] = trainer
     key["device"] = device_type
-    get_device_name = getattr(torch.get_device_module(device_type), "get_device_name", None)
-    if device_type != "cpu" and get_device_name is not None:
-        key["device"] += f" ({get_device_name(0)})"
+    # An accelerator's first device by name, where its module names devices (MPS's does not).
+    if device_type != "cpu":
+        get_device_name = getattr(torch.get_device_module(device_type), "get_device_name", None)
+        if get_device_name is not None:
+            key["device"] += f" ({get_device_name(0)})"
     key["precision"] = precision
     return key
 
