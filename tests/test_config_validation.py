@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from trl import GRPOConfig
 
-from trl_lopti import LoptiGRPOConfig
+from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 from trl_lopti.config import as_lopti_config
 
 
@@ -135,7 +135,7 @@ def test_every_lopti_pass_must_end_on_an_optimizer_step_and_the_error_gives_a_fi
 def test_a_plain_grpo_config_is_upgraded_with_a_visible_warning():
     plain = GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, learning_rate=3e-6, max_steps=7)
     with pytest.warns(UserWarning, match=r"plain GRPOConfig") as caught:
-        upgraded = as_lopti_config(plain, model="some/model")
+        upgraded = as_lopti_config(plain, model="some/model", trainer_class=LoptiGRPOTrainer)
     message = str(caught[0].message)
     for text in ("advantage_reweighting_alpha=0.3", "lopti_threshold=0.5", "max_steps"):
         assert text in message
@@ -143,7 +143,7 @@ def test_a_plain_grpo_config_is_upgraded_with_a_visible_warning():
     assert (upgraded.learning_rate, upgraded.max_steps) == (3e-6, 7)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a LoptiGRPOConfig passes through silently
-        assert as_lopti_config(upgraded, model="some/model") is upgraded
+        assert as_lopti_config(upgraded, model="some/model", trainer_class=LoptiGRPOTrainer) is upgraded
 
 
 def test_a_plain_grpo_config_with_an_unfit_schedule_gets_an_error_in_its_own_terms():
@@ -151,7 +151,7 @@ def test_a_plain_grpo_config_with_an_unfit_schedule_gets_an_error_in_its_own_ter
         output_dir="unused", report_to="none", use_cpu=True, steps_per_generation=3, gradient_accumulation_steps=2
     )
     with pytest.raises(ValueError, match="plain GRPOConfig") as error:
-        as_lopti_config(plain, model="some/model")
+        as_lopti_config(plain, model="some/model", trainer_class=LoptiGRPOTrainer)
     message = str(error.value)
     assert "steps_per_generation=4" in message and "lopti_threshold=None" in message
     # one piece of advice, in terms of what a plain GRPOConfig user can pass

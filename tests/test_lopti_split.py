@@ -3,6 +3,7 @@ every process), and the empty pass as the paper's authors run it (an ordinary op
 
 import copy
 import math
+from typing import ClassVar
 
 import pytest
 import torch
@@ -330,23 +331,30 @@ def test_the_method_description_names_the_split_rule(tmp_path):
     from trl_lopti.lopti_mixin import describe_method
 
     config = quantile_config(str(tmp_path), ROWS, 2, 2, 0.3)
-    assert describe_method(config) == (
+    assert describe_method(config, "GRPO") == (
         "GRPO with Advantage Reweighting (alpha=0.3) and Low-Probability Token Isolation "
         "(Lopti, eta at the 0.3 quantile of each batch, low tokens first)"
     )
 
 
-def test_the_method_description_of_a_users_config_subclass_names_its_trainer(tmp_path):
-    """A user's subclass of a Lopti config (passed through unchanged) is described by the trainer it configures."""
-    from trl_lopti import LoptiGRPOConfig, LoptiRLOOConfig
-    from trl_lopti.lopti_mixin import describe_method
+def test_the_method_description_names_the_trainer_a_composition_extends(tmp_path, tiny_model_path):
+    """A trainer is described by the trainer it extends (TRL's, or a user's), whatever its config class."""
+    from trl import GRPOTrainer
 
-    class MyGRPOSettings(LoptiGRPOConfig):
+    from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
+
+    class SequenceMeanTrainer(GRPOTrainer):
+        _tag_names: ClassVar[list[str]] = ["trl", "sequence-mean"]
+
+    class LoptiSequenceMeanTrainer(LoptiGRPOTrainer, SequenceMeanTrainer):
         pass
 
-    class MyRLOOSettings(LoptiRLOOConfig):
+    class MySettings(LoptiGRPOConfig):
         pass
 
-    for settings, trainer in ((MyGRPOSettings, "GRPO"), (MyRLOOSettings, "RLOO")):
-        config = settings(output_dir=str(tmp_path), lopti_threshold=None, use_cpu=True, report_to="none")
-        assert describe_method(config) == f"{trainer} with Advantage Reweighting (alpha=0.3)"
+    config = MySettings(output_dir=str(tmp_path), lopti_threshold=None, use_cpu=True, report_to="none")
+    runs = ((LoptiGRPOTrainer, "GRPO", "grpo"), (LoptiSequenceMeanTrainer, "SequenceMean", "sequence-mean"))
+    for trainer_class, name, tag in runs:
+        trainer = trainer_class(tiny_model_path, length_reward, config, conversational_dataset())
+        assert trainer._name == f"{name} with Advantage Reweighting (alpha=0.3)"
+        assert trainer._tag_names == ["trl", tag, "lopti"]

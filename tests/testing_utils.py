@@ -735,6 +735,7 @@ def _tool_mask(monkeypatch, trl_class):  # R2: RLOO returns a tool_mask, which i
 TRL_MUTATIONS = {
     "copied micro-batch": ("S1", _copies_the_micro_batch),
     "generation at every pass": ("S1", _generates_at_every_pass),
+    "sampler repeats by the config's num_iterations": ("S1", _repeats_once_per_pass),
     "loss not through the hooked forward": ("S2", _loss_not_through_the_hook),
     "state loaded after the hook": ("S3", _state_loaded_after_the_hook),
     "hook not called on resume": ("S3", _hook_not_called),
@@ -749,8 +750,8 @@ TRL_MUTATIONS = {
 trl_class)`)."""
 
 
-# What leaves every update the method's (the logs, the completions table, the prompts the sampler serves inside a
-# cycle): a TRL that changes it never stops a run, which warns or carries on (tests/test_fact_checks.py).
+# What leaves every update the method's (the logs, the completions table): a TRL that changes it never stops a run,
+# which warns or carries on (tests/test_fact_checks.py).
 def _metrics_kept(monkeypatch, trl_class):  # log keeps the metrics it averaged (a running mean)
     log = trl_class.log
 
@@ -778,6 +779,5 @@ def _advantages_unlogged(monkeypatch, trl_class):  # the advantages logged elsew
 NO_WRONG_UPDATE_MUTATIONS = {
     "metrics kept after log": _metrics_kept,
     "advantages not logged": _advantages_unlogged,
-    "sampler repeats once per pass": _repeats_once_per_pass,
 }
 """Mutation name -> `mutation(monkeypatch, trl_class)`, of what leaves every update the method's."""

@@ -11,9 +11,12 @@ fact: the verdict is then inconclusive, and not cached.
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import io
 import json
+import os
 import re
+import sys
 import tempfile
 import time
 import warnings
@@ -27,13 +30,16 @@ from . import trl_contract
 
 
 # isort: split
+import transformers
 import trl
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging
 
+from .config import lopti_config_class, trainer_config_classes
+from .core_algos import isolate_token_gradients
 from .grpo_trainer import LoptiGRPOTrainer
-from .lopti_mixin import LOPTI_BATCH_KEYS
+from .lopti_mixin import LOPTI_BATCH_KEYS, LoptiTrainerMixin
 from .models import PEAKED_TINY_MODEL, build_tiny_model
 from .rloo_trainer import LoptiRLOOTrainer
 from .tasks import token_parity_reward
@@ -48,7 +54,7 @@ from .trl_contract import (
     RLOO_LOSS,
     SCHEDULE,
 )
-from .utils import temporarily_set
+from .utils import defining_class, temporarily_set
 
 
 TOLERANCES = {"fp64": 1e-6, "fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}
@@ -59,6 +65,8 @@ KNOWN_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo",
 """GRPO's loss types in TRL 1.16, tried beside those the installed `GRPOConfig`'s help names."""
 
 TRAINERS = {"grpo": LoptiGRPOTrainer, "rloo": LoptiRLOOTrainer}
+
+TRL_CONFIGS = {"grpo": trl.GRPOConfig, "rloo": trl.RLOOConfig}
 
 CHECK_FACTS = {
     "grpo": {
@@ -92,6 +100,11 @@ class CheckResult:
     detail: str = ""
     seconds: float = 0.0
     broken: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        """Whether the check passed."""
+        return self.status == "PASS"
 
     def line(self) -> str:
         facts = " ".join(self.facts) or "-"
@@ -147,10 +160,17 @@ class Passes:
         return f"{self.forwards}/{self.no_grad_forwards}/{self.backwards}/{self.steps}"
 
 
+def log_prob_forward_class(trainer_class: type) -> type:
+    """The class whose log-prob forward a trainer of `trainer_class` runs beneath trl_lopti's hooks (TRL's
+    trainer, or a user's class that overrides the forward)."""
+    return defining_class(trainer_class, "_get_per_token_logps_and_entropies")
+
+
 @contextlib.contextmanager
-def observed_forwards(trl_class: type) -> Iterator[Passes]:
-    """Counts the calls of TRL's own log-prob forward (`trl_class`'s) in the block, and keeps the
-    log-probabilities it returned with gradient, each keeping its `.grad`."""
+def observed_forwards(trl_class: type, active_mask: torch.Tensor | None = None) -> Iterator[Passes]:
+    """Counts the calls of the log-prob forward of `trl_class` (TRL's own) in the block, and keeps the
+    log-probabilities it returned with gradient, each keeping its `.grad`; with `active_mask` (B, T), the
+    log-probabilities and entropies of the other tokens are returned detached."""
     name = "_get_per_token_logps_and_entropies"
     forward = trl_class.__dict__[name]
     passes = Passes()
@@ -164,7 +184,10 @@ def observed_forwards(trl_class: type) -> Iterator[Passes]:
         if output[0].requires_grad:
             output[0].retain_grad()
             passes.logps.append(output[0])
-        return output
+        if active_mask is None:
+            return output
+        entropies = output[1] if output[1] is None else isolate_token_gradients(output[1], active_mask)
+        return isolate_token_gradients(output[0], active_mask), entropies, output[2]
 
     setattr(trl_class, name, observing)
     try:
@@ -199,11 +222,11 @@ class Contract:
         self.trl_passes: dict[str, Passes] = {}
         self.cycle_runs: dict[str, Any] = {}
 
-    def config(self, trainer: str, name: str, lopti: bool = True, **overrides: Any):
-        """A run's config (`lopti=False`: TRL's own): 2 generation batches of 8 completions, each trained in
-        2 optimizer steps of plain SGD per pass (TRL computes pi_old: off-policy), on this device and
-        precision; RLOO's with a reference model (its forward follows pi_old's, fact R1), whose KL penalises
-        the rewards."""
+    def config(self, trainer: str, name: str, lopti: bool = True, config_class: type | None = None, **overrides: Any):
+        """A run's config (`lopti=False`: TRL's own; `config_class`: a user's Lopti config): 2 generation
+        batches of 8 completions, each trained in 2 optimizer steps of plain SGD per pass (TRL computes pi_old:
+        off-policy), on this device and precision; RLOO's with a reference model (its forward follows pi_old's,
+        fact R1), whose KL penalises the rewards."""
         fields = {
             "output_dir": str(self.folder / name),
             "per_device_train_batch_size": 4,
@@ -228,12 +251,13 @@ class Contract:
             "beta": 0.04 if trainer == "rloo" else 0.0,
         }
         fields.update(overrides)
-        config_class = TRAINERS[trainer].config_class
-        return config_class(**fields) if lopti else getattr(trl, config_class.__name__.removeprefix("Lopti"))(**fields)
+        if config_class is not None:
+            return config_class(**fields)
+        return TRAINERS[trainer].config_class(**fields) if lopti else TRL_CONFIGS[trainer](**fields)
 
     def trainer(self, trainer_class: type, args: Any):
         prompts = Dataset.from_dict({"prompt": [f"Count to {number}:" for number in range(4)]})
-        return trainer_class(self.model_path, token_parity_reward, args, prompts)
+        return trainer_class(model=self.model_path, reward_funcs=token_parity_reward, args=args, train_dataset=prompts)
 
     def train(self, trainer_class: type, args: Any, checkpoint: str | None = None) -> tuple[Any, Passes]:
         """Trains a run (from `checkpoint`): the trainer, and what it did (backward passes: those that reach
@@ -241,7 +265,7 @@ class Contract:
         trainer = self.trainer(trainer_class, args)
         backwards = []
         trainer.model.get_input_embeddings().weight.register_post_accumulate_grad_hook(lambda _: backwards.append(1))
-        with observed_forwards(getattr(trainer_class, "trl_trainer_class", trainer_class)) as passes:
+        with observed_forwards(log_prob_forward_class(trainer_class)) as passes:
             trainer.train(resume_from_checkpoint=checkpoint)
         passes.backwards = len(backwards)
         passes.steps = trainer.state.global_step
@@ -390,6 +414,186 @@ class Contract:
         trainer.model.zero_grad(set_to_none=True)
         return passes.logps[-1].grad
 
+    # ---------------------------------------------------------------------------------------------------- a user's class
+    def composition_config(self, composition: "Composition", name: str, **overrides: Any):
+        """A run's config for a user's trainer class: its config class, with the fields of `config`; no KL term
+        in GRPO's loss unless asked (AR's general form refuses one)."""
+        if composition.family == "grpo":
+            overrides.setdefault("beta", 0.0)
+        return self.config(composition.family, name, config_class=composition.config_class, **overrides)
+
+    def composition_train(self, composition: "Composition") -> str:
+        """A Lopti cycle with AR of the user's class trains with every runtime check on, both passes, and moves
+        the parameters."""
+        config = self.composition_config(composition, "composition-cycle", advantage_reweighting_alpha=0.3)
+        run, passes = self.train(composition.trainer_class, config)
+        shares = [e["lopti/low_token_share"] for e in run.state.log_history if "lopti/low_token_share" in e]
+        pass_losses = [e for e in run.state.log_history if "lopti/loss_high_pass" in e]
+        if not shares or not 0 < shares[0] < 1 or not pass_losses:
+            raise Relation(f"the split left a pass without tokens (low-token share {shares})")
+        moved = max(
+            float((parameter.detach() - self.initial[name]).abs().max())
+            for name, parameter in run.model.named_parameters()
+        )
+        if not moved:
+            raise Relation("no parameter moved")
+        return f"{passes.steps} optimizer steps, both passes, low-token share {shares[0]:.2f}, every runtime check on"
+
+    def composition_relations(self, composition: "Composition") -> dict[str, str | Relation]:
+        """The `isolation`, `passes` and `ar` relations of a user's trainer class at equal parameters, for each
+        configuration of its loss: for each, a detail or the first relation that failed."""
+        trainer_class = composition.trainer_class
+        forward_class = log_prob_forward_class(trainer_class)
+        family = composition.family
+        configurations = [{}]
+        if family == "grpo" and defining_class(trainer_class, "_compute_loss") is trl.GRPOTrainer:
+            configurations = [
+                {"loss_type": loss, "importance_sampling_level": level}
+                for loss in candidate_loss_types()
+                for level in ("token", "sequence")
+            ]
+        # A reference model unlike the policy, so that a KL term in the loss has a gradient to isolate.
+        beta = 0.04 if family == "grpo" else 0.0
+        # AR's general form refuses a KL term: the generator trains nothing, and runs without AR.
+        generator_config = self.composition_config(composition, "batch", beta=beta, advantage_reweighting_alpha=0.0)
+        generator = self.trainer(trainer_class, generator_config)
+        batch, eta = generation_batch_off_policy(generator)
+        mask = batch["completion_mask"].bool()
+        old_probabilities = batch["old_per_token_logps"].exp()
+        low_mask = (old_probabilities < eta) & mask
+        groups = {"low": low_mask, "high": mask & ~low_mask}
+        weights = 0.3 * old_probabilities + 0.7
+        loss_method = composition.loss_method()
+        worst = {"isolation": 0.0, "passes": 0.0, "ar": 0.0}
+        failures = {}
+        checked = 0
+        for configuration in configurations:
+            plain = self.composition_config(
+                composition, "loss", **configuration, lopti_threshold=None, advantage_reweighting_alpha=0.0
+            )
+            lopti = self.composition_config(
+                composition, "loss", **configuration, lopti_threshold=eta, advantage_reweighting_alpha=0.0
+            )
+            reweighted = self.composition_config(composition, "loss", **configuration, lopti_threshold=None)
+            trainer = self.trainer(trainer_class, lopti)
+            what = f"{trainer_class.__name__} {' '.join(map(str, configuration.values()))}".strip()
+            try:
+                whole = self.parameter_gradients(trainer, batch, plain, beta=beta)
+            except ValueError as error:
+                # A loss type this TRL does not know.
+                if "loss type" in str(error).lower():
+                    continue
+                raise
+            checked += 1
+            passes = []
+            with self.failure(failures, "isolation"):
+                for pass_index, group in enumerate(lopti.lopti_pass_order):
+                    gradient = self.parameter_gradients(trainer, batch, lopti, pass_index, beta)
+                    passes.append(gradient)
+                    expected = self.parameter_gradients(trainer, batch, plain, beta=beta, active_mask=groups[group])
+                    what_pass = (
+                        f"{what}: the {group} pass's parameter gradient against autograd on {loss_method}'s own "
+                        f"loss with the {'high' if group == 'low' else 'low'} tokens' log-probabilities detached"
+                    )
+                    difference = close(gradient, expected, self.tolerance, what_pass)
+                    worst["isolation"] = max(worst["isolation"], difference)
+            with self.failure(failures, "passes"):
+                if len(passes) != 2:
+                    raise Relation("the isolation relation did not run to the end")
+                try:
+                    difference = close(passes[0] + passes[1], whole, self.tolerance, f"{what}: low + high pass")
+                except Relation as error:
+                    raise Relation(
+                        f"{error}, against {loss_method}'s own update: part of its gradient does not go through the "
+                        "log-probabilities and entropies that self._get_per_token_logps_and_entropies returned (a "
+                        "term computed from the logits or hidden states directly, or a forward of its own), so Lopti "
+                        "cannot isolate that part and AR cannot reweight it. Compute every term of the loss from "
+                        "that forward's output"
+                    ) from None
+                worst["passes"] = max(worst["passes"], difference)
+            with self.failure(failures, "ar"):
+                unweighted = self.gradients(trainer, forward_class, batch, plain, kl=False)
+                weighted = self.gradients(trainer, forward_class, batch, reweighted, kl=False)
+                exactly_zero(weighted[unweighted == 0], f"{what}: AR where {loss_method} has no gradient")
+                difference = close(weighted, weights * unweighted, self.tolerance, f"{what}: AR")
+                worst["ar"] = max(worst["ar"], difference)
+        count = f"{checked} configurations of its loss" if checked > 1 else "its loss"
+        details = {
+            "isolation": f"{count}: each pass = autograd on {loss_method} with the other group detached, to "
+            f"{worst['isolation']:.2g}",
+            "passes": f"{count}: low + high pass = {loss_method}'s own update, on every parameter, to "
+            f"{worst['passes']:.2g}",
+            "ar": f"{count}: each token's gradient = w(t) x {loss_method}'s to {worst['ar']:.2g}",
+        }
+        return {relation: failures.get(relation, detail) for relation, detail in details.items()}
+
+    @staticmethod
+    def parameter_gradients(
+        trainer, batch: dict, args, pass_index: int = 0, beta: float = 0.0, active_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The gradient of the trainer's loss with `args`, in pass `pass_index`, w.r.t. every parameter (flat,
+        float64); with `active_mask`, the other tokens' log-probabilities and entropies detached at the log-prob
+        forward."""
+        step = pass_index * args.lopti_pass_micro_steps
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.model.train()
+        trainer.model.zero_grad(set_to_none=True)
+        forward_class = log_prob_forward_class(type(trainer))
+        observed = observed_forwards(forward_class, active_mask)
+        with temporarily_set(trainer, args=args, _step=step, beta=beta), observed:
+            trainer.compute_loss(trainer.model, dict(batch)).backward()
+        parameters = list(trainer.model.parameters())
+        gradients = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
+        flat = torch.cat([gradient.flatten().double() for gradient in gradients])
+        trainer.model.zero_grad(set_to_none=True)
+        return flat
+
+
+@dataclasses.dataclass
+class Composition:
+    """A user's Lopti trainer class and the config class it trains with; `family`: `"grpo"` or `"rloo"`."""
+
+    trainer_class: type
+    config_class: type
+    family: str
+
+    def loss_method(self) -> str:
+        """The loss the class trains, as `Class.method`: the first override outside TRL, else TRL's own."""
+        for name in ("_compute_loss", "compute_loss"):
+            owner = defining_class(self.trainer_class, name)
+            if owner is not None and owner.__module__.split(".")[0] != "trl":
+                return f"{owner.__name__}.{name}"
+        return f"{defining_class(self.trainer_class, '_compute_loss').__name__}._compute_loss"
+
+
+def composition_of(trainer_class: Any, config_class: Any = None) -> Composition:
+    """
+    The `Composition` to check, or a `TypeError` saying what to change.
+
+    Args:
+        trainer_class (`type`):
+            A subclass of [`LoptiGRPOTrainer`] or [`LoptiRLOOTrainer`] (for example `class
+            LoptiGMPOTrainer(LoptiGRPOTrainer, GMPOTrainer)`).
+        config_class (`type`, *optional*):
+            Its config class; defaults to the one it trains with when given no `args`.
+    """
+    if not isinstance(trainer_class, type) or not issubclass(trainer_class, LoptiTrainerMixin):
+        name = getattr(trainer_class, "__name__", repr(trainer_class))
+        raise TypeError(
+            f"{name} is not a Lopti trainer: compose it with one, Lopti class first, e.g. `class Lopti{name}"
+            f"(LoptiGRPOTrainer, {name})`, and check that class"
+        )
+    family = "grpo" if issubclass(trainer_class, LoptiGRPOTrainer) else "rloo"
+    if config_class is None:
+        family_lopti_config, default = trainer_config_classes(trainer_class)
+        config_class = lopti_config_class(default, family_lopti_config)
+    elif not (isinstance(config_class, type) and issubclass(config_class, TRL_CONFIGS[family])):
+        name = getattr(config_class, "__name__", repr(config_class))
+        raise TypeError(f"{name} is not a config of {TRL_CONFIGS[family].__name__}'s family")
+    else:
+        config_class = lopti_config_class(config_class, TRAINERS[family].config_class)
+    return Composition(trainer_class, config_class, family)
+
 
 def generation_batch_off_policy(trainer) -> tuple[dict[str, Any], float]:
     """A generation batch of `trainer` (its TRL keys, pi_old included) moved off-policy so that ratios clip
@@ -487,10 +691,73 @@ def run_checks(
     return results
 
 
+def check_trainer_class(
+    trainer_class: type,
+    config_class: type | None = None,
+    device: str = "cpu",
+    precision: str = "fp64",
+    report: Callable[[CheckResult], None] | None = None,
+) -> list[CheckResult]:
+    """
+    The relations of the contract on a user's own Lopti trainer class (`trl-lopti check --trainer_class`), on a
+    tiny model built here: a Lopti cycle with AR trains with every runtime check on (`train`); each pass's
+    parameter gradient is autograd's on the class's own loss with the other group's log-probabilities detached
+    (`isolation`); the two passes add up to the class's own update on every parameter (`passes`, which finds a
+    loss that bypasses the log-prob forward in part); each token's gradient under AR is `w(t)` times the plain
+    one (`ar`). Nothing is cached: the gate of an untested TRL keeps checking TRL's own trainers.
+
+    Call it from a test suite, with a class defined anywhere (a script too):
+    `assert all(result.passed for result in check_trainer_class(LoptiGMPOTrainer))`.
+
+    Args:
+        trainer_class (`type`):
+            A subclass of [`LoptiGRPOTrainer`] or [`LoptiRLOOTrainer`], e.g. `class
+            LoptiGMPOTrainer(LoptiGRPOTrainer, GMPOTrainer)`.
+        config_class (`type`, *optional*):
+            Its config class; defaults to the one it trains with when given no `args`.
+        device (`str`, *optional*, defaults to `"cpu"`):
+            `"cpu"` or an accelerator's device type.
+        precision (`str`, *optional*, defaults to `"fp64"`):
+            A key of `TOLERANCES`.
+        report (`Callable`, *optional*):
+            Called with each result as soon as it is known.
+
+    Returns:
+        `list[CheckResult]`: one per relation, in order; `TypeError` where `trainer_class` is no Lopti trainer.
+    """
+    composition = composition_of(trainer_class, config_class)
+    name = trainer_class.__name__
+    results = []
+    with tempfile.TemporaryDirectory(prefix="trl-lopti-check-") as folder:
+        with temporarily_set(trl_contract, _verifying_contract=True), quiet():
+            contract = Contract(Path(folder), device, precision)
+        relations = {}
+        for check in ("train", "isolation", "passes", "ar"):
+            result = CheckResult(f"{name} {check}", ())
+            start = time.perf_counter()
+            try:
+                with temporarily_set(trl_contract, _verifying_contract=True), quiet():
+                    if check == "train":
+                        outcome = contract.composition_train(composition)
+                    else:
+                        relations = relations or contract.composition_relations(composition)
+                        outcome = relations[check]
+                if isinstance(outcome, Relation):
+                    raise outcome
+                result.detail = outcome
+            except Exception as error:  # noqa: BLE001 - a verdict for every relation, whatever breaks
+                record_failure(result, error)
+            result.seconds = time.perf_counter() - start
+            results.append(result)
+            if report is not None:
+                report(result)
+    return results
+
+
 def record_failure(result: CheckResult, error: Exception) -> None:
     """Records why a check failed: the facts that a runtime check or a relation found broken (`FAIL`), or an
     error that shows no fact broken (`ERROR`: TRL's own trainer failing, out of memory, ...)."""
-    named = tuple(re.findall(r"broke fact ([SGR]\d) of trl_lopti", str(error)))
+    named = tuple(re.findall(r"(?:broke|breaks) fact ([SGR]\d) of trl_lopti", str(error)))
     result.detail = str(error)[:600]
     # A relation that fails shows an update other than the method's; it names the facts it shows broken, if any.
     if named or isinstance(error, Relation):
@@ -545,16 +812,23 @@ def main(argv: list[str]) -> int:
         prog="trl-lopti check", description="trl_lopti's contract on this machine's stack"
     )
     parser.add_argument("--device", choices=devices, default=devices[-1], help="default: %(default)s")
-    precision_help = (
-        "the run's mixed precision (fp64: float64 weights, the tightest check); default: TRL's, %(default)s"
-    )
-    parser.add_argument("--precision", choices=list(TOLERANCES), default="bf16", help=precision_help)
+    precision_help = "the run's mixed precision (fp64: float64 weights, the tightest check); default: TRL's, bf16"
+    parser.add_argument("--precision", choices=list(TOLERANCES), help=precision_help)
     parser.add_argument("--trainers", nargs="+", choices=list(TRAINERS), default=list(TRAINERS))
+    trainer_class_help = (
+        "MODULE.CLASS of your own Lopti trainer (e.g. my_trainers.LoptiGMPOTrainer, imported from the current "
+        "folder): checks its relations instead of TRL's trainers, in fp64 unless --precision says otherwise"
+    )
+    parser.add_argument("--trainer_class", help=trainer_class_help)
+    parser.add_argument("--config_class", help="MODULE.CLASS of its config; default: the one it trains with")
     # Where the trainers' gate reads the verdict of the check it runs.
     parser.add_argument("--verdict_file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     # A process of its own, on a tiny model: one thread is fastest, and fast beside other work.
     torch.set_num_threads(1)
+    if args.trainer_class is not None or args.config_class is not None:
+        return main_trainer_class(args.trainer_class, args.config_class, args.device, args.precision or "fp64")
+    args.precision = args.precision or "bf16"
     keys = {trainer: trl_contract.verdict_key(trainer, args.device, args.precision) for trainer in args.trainers}
     key = keys[args.trainers[0]]
     print(
@@ -591,4 +865,55 @@ def main(argv: list[str]) -> int:
         )
         return 3
     print(f"passed: {len(every)} of {len(every)} checks in {seconds:.0f} s")
+    return 0
+
+
+def import_class(dotted: str, option: str) -> type:
+    """The class at `dotted` (`MODULE.CLASS`), imported with the current folder on the path; a `ValueError` or
+    `TypeError` in one line where it cannot be."""
+    module_name, _, class_name = dotted.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{option} {dotted}: give MODULE.CLASS, e.g. my_trainers.LoptiGMPOTrainer")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # noqa: BLE001 - whatever the user's module raises, one line
+        raise ValueError(
+            f"{option} {dotted}: importing {module_name} failed: {type(error).__name__}: {error}"
+        ) from None
+    found = getattr(module, class_name, None)
+    if not isinstance(found, type):
+        raise TypeError(f"{option} {dotted}: {module_name} has no class {class_name}")
+    return found
+
+
+def main_trainer_class(trainer_path: str | None, config_path: str | None, device: str, precision: str) -> int:
+    """`trl-lopti check --trainer_class MODULE.CLASS [--config_class MODULE.CLASS]`: each relation, printed as it
+    ends, then the summary. Exit code 0: passed; 1: a relation failed; 2: the class could not be checked."""
+    try:
+        if trainer_path is None:
+            raise ValueError("--config_class needs --trainer_class, the trainer it configures")
+        trainer_class = import_class(trainer_path, "--trainer_class")
+        config_class = None if config_path is None else import_class(config_path, "--config_class")
+        composition_of(trainer_class, config_class)
+    except (ValueError, TypeError) as error:
+        print(f"trl-lopti check: {error}")
+        return 2
+    print(
+        f"trl-lopti check: {trainer_class.__module__}.{trainer_class.__qualname__} on trl {trl.__version__}, "
+        f"transformers {transformers.__version__}, torch {torch.__version__}; {device}, {precision}"
+    )
+    start = time.perf_counter()
+    try:
+        results = check_trainer_class(trainer_class, config_class, device, precision, lambda r: print(r.line()))
+    except KeyboardInterrupt:
+        print("interrupted")
+        return 130
+    seconds = time.perf_counter() - start
+    failed = [result for result in results if not result.passed]
+    if failed:
+        print(f"FAILED: {len(failed)} of {len(results)} relations of {trainer_class.__name__} in {seconds:.0f} s")
+        return 1
+    print(f"passed: {len(results)} of {len(results)} relations of {trainer_class.__name__} in {seconds:.0f} s")
     return 0

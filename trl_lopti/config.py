@@ -2,8 +2,11 @@
 Lopti."""
 
 import dataclasses
+import functools
+import inspect
 import math
 import numbers
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,11 +22,56 @@ from trl import GRPOConfig, RLOOConfig
 from trl.trainer.utils import get_config_model_id
 
 from .core_algos import ADVANTAGE_ESTIMATORS, LOPTI_PASS_ORDERS
+from .utils import is_trl_lopti_class
 
 
 LIGER_MINIMUM_TRL = Version("1.14.0")
 """Below it, `use_liger_kernel=True` computes GRPO's loss in `compute_liger_loss`, which AR and Lopti cannot
 reach."""
+
+
+def fields_taken_from_a_later_base(config_class: type) -> dict[str, dataclasses.Field]:
+    """
+    The fields that `@dataclass` would give `config_class` from another base than the first class in its MRO
+    that declares the field itself, each as that class declares it.
+
+    Dataclasses collects fields in reverse MRO order, each dataclass base contributing all of its fields, inherited
+    ones included: in `class C(LoptiGRPOConfig, GMPOConfig)`, the `epsilon` that `LoptiGRPOConfig` inherited from
+    `GRPOConfig` (0.2) comes last and would win over `GMPOConfig`'s own (0.4).
+
+    Args:
+        config_class (`type`):
+            A config class, before `@dataclass` reads it.
+    """
+    collected = {}
+    for base in reversed(config_class.__mro__[1:]):
+        collected.update(getattr(base, "__dataclass_fields__", {}))
+    own = inspect.get_annotations(config_class)
+    taken_from_a_later_base = {}
+    for name, collected_field in collected.items():
+        if name in own:
+            continue
+        for base in config_class.__mro__[1:]:
+            declared = vars(base).get("__dataclass_fields__", {}).get(name)
+            if declared is not None and name in inspect.get_annotations(base):
+                if declared is not collected_field:
+                    taken_from_a_later_base[name] = declared
+                break
+    return taken_from_a_later_base
+
+
+def copy_field(declared: dataclasses.Field) -> dataclasses.Field:
+    """A new dataclass field with the default, factory, options and help of `declared`."""
+    return dataclasses.field(
+        default=declared.default,
+        default_factory=declared.default_factory,
+        init=declared.init,
+        repr=declared.repr,
+        hash=declared.hash,
+        compare=declared.compare,
+        metadata=declared.metadata,
+        kw_only=declared.kw_only,
+    )
 
 
 @dataclass
@@ -88,7 +136,31 @@ class LoptiArguments:
         },
     )
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A config with several config bases (`class LoptiGMPOConfig(LoptiGRPOConfig, GMPOConfig)`): dataclasses
+        # takes each field from the last base in reverse MRO order that has it, so the GRPOConfig fields that
+        # LoptiGRPOConfig inherited would win over GMPOConfig's own. Each such field is declared again here, as
+        # the first class in the MRO that declares it itself has it, before `@dataclass` reads the class.
+        taken_from_a_later_base = fields_taken_from_a_later_base(cls)
+        if not taken_from_a_later_base:
+            return
+        annotations = inspect.get_annotations(cls)
+        for name, declared in taken_from_a_later_base.items():
+            annotations[name] = declared.type
+            setattr(cls, name, copy_field(declared))
+        cls.__annotations__ = annotations
+
     def __post_init__(self):
+        # The fields __init_subclass__ declared again are dataclass fields only once `@dataclass` has run.
+        undecorated = [name for name, value in vars(type(self)).items() if isinstance(value, dataclasses.Field)]
+        if undecorated:
+            raise TypeError(
+                f"{type(self).__name__} combines config classes that declare the same fields differently "
+                f"({', '.join(undecorated)}) and has no @dataclass decorator, so each of them would take the default "
+                f"of TRL's base config rather than of the first class that declares it: put @dataclass on "
+                f"{type(self).__name__}"
+            )
         _check_fraction(self, "advantage_reweighting_alpha", closed=True, allows_none=False, meaning="0 disables AR")
         _check_fraction(self, "lopti_threshold", closed=False, allows_none=True, meaning="None disables Lopti")
         _check_fraction(
@@ -112,6 +184,12 @@ class LoptiArguments:
             rule = "lopti_threshold" if self.lopti_quantile is None else "lopti_quantile"
             raise ValueError(lopti_schedule_error(self, f"set {rule}=None to train without Lopti"))
         warn_if_max_steps_ends_inside_a_cycle(self)
+
+    def __reduce_ex__(self, protocol):
+        # A class composed by `lopti_config_class` exists once composed: unpickling composes it again.
+        if type(self) in COMPOSED_CONFIGS:
+            return (composed_config, COMPOSED_CONFIGS[type(self)], dict(vars(self)))
+        return super().__reduce_ex__(protocol)
 
     @property
     def lopti_enabled(self) -> bool:
@@ -220,58 +298,167 @@ LOPTI_CONFIGS: dict[type, type] = {GRPOConfig: LoptiGRPOConfig, RLOOConfig: Lopt
 """TRL's config of each trainer and its Lopti config."""
 
 
-def as_lopti_config(args: Any, model: Any, config_class: type = LoptiGRPOConfig) -> LoptiArguments:
+@functools.cache
+def lopti_config_class(config_class: type, family_lopti_config: type) -> type:
     """
-    Returns the Lopti config (`config_class`, e.g. [`LoptiGRPOConfig`]) to train with: `args` itself; for a
-    plain TRL config (a user who only swapped the trainer class) the same values with the paper's defaults
-    for the new fields, with a warning; for `None` the defaults, with TRL's naming of the output folder.
+    The Lopti config of a config class of TRL's or a user's: `config_class` itself where it is one, else
+    `@dataclass class Lopti<Name>(family_lopti_config, config_class)`, composed once and kept.
+
+    Every field keeps the default and help of `config_class` (`GMPOConfig`'s `epsilon` stays 0.4), and the
+    Lopti fields are added.
+
+    Args:
+        config_class (`type`):
+            A subclass of TRL's `GRPOConfig` or `RLOOConfig`, or of a Lopti config.
+        family_lopti_config (`type`):
+            [`LoptiGRPOConfig`] or [`LoptiRLOOConfig`]: the Lopti config of that TRL config.
+    """
+    if issubclass(config_class, LoptiArguments):
+        return config_class
+    if config_class in LOPTI_CONFIGS:
+        return LOPTI_CONFIGS[config_class]
+    name = f"Lopti{config_class.__name__}"
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": f"`{config_class.__name__}` with the fields of Advantage Reweighting and Lopti.",
+    }
+    composed = dataclass(type(name, (family_lopti_config, config_class), namespace))
+    COMPOSED_CONFIGS[composed] = (config_class, family_lopti_config)
+    return composed
+
+
+COMPOSED_CONFIGS: dict[type, tuple[type, type]] = {}
+"""Each config class composed by `lopti_config_class`, with the arguments that compose it again (on unpickling)."""
+
+
+def composed_config(config_class: type, family_lopti_config: type) -> LoptiArguments:
+    """An empty instance of `lopti_config_class(config_class, family_lopti_config)`, for unpickling."""
+    composed = lopti_config_class(config_class, family_lopti_config)
+    return composed.__new__(composed)
+
+
+def trainer_config_classes(trainer_class: type) -> tuple[type, type]:
+    """
+    The config classes of a Lopti trainer class: the Lopti config of its family ([`LoptiGRPOConfig`] or
+    [`LoptiRLOOConfig`]) and the config whose defaults it trains with when given none.
+
+    The latter is the `config_class` a user's class sets, else the config of the trainer it extends by TRL's
+    naming (`GMPOTrainer`: `GMPOConfig` in its module), else TRL's config of the family.
+
+    Args:
+        trainer_class (`type`):
+            A subclass of [`~trl_lopti.lopti_mixin.LoptiTrainerMixin`].
+    """
+    from .utils import base_trainer_class
+
+    family_lopti_config = next(
+        vars(klass)["config_class"]
+        for klass in trainer_class.__mro__
+        if is_trl_lopti_class(klass) and "config_class" in vars(klass)
+    )
+    family_config = next(trl_config for trl_config, lopti in LOPTI_CONFIGS.items() if lopti is family_lopti_config)
+    for klass in trainer_class.__mro__:
+        if "config_class" in vars(klass):
+            if not is_trl_lopti_class(klass):
+                return family_lopti_config, vars(klass)["config_class"]
+            break
+    base = base_trainer_class(trainer_class, trainer_class.trl_trainer_class)
+    named = vars(sys.modules[base.__module__]).get(base.__name__.removesuffix("Trainer") + "Config")
+    if isinstance(named, type) and issubclass(named, family_config):
+        return family_lopti_config, named
+    return family_lopti_config, family_config
+
+
+def as_lopti_config(args: Any, model: Any, trainer_class: type) -> LoptiArguments:
+    """
+    Returns the Lopti config to train `trainer_class` with: `args` itself where it is one; for a plain config
+    (a user who only swapped the trainer class; a `GMPOConfig`; a user's config with fields of its own) the same
+    class with the Lopti fields added ([`lopti_config_class`]), its values kept and the paper's defaults for the
+    new fields, with a warning; for `None` the defaults of the trainer's base (`GMPOConfig`'s for a composition
+    with `GMPOTrainer`), with TRL's naming of the output folder.
 
     Args:
         args (`GRPOConfig`, `RLOOConfig` or `None`):
             The configuration given to the trainer.
         model (`str` or `PreTrainedModel`):
             The model given to the trainer: it names the default output folder.
-        config_class (`type`, *optional*, defaults to [`LoptiGRPOConfig`]):
-            [`LoptiGRPOConfig`] or [`LoptiRLOOConfig`].
+        trainer_class (`type`):
+            The Lopti trainer class ([`LoptiGRPOTrainer`], [`LoptiRLOOTrainer`] or a user's composition).
 
     Returns:
         [`LoptiArguments`]: the config to train with.
     """
-    base = next(trl_class for trl_class, lopti_class in LOPTI_CONFIGS.items() if lopti_class is config_class)
-    # "GRPO", "RLOO": TRL's trainer, and the folder name.
-    trainer = base.__name__.removesuffix("Config")
-    if isinstance(args, config_class):
-        return args
+    from .utils import base_trainer_class
+
+    family_lopti_config, default_config = trainer_config_classes(trainer_class)
+    family_config = next(trl_config for trl_config, lopti in LOPTI_CONFIGS.items() if lopti is family_lopti_config)
+    base = base_trainer_class(trainer_class, trainer_class.trl_trainer_class)
+    # "GRPO", "GMPO": the trainer, and the folder name.
+    base_name = base.__name__.removesuffix("Trainer")
     if args is None:
         model_name = model if isinstance(model, str) else get_config_model_id(model.config)
-        return config_class(output_dir=f"{str(model_name).split('/')[-1]}-Lopti-{trainer}")
-    if not isinstance(args, base):
-        raise TypeError(f"args must be a {config_class.__name__} or a {base.__name__}, got {type(args).__name__}")
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(base) if f.init}
+        config_class = lopti_config_class(default_config, family_lopti_config)
+        return config_class(output_dir=f"{str(model_name).split('/')[-1]}-Lopti-{base_name}")
+    if not isinstance(args, family_config):
+        raise TypeError(
+            f"args must be a {family_lopti_config.__name__} or a {family_config.__name__} (or a subclass), got "
+            f"{type(args).__name__}"
+        )
+    if isinstance(args, LoptiArguments):
+        warn_if_defaults_differ(args, default_config, family_lopti_config, trainer_class.__name__)
+        return args
+    config_class = lopti_config_class(type(args), family_lopti_config)
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
     # TRL derived it from steps_per_generation; both set is an error.
     values["generation_batch_size"] = None
-    upgrade = f"Lopti{trainer}Trainer got a plain {base.__name__} and turns on the paper's defaults for it"
+    upgrade = f"{trainer_class.__name__} got a plain {type(args).__name__} and turns on the paper's defaults for it"
     # Lopti's schedule is checked below, with advice for a plain config, which has no lopti_threshold to set.
     try:
         config = config_class(**values, lopti_threshold=None)
     except ValueError as error:
-        raise ValueError(f"{upgrade}: {error} (in a trl_lopti.{config_class.__name__})") from None
+        raise ValueError(f"{upgrade}: {error} (in a trl_lopti.{family_lopti_config.__name__})") from None
     config.lopti_threshold = LoptiArguments.lopti_threshold
     if config.lopti_pass_micro_steps % config.gradient_accumulation_steps:
-        without = f"pass a trl_lopti.{config_class.__name__}(..., lopti_threshold=None) to train without Lopti"
+        without = f"pass a trl_lopti.{family_lopti_config.__name__}(..., lopti_threshold=None) to train without Lopti"
         raise ValueError(f"{upgrade}: {lopti_schedule_error(config, without)}")
     warnings.warn(
         f"{upgrade}: Advantage Reweighting (advantage_reweighting_alpha={config.advantage_reweighting_alpha}) and "
         f"Lopti (lopti_threshold={config.lopti_threshold}, lopti_order={config.lopti_order!r}). Lopti trains each "
-        f"generation batch twice, so it makes two optimizer steps where {trainer} makes one: max_steps, the "
+        f"generation batch twice, so it makes two optimizer steps where {base_name} makes one: max_steps, the "
         "learning-rate schedule, save_steps and logging_steps now count twice per generation batch, and max_steps "
-        f"buys half the rollouts. Pass a trl_lopti.{config_class.__name__} to choose these values "
-        f"(lopti_threshold=None and advantage_reweighting_alpha=0 give plain {trainer}).",
+        f"buys half the rollouts. Pass a trl_lopti.{family_lopti_config.__name__} to choose these values "
+        f"(lopti_threshold=None and advantage_reweighting_alpha=0 give plain {base_name}).",
         UserWarning,
         stacklevel=3,
     )
     warn_if_max_steps_ends_inside_a_cycle(config)
     return config
+
+
+def warn_if_defaults_differ(
+    args: LoptiArguments, default_config: type, family_lopti_config: type, trainer_name: str
+) -> None:
+    """Warns where `args` is not a `default_config` (the config of the trainer's base, e.g. `GMPOConfig`) and
+    so trains with other defaults than that config's, naming the fields whose defaults differ."""
+    if isinstance(args, default_config):
+        return
+    defaults = {f.name: f.default for f in dataclasses.fields(default_config) if f.init}
+    differ = [
+        f"{f.name} ({f.default!r}, not {defaults[f.name]!r})"
+        for f in dataclasses.fields(args)
+        if f.name in defaults and f.default != defaults[f.name]
+    ]
+    if differ:
+        warnings.warn(
+            f"{trainer_name} got a {type(args).__name__}, which is not a {default_config.__name__}: it trains with "
+            f"the defaults of {type(args).__name__} where they differ from {default_config.__name__}'s: "
+            f"{', '.join(differ)}. Pass a config that extends both (`@dataclass class "
+            f"Lopti{default_config.__name__}({family_lopti_config.__name__}, {default_config.__name__}): ...`), or "
+            "args=None",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def lopti_schedule_error(config: LoptiArguments, without_lopti: str) -> str:

@@ -6,21 +6,19 @@ computes every loss, KL, clipping, importance-sampling and normalisation term it
 
 - pi_old: TRL's `old_per_token_logps` where TRL computes it at generation (off-policy schedules, vLLM
   importance sampling: fact G2), else the first pass's own forward (on-policy: no extra forward).
-- AR where each token has its own importance ratio (`importance_sampling_level="token"`): token-level
-  advantages `A'(i, t) = w(i, t) * A(i)` (B, T) in place of TRL's (B,) ones, which TRL's loss accepts and
-  reads after its policy forward (fact G1); the KL and entropy terms are untouched. Where the tokens of a
-  sequence share one ratio (`"sequence"`: GSPO, and LUSPO as TRL recommends it), the ratio would average the
-  weights of a sequence's tokens, so AR takes its general form
-  ([`~trl_lopti.core_algos.reweight_token_gradients`]): the gradient through each token's log-probability is
-  scaled by `w(i, t)` and every value of the loss is unchanged. That form would reweight the KL term's
-  gradient too, so `LoptiGRPOConfig` refuses it with `beta != 0`.
+- AR in TRL's own loss where each token has its own importance ratio (`importance_sampling_level="token"`):
+  token-level advantages `A'(i, t) = w(i, t) * A(i)` (B, T) in place of TRL's (B,) ones, which TRL's loss
+  accepts and reads after its policy forward (fact G1); the KL and entropy terms are untouched. Where the
+  tokens of a sequence share one ratio (`"sequence"`: GSPO, and LUSPO as TRL recommends it), the ratio would
+  average the weights of a sequence's tokens, and a subclass's loss (GMPO's, a user's) may read the
+  advantages as (B,): there AR takes its general form ([`~trl_lopti.core_algos.reweight_token_gradients`]):
+  the gradient through each token's log-probability is scaled by `w(i, t)` and every value of the loss is
+  unchanged. That form would reweight the KL term's gradient too, so it is refused with `beta != 0`.
 
 The TRL facts it relies on besides the shared ones are G1-G3, stated in `trl_lopti/trl_contract.py`.
 """
 
-from typing import Any, ClassVar
-
-import torch
+from typing import Any
 
 # Checks the TRL version before TRL is imported.
 from .trl_contract import GRPO_LOSS
@@ -29,10 +27,10 @@ from .trl_contract import GRPO_LOSS
 # isort: split
 from trl import GRPOTrainer
 
-from .config import LoptiGRPOConfig
-from .core_algos import reweight_token_gradients, token_level_advantages
-from .lopti_mixin import AR_WEIGHTS_KEY, LoptiTrainerMixin, LossCall, lopti_paper
+from .config import LoptiArguments, LoptiGRPOConfig
+from .lopti_mixin import LoptiTrainerMixin
 from .reinforce_plus_plus import ReinforcePlusPlusMixin
+from .utils import defining_class
 
 
 class LoptiGRPOTrainer(LoptiTrainerMixin, ReinforcePlusPlusMixin, GRPOTrainer):
@@ -69,24 +67,34 @@ class LoptiGRPOTrainer(LoptiTrainerMixin, ReinforcePlusPlusMixin, GRPOTrainer):
     contract_name = "grpo"
     loss_is_scaled_for_accumulation = True
     placement_fact = GRPO_LOSS
-    _tag_names: ClassVar[list[str]] = ["trl", "grpo", "lopti"]
-    _name = "Lopti-GRPO"
-    _paper: ClassVar[dict[str, str]] = lopti_paper(GRPOTrainer)
+
+    def advantage_reweighting_form(self, args: LoptiArguments) -> str:
+        # Token-level advantages only in TRL's own token-level loss, which reads them per token (fact G1). A loss
+        # of a subclass (GMPOTrainer's, a user's) may read them as (B,), and where B equals T a (B, T) tensor
+        # would broadcast there silently.
+        loss_class = defining_class(type(self), "_compute_loss")
+        compute_class = defining_class(type(self), "compute_loss")
+        own_loss = loss_class is GRPOTrainer and compute_class is GRPOTrainer
+        if own_loss and args.importance_sampling_level == "token":
+            return "advantages"
+        # The general form scales the gradient through every term of the loss that reads the log-probabilities.
+        if not own_loss and args.advantage_reweighting_enabled and args.beta != 0.0:
+            owner = loss_class if loss_class is not GRPOTrainer else compute_class
+            method = "_compute_loss" if owner is loss_class else "compute_loss"
+            raise ValueError(
+                f"{type(self).__name__}: advantage_reweighting_alpha={args.advantage_reweighting_alpha:g} with "
+                f"beta={args.beta:g}. {owner.__name__}.{method} (in {owner.__module__}) is not TRL's token-level "
+                "GRPO loss, so Advantage Reweighting takes its general form there: it scales the gradient through "
+                "each token's log-probability, and so would scale the gradient of the KL term that beta adds too, "
+                "which AR leaves alone. Set beta=0.0, or advantage_reweighting_alpha=0.0 (Lopti alone is exact with "
+                "any beta)"
+            )
+        return "gradients"
 
     def old_per_token_logps_at_generation(self, batch: dict[str, Any], generation_logps: list) -> Any:
         # Fact G2: TRL's own pi_old where it needs one. On-policy, the first pass's forward gives it: no
         # extra forward.
         return batch.get("old_per_token_logps")
-
-    def apply_advantage_reweighting(self, call: LossCall, per_token_logps: torch.Tensor) -> torch.Tensor:
-        weights = call.batch[AR_WEIGHTS_KEY]
-        # Where a sequence's tokens share one ratio, AR takes its general form.
-        if self.args.importance_sampling_level == "sequence":
-            return reweight_token_gradients(per_token_logps, weights)
-        # A'(i, t) = w(i, t) * A(i) in what the loss reads, which it reads after this forward (fact G1).
-        advantages = token_level_advantages(call.batch["advantages"], weights.size(1)) * weights
-        self.place_loss_input(call, "advantages", advantages)
-        return per_token_logps
 
 
 __all__ = ["LoptiGRPOTrainer"]

@@ -38,6 +38,7 @@ batch's schedule across a checkpoint).
 import dataclasses
 import functools
 import glob
+import inspect
 import os
 import textwrap
 import warnings
@@ -54,16 +55,18 @@ from . import trl_contract
 # isort: split
 from trl.models.utils import disable_gradient_checkpointing
 
-from .config import LoptiArguments, LoptiRLOOConfig, as_lopti_config
+from .config import LoptiArguments, as_lopti_config
 from .core_algos import (
     advantage_reweighting_weights,
     isolate_token_gradients,
     lopti_batch_threshold,
     loss_token_mask,
     low_probability_token_mask,
+    reweight_token_gradients,
     token_group_mask,
+    token_level_advantages,
 )
-from .utils import temporarily_set, trl_completion_logps
+from .utils import base_trainer_class, temporarily_set, trl_completion_logps
 
 
 logger = logging.get_logger(__name__)
@@ -96,13 +99,16 @@ LOPTI_PAPER_CITATION = textwrap.dedent("""\
     }""")
 
 
-def lopti_paper(trl_trainer_class: type) -> dict[str, str]:
-    """The model card's paper entry of a Lopti trainer: the Lopti paper, cited beside the TRL trainer's
-    own."""
+def lopti_paper(base_trainer: type) -> dict[str, str]:
+    """The model card's paper entry of a Lopti trainer: the Lopti paper, cited beside that of the trainer it
+    extends, where it has one."""
+    citation = LOPTI_PAPER_CITATION
+    if base_trainer._paper.get("citation"):
+        citation += "\n\n" + base_trainer._paper["citation"]
     return {
         "title": "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs",
         "id": "2505.12929",
-        "citation": LOPTI_PAPER_CITATION + "\n\n" + trl_trainer_class._paper["citation"],
+        "citation": citation,
     }
 
 
@@ -194,6 +200,8 @@ class LoptiState:
     What the Lopti mechanism keeps between TRL's hooks: one per trainer, `self._lopti`.
 
     Args:
+        advantage_reweighting_form (`str`):
+            How AR enters the loss (`LoptiTrainerMixin.advantage_reweighting_form`), decided at construction.
         micro_step (`MicroStep` or `None`):
             The training micro-step in flight, between `training_step`'s start and end.
         loss_call (`LossCall` or `None`):
@@ -205,6 +213,9 @@ class LoptiState:
             (on-policy).
         cycle_prompts (`list` or `None`):
             The prompts the dataloader served at this cycle's first micro-step.
+        resumed_ignoring_data_skip (`bool`):
+            Whether the run resumed from a checkpoint with `ignore_data_skip=True`: its dataloader may then serve
+            other prompts inside a cycle.
         warned_prompts (`bool`):
             Whether the dataloader was found serving other prompts inside a cycle, and said so.
         gradient_outside_the_mask (`torch.Tensor` or `float`):
@@ -216,11 +227,13 @@ class LoptiState:
             Whether the first generation batches were looked at for a token group that stays empty.
     """
 
+    advantage_reweighting_form: str = "gradients"
     micro_step: MicroStep | None = None
     loss_call: LossCall | None = None
     generation_logps: list[torch.Tensor] | None = None
     split_totals: SplitTotals | None = None
     cycle_prompts: list[Any] | None = None
+    resumed_ignoring_data_skip: bool = False
     warned_prompts: bool = False
     gradient_outside_the_mask: torch.Tensor | float = 0.0
     empty_groups: list[str | None] = dataclasses.field(default_factory=list)
@@ -233,7 +246,13 @@ class LoptiTrainerMixin:
     `GRPOTrainer`'s (facts S1-S4): the base of [`LoptiGRPOTrainer`] and [`LoptiRLOOTrainer`].
 
     A Lopti trainer sets the class attributes below, and implements where pi_old comes from
-    (`old_per_token_logps_at_generation`) and how AR enters its loss (`apply_advantage_reweighting`).
+    (`old_per_token_logps_at_generation`) and, where its loss reads token-level advantages, says so
+    (`advantage_reweighting_form`).
+
+    It composes with any subclass of the TRL trainer, the Lopti class first (`class
+    LoptiGMPOTrainer(LoptiGRPOTrainer, GMPOTrainer)`): the trainer it extends names the run, gives the default
+    config, and its loss gets the log-probabilities of `_get_per_token_logps_and_entropies` split, reweighted and
+    isolated (docs/trainers/own.md).
     """
 
     # The trainer's Lopti config (a `LoptiArguments`), the TRL trainer it extends, and its name in
@@ -247,26 +266,38 @@ class LoptiTrainerMixin:
     placement_fact: ClassVar[trl_contract.TRLFact] = trl_contract.LOSS_FORWARD
 
     def __init__(self, model, reward_funcs=None, args=None, *extra_args, **kwargs):
-        args = as_lopti_config(args, model, self.config_class)
+        trainer_class = type(self)
+        args = as_lopti_config(args, model, trainer_class)
         # An untested TRL release trains once `trl-lopti check` has passed on this machine.
         trl_contract.require_verified_contract(self.contract_name, args)
-        super().__init__(model, reward_funcs, args, *extra_args, **kwargs)
+        self._lopti = LoptiState(advantage_reweighting_form=self.advantage_reweighting_form(args))
+        # The trainer this class extends (TRL's, or a user's such as GMPOTrainer) names the run: the model's tags
+        # (set inside TRL's __init__), the model card's "trained with" and its paper, TRL's own where neither
+        # method is on.
+        base = base_trainer_class(trainer_class, self.trl_trainer_class)
+        self._tag_names = [*base._tag_names, "lopti"]
+        self._name = describe_method(args, base.__name__.removesuffix("Trainer"))
+        self._paper = lopti_paper(base) if args.advantage_reweighting_enabled or args.lopti_enabled else base._paper
+        # The base's own arguments by keyword, as a user's class may take them (`GMPOTrainer`: `**kwargs`).
+        names = list(inspect.signature(self.trl_trainer_class.__init__).parameters)[4:]
+        if len(extra_args) > len(names):
+            raise TypeError(f"{trainer_class.__name__} takes at most {len(names) + 3} positional arguments")
+        for name, value in zip(names, extra_args, strict=False):
+            if name in kwargs:
+                raise TypeError(f"{trainer_class.__name__} got multiple values for argument '{name}'")
+            kwargs[name] = value
+        super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         # Fact S1: TRL trains each generation batch `self.num_iterations` times, once per pass here. It is the one
         # attribute of TRL's the mixin changes, and TRL sees the user's value where it decides whether it needs
         # pi_old (`_generate_and_score_completions`).
         self.num_iterations = args.num_iterations * args.lopti_num_passes
-        # The model card's "trained with", and its paper: TRL's own where neither method is on.
-        self._name = describe_method(args)
-        if not (args.advantage_reweighting_enabled or args.lopti_enabled):
-            self._paper = self.trl_trainer_class._paper
-        self._lopti = LoptiState()
         if args.lopti_enabled:
             steps = args.lopti_cycle_micro_steps // args.gradient_accumulation_steps
             logger.info(
-                f"{type(self).__name__}: Lopti trains each generation batch once per token group ({steps} optimizer "
-                f"steps per batch, {steps // 2} without Lopti): max_steps, save_steps, logging_steps and the "
-                "learning-rate schedule count both passes, and a max_steps buys half the rollouts it buys "
-                f"{self.trl_trainer_class.__name__}. Compare runs at equal generation batches."
+                f"{trainer_class.__name__}: Lopti trains each generation batch once per token group ({steps} "
+                f"optimizer steps per batch, {steps // 2} without Lopti): max_steps, save_steps, logging_steps and "
+                "the learning-rate schedule count both passes, and a max_steps buys half the rollouts it buys "
+                f"{base.__name__}. Compare runs at equal generation batches."
             )
 
     # ------------------------------------------------------------------------------------------------ what differs
@@ -288,20 +319,43 @@ class LoptiTrainerMixin:
         """
         raise NotImplementedError
 
+    def advantage_reweighting_form(self, args: LoptiArguments) -> str:
+        """
+        How AR enters this trainer's loss: `"advantages"`, token-level advantages `w(i, t) * A(i)` (B, T) placed
+        where the loss reads them (the paper's form, exact only in a loss that reads them per token), or
+        `"gradients"`, its general form: the gradient through each token's log-probability scaled by `w(i, t)`,
+        every value of the loss unchanged ([`~trl_lopti.core_algos.reweight_token_gradients`]).
+
+        Args:
+            args (`LoptiArguments`):
+                The run's config.
+
+        Returns:
+            `str`: `"gradients"` here; a trainer whose loss reads token-level advantages says where.
+        """
+        return "gradients"
+
     def apply_advantage_reweighting(self, call: LossCall, per_token_logps: torch.Tensor) -> torch.Tensor:
         """
-        Makes TRL's loss reweight each token's advantage by its AR weight (`call.batch[AR_WEIGHTS_KEY]`).
+        Makes the loss reweight each token by its AR weight (`call.batch[AR_WEIGHTS_KEY]`), in the form
+        [`advantage_reweighting_form`] chose.
 
         Args:
             call (`LossCall`):
-                The loss call in flight; a value the loss must read is placed with `place_loss_input`.
+                The loss call in flight.
             per_token_logps (`torch.Tensor`):
                 The policy's log-probabilities (B, T) of this forward.
 
         Returns:
-            `torch.Tensor`: the log-probabilities TRL's loss reads.
+            `torch.Tensor`: the log-probabilities the loss reads.
         """
-        raise NotImplementedError
+        weights = call.batch[AR_WEIGHTS_KEY]
+        if self._lopti.advantage_reweighting_form == "gradients":
+            return reweight_token_gradients(per_token_logps, weights)
+        # A'(i, t) = w(i, t) * A(i) in what the loss reads, which it reads after this forward (fact G1).
+        advantages = token_level_advantages(call.batch["advantages"], weights.size(1)) * weights
+        self.place_loss_input(call, "advantages", advantages)
+        return per_token_logps
 
     def place_loss_input(self, call: LossCall, key: str, value: Any) -> None:
         """Puts `value` under `key` in what TRL's loss reads, during its forward; the loss must then read it
@@ -322,22 +376,25 @@ class LoptiTrainerMixin:
         if step % cycle == 0 or self._lopti.cycle_prompts is None:
             self._lopti.cycle_prompts = prompts
         elif prompts != self._lopti.cycle_prompts and not self._lopti.warned_prompts:
+            # Expected for the rest of a run resumed with ignore_data_skip=True: a warning. Else a stop.
+            if not self._lopti.resumed_ignoring_data_skip:
+                check_prompts(type(self), step % cycle, cycle, prompts)
             self._lopti.warned_prompts = True
             warn_prompts_changed(step % cycle)
-        check_step_counter(step, self.state.global_step, accumulation, cycle)
+        check_step_counter(type(self), step, self.state.global_step, accumulation, cycle)
         micro_step = MicroStep(position=step % cycle, first_visit=step % cycle < self.args.steps_per_generation)
         self._lopti.micro_step = micro_step
         try:
             output = super().training_step(model, inputs, num_items_in_batch)
         finally:
             self._lopti.micro_step = None
-        check_backward_reached(micro_step.backward_reached_logps)
+        check_backward_reached(type(self), micro_step.backward_reached_logps)
         # Fact S4 is read at the last micro-step of each optimizer step, before the optimizer steps: not at every
         # micro-step, as reading a value of the device waits for it.
         if (step + 1) % accumulation == 0:
             outside = self._lopti.gradient_outside_the_mask
             self._lopti.gradient_outside_the_mask = 0.0
-            check_loss_mask(float(outside))
+            check_loss_mask(type(self), float(outside))
         return output
 
     def _mark_backward(self, micro_step: MicroStep, loss_mask: torch.Tensor, gradient: torch.Tensor) -> None:
@@ -402,7 +459,7 @@ class LoptiTrainerMixin:
         if micro_step is not None:
             first_position = micro_step.position % self.args.steps_per_generation
             expected = None if micro_step.first_visit else first_position
-            check_micro_batch(micro_step.position, expected, inputs.get(FIRST_TRAINED_KEY))
+            check_micro_batch(type(self), micro_step.position, expected, inputs.get(FIRST_TRAINED_KEY))
             inputs[FIRST_TRAINED_KEY] = first_position
         call = LossCall(inputs, ReadRecorder(inputs), token_group, pass_index == 0, micro_step)
         self._lopti.loss_call = call
@@ -410,7 +467,7 @@ class LoptiTrainerMixin:
             loss = super().compute_loss(model, call.loss_inputs, return_outputs, num_items_in_batch)
         finally:
             self._lopti.loss_call = None
-        check_loss_read(call.placed, call.loss_inputs.reads, self.placement_fact)
+        check_loss_read(type(self), call.placed, call.loss_inputs.reads, self.placement_fact)
         if token_group is not None:
             self._log_pass_loss(token_group, loss.detach())
         return loss
@@ -419,7 +476,7 @@ class LoptiTrainerMixin:
         output = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
-        check_forward_output(output)
+        check_forward_output(type(self), output)
         per_token_logps, entropies, aux_loss = output
         call = self._lopti.loss_call
         # A forward outside the loss: pi_old, or the reference model's log-probabilities.
@@ -478,7 +535,9 @@ class LoptiTrainerMixin:
         # On-policy, pi_old is this forward's output; a later pass's ratio is against it.
         if old_per_token_logps is None:
             if call.micro_step is not None:
-                check_on_policy(self._step, call.micro_step.position, self.args.gradient_accumulation_steps)
+                check_on_policy(
+                    type(self), self._step, call.micro_step.position, self.args.gradient_accumulation_steps
+                )
             old_per_token_logps = forward_logps
             if self.args.lopti_enabled:
                 batch["old_per_token_logps"] = old_per_token_logps
@@ -581,6 +640,8 @@ class LoptiTrainerMixin:
         if saved and not os.path.exists(path):
             raise resume_error(checkpoint, {"num_processes": len(saved)}, schedule)
         super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint and self.args.ignore_data_skip:
+            self._lopti.resumed_ignoring_data_skip = True
         accumulation = self.args.gradient_accumulation_steps
         cycle = self.args.lopti_cycle_micro_steps
         # A checkpoint on a boundary of the schedule it was saved with, but not of this run's.
@@ -595,7 +656,7 @@ class LoptiTrainerMixin:
         stored = torch.load(path, map_location="cpu")
         if stored["schedule"] != schedule:
             raise resume_error(checkpoint, stored["schedule"], schedule)
-        check_resumed_state(self.state.global_step)
+        check_resumed_state(type(self), self.state.global_step)
         device = self.accelerator.device
         # The run resumes inside the batch's schedule, at the micro-step it stopped at.
         self._buffered_inputs = [
@@ -615,30 +676,45 @@ def prompts_of(generation_batch: Any) -> list[Any] | None:
     return None
 
 
-def check_forward_output(output: Any) -> None:
+def check_forward_output(trainer_class: type, output: Any) -> None:
     """Fact S2: TRL's log-prob forward returned (log-probabilities, entropies, auxiliary loss). Where it does
     not, the run could not go on anyway: the check names the fact, so that `trl-lopti check` finds it
     broken."""
     if not isinstance(output, tuple) or len(output) != 3:
         saw = f"{len(output)} values" if isinstance(output, tuple) else type(output).__name__
         saw = f"_get_per_token_logps_and_entropies returned {saw}, not three"
-        raise trl_contract.broken_fact(trl_contract.LOSS_FORWARD, saw)
+        raise trl_contract.broken_fact(trl_contract.LOSS_FORWARD, saw, trainer_class)
+
+
+def check_prompts(trainer_class: type, position: int, cycle: int, prompts: list[Any] | None) -> None:
+    """Fact S1, at every micro-step but a run resumed with `ignore_data_skip=True`: the dataloader served the
+    prompts of its cycle's first micro-step; here it served others (`prompts`) at micro-step `position` of a
+    `cycle`-micro-step cycle."""
+    first = f", the first {str(prompts[0])[:60]!r}" if prompts else ""
+    saw = (
+        f"at micro-step {position} of a Lopti cycle ({cycle} micro-steps per generation batch) TRL's dataloader "
+        f"served other prompts than at the cycle's first ({len(prompts or [])} prompts{first}). TRL generates only "
+        f"at a cycle's first micro-step, so the prompts served from micro-step {position} to the cycle's end would "
+        "never be trained: the sampler no longer repeats each generation batch once per pass "
+        f"(self.num_iterations * steps_per_generation = {cycle} times)"
+    )
+    raise trl_contract.broken_fact(trl_contract.SCHEDULE, saw, trainer_class)
 
 
 def warn_prompts_changed(position: int) -> None:
-    """Warns that TRL's dataloader served other prompts at micro-step `position` of a cycle than at its first."""
+    """Warns that, in a run resumed with `ignore_data_skip=True`, TRL's dataloader served other prompts at
+    micro-step `position` of a cycle than at its first."""
     warnings.warn(
         f"trl_lopti: at micro-step {position} of a Lopti cycle TRL's dataloader served other prompts than at the "
-        "cycle's first. TRL generates only at a cycle's first micro-step, so the prompts served in between are not "
-        "trained: every update is still the method's, but the run trains part of its dataset. This is expected "
-        "after resuming with ignore_data_skip=True; otherwise TRL's sampler no longer repeats each generation batch "
-        "self.num_iterations * steps_per_generation times.",
+        "cycle's first, as it does after resuming with ignore_data_skip=True. TRL generates only at a cycle's first "
+        "micro-step, so the prompts served until the cycle ends are not trained: every update is still the "
+        "method's, but this run trains part of its dataset.",
         UserWarning,
         stacklevel=3,
     )
 
 
-def check_step_counter(step: int, global_step: int, accumulation: int, cycle: int) -> None:
+def check_step_counter(trainer_class: type, step: int, global_step: int, accumulation: int, cycle: int) -> None:
     """Fact S3: at an optimizer step's first micro-step, TRL's counter `_step` lies where `global_step`
     optimizer steps of `accumulation` micro-steps put it in a `cycle`-micro-step cycle."""
     if cycle % accumulation == 0 and step % accumulation == 0 and (global_step * accumulation - step) % cycle:
@@ -647,56 +723,60 @@ def check_step_counter(step: int, global_step: int, accumulation: int, cycle: in
             f"micro-steps per optimizer step put it in a {cycle}-micro-step cycle (a resumed run whose "
             "_load_optimizer_and_scheduler did not run?)"
         )
-        raise trl_contract.broken_fact(trl_contract.CHECKPOINTS, saw)
+        raise trl_contract.broken_fact(trl_contract.CHECKPOINTS, saw, trainer_class)
 
 
-def check_resumed_state(global_step: int) -> None:
+def check_resumed_state(trainer_class: type, global_step: int) -> None:
     """Fact S3: a checkpoint inside a generation batch (an optimizer step in, at least) is resumed with the
     trainer state at `global_step` loaded."""
     if global_step == 0:
         saw = "_load_optimizer_and_scheduler ran before the trainer state was loaded"
-        raise trl_contract.broken_fact(trl_contract.CHECKPOINTS, saw)
+        raise trl_contract.broken_fact(trl_contract.CHECKPOINTS, saw, trainer_class)
 
 
-def check_micro_batch(position: int, first_position: int | None, trained_at: int | None) -> None:
+def check_micro_batch(trainer_class: type, position: int, first_position: int | None, trained_at: int | None) -> None:
     """Fact S1: the micro-batch served at micro-step `position` of its cycle, first trained at `trained_at`
     (`None`: never), is the one this cycle first trained at `first_position` (`None`: it is new)."""
     if trained_at != first_position:
         saw = f"micro-step {position} of a cycle got a micro-batch first trained at {trained_at}, not {first_position}"
-        raise trl_contract.broken_fact(trl_contract.SCHEDULE, saw)
+        raise trl_contract.broken_fact(trl_contract.SCHEDULE, saw, trainer_class)
 
 
-def check_loss_read(placed: dict[str, Any], reads: dict[str, list[Any]], fact: trl_contract.TRLFact) -> None:
+def check_loss_read(
+    trainer_class: type, placed: dict[str, Any], reads: dict[str, list[Any]], fact: trl_contract.TRLFact
+) -> None:
     """Fact `fact` (G1), after a loss: it read every value placed in its inputs during its forward (`placed`,
     by key), and nothing else under those keys (`reads`: what it read, by key)."""
     for key, value in placed.items():
         if not reads.get(key) or any(read is not value for read in reads[key]):
-            raise trl_contract.broken_fact(fact, f"TRL's loss did not read the {key} placed during its forward")
+            raise trl_contract.broken_fact(
+                fact, f"TRL's loss did not read the {key} placed during its forward", trainer_class
+            )
 
 
-def check_backward_reached(reached: bool) -> None:
+def check_backward_reached(trainer_class: type, reached: bool) -> None:
     """Fact S2, after a training micro-step: its backward reached the log-probabilities handed to TRL's
     loss."""
     if not reached:
         saw = "the backward of a training step never reached the loss's log-probabilities"
-        raise trl_contract.broken_fact(trl_contract.LOSS_FORWARD, saw)
+        raise trl_contract.broken_fact(trl_contract.LOSS_FORWARD, saw, trainer_class)
 
 
-def check_loss_mask(gradient_outside_the_mask: float) -> None:
+def check_loss_mask(trainer_class: type, gradient_outside_the_mask: float) -> None:
     """Fact S4, before an optimizer step: the gradient that reached tokens outside the loss mask, summed, is
     zero."""
     if gradient_outside_the_mask != 0:
         saw = f"a gradient of {gradient_outside_the_mask:.3g} reached tokens outside the loss mask"
-        raise trl_contract.broken_fact(trl_contract.LOSS_MASK, saw)
+        raise trl_contract.broken_fact(trl_contract.LOSS_MASK, saw, trainer_class)
 
 
-def check_on_policy(step: int, position: int, accumulation: int) -> None:
+def check_on_policy(trainer_class: type, step: int, position: int, accumulation: int) -> None:
     """Fact G2: a micro-batch without pi_old, first trained at micro-step `step` (`position` of its cycle,
     generated at the cycle's first), saw no optimizer step (every `accumulation` micro-steps) since its
     generation."""
     if (step - position) // accumulation != step // accumulation:
         saw = f"no pi_old came with a micro-batch first trained after an optimizer step (micro-step {position})"
-        raise trl_contract.broken_fact(trl_contract.GRPO_GENERATION, saw)
+        raise trl_contract.broken_fact(trl_contract.GRPO_GENERATION, saw, trainer_class)
 
 
 def resume_error(checkpoint: str, saved: dict[str, Any], current: dict[str, Any]) -> ValueError:
@@ -710,12 +790,13 @@ def resume_error(checkpoint: str, saved: dict[str, Any], current: dict[str, Any]
     )
 
 
-def describe_method(config: LoptiArguments) -> str:
+def describe_method(config: LoptiArguments, base_name: str) -> str:
     """The method of a configuration in words, the model card's "trained with", e.g. `"GRPO with Advantage
-    Reweighting (alpha=0.3) and Low-Probability Token Isolation (Lopti, eta=0.5, low tokens first)"`."""
-    # A user's subclass of either config too.
-    base = "RLOO" if isinstance(config, LoptiRLOOConfig) else "GRPO"
-    base = "REINFORCE++" if getattr(config, "advantage_estimator", None) == "reinforce_plus_plus" else base
+    Reweighting (alpha=0.3) and Low-Probability Token Isolation (Lopti, eta=0.5, low tokens first)"`, for a
+    trainer that extends `base_name` (`"GRPO"`, `"RLOO"`, `"GMPO"`)."""
+    base = base_name
+    if getattr(config, "advantage_estimator", None) == "reinforce_plus_plus":
+        base = "REINFORCE++" if base_name == "GRPO" else f"{base_name} (REINFORCE++ advantages)"
     parts = []
     if config.advantage_reweighting_enabled:
         parts.append(f"Advantage Reweighting (alpha={config.advantage_reweighting_alpha:g})")

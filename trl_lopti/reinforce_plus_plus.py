@@ -39,7 +39,8 @@ class ReinforcePlusPlusMixin:
             local = len(output["completion_mask"])
             if rewards is None or len(rewards) != local * self.accelerator.num_processes:
                 saw = "no call" if rewards is None else f"{len(rewards)} rows for {local} completions per process"
-                raise broken_fact(GRPO_REWARDS, f"_calculate_rewards of the generation batch: {saw}")
+                saw = f"_calculate_rewards of the generation batch: {saw}"
+                raise broken_fact(GRPO_REWARDS, saw, type(self))
             output["advantages"] = self._reinforce_plus_plus_advantages(self._rewards_of_scored_batch, output)
         return output
 

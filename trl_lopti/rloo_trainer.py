@@ -20,7 +20,7 @@ The TRL facts it relies on besides the shared ones are R1-R2, stated in `trl_lop
 checked here.
 """
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -32,8 +32,7 @@ from .trl_contract import RLOO_GENERATION, RLOO_LOSS, broken_fact
 from trl import RLOOTrainer
 
 from .config import LoptiRLOOConfig
-from .core_algos import reweight_token_gradients
-from .lopti_mixin import AR_WEIGHTS_KEY, LoptiTrainerMixin, LossCall, lopti_paper
+from .lopti_mixin import LoptiTrainerMixin
 
 
 class LoptiRLOOTrainer(LoptiTrainerMixin, RLOOTrainer):
@@ -64,9 +63,6 @@ class LoptiRLOOTrainer(LoptiTrainerMixin, RLOOTrainer):
     trl_trainer_class = RLOOTrainer
     contract_name = "rloo"
     loss_is_scaled_for_accumulation = False
-    _tag_names: ClassVar[list[str]] = ["trl", "rloo", "lopti"]
-    _name = "Lopti-RLOO"
-    _paper: ClassVar[dict[str, str]] = lopti_paper(RLOOTrainer)
 
     def old_per_token_logps_at_generation(self, batch: dict[str, Any], generation_logps: list) -> torch.Tensor:
         # Fact R1: the first forward of the generation is pi_old, and `old_logps` is its masked sum. Summed
@@ -75,26 +71,28 @@ class LoptiRLOOTrainer(LoptiTrainerMixin, RLOOTrainer):
         # policy moved) lie beyond.
         old_per_token_logps = generation_logps[0] if generation_logps else None
         if old_per_token_logps is None:
-            raise broken_fact(RLOO_GENERATION, "RLOOTrainer ran no log-prob forward while scoring the batch")
+            raise broken_fact(
+                RLOO_GENERATION, "RLOOTrainer ran no log-prob forward while scoring the batch", type(self)
+            )
         mask = batch["completion_mask"]
         terms = old_per_token_logps * mask
         bound = (mask.size(1) - 1) * torch.finfo(terms.dtype).eps * terms.abs().sum(1)
         difference = (terms.sum(1) - batch["old_logps"]).abs()
         if not torch.all((difference <= bound) | (difference.isnan() & batch["old_logps"].isnan())):
             raise broken_fact(
-                RLOO_GENERATION, "the masked sum of its first log-prob forward is not the old_logps it returned"
+                RLOO_GENERATION,
+                "the masked sum of its first log-prob forward is not the old_logps it returned",
+                type(self),
             )
         # Fact R2: RLOO's loss sums over completion_mask alone, so a tool_mask, which the split would read,
         # it ignores.
         if batch.get("tool_mask") is not None:
             raise broken_fact(
-                RLOO_LOSS, "RLOOTrainer returned a tool_mask, which its loss ignores and the split would read"
+                RLOO_LOSS,
+                "RLOOTrainer returned a tool_mask, which its loss ignores and the split would read",
+                type(self),
             )
         return old_per_token_logps
-
-    def apply_advantage_reweighting(self, call: LossCall, per_token_logps: torch.Tensor) -> torch.Tensor:
-        # Fact R2: RLOO's loss sums these log-probabilities into its sequence ratio.
-        return reweight_token_gradients(per_token_logps, call.batch[AR_WEIGHTS_KEY])
 
 
 __all__ = ["LoptiRLOOTrainer"]

@@ -34,6 +34,9 @@ SKIP_CHECK_VARIABLE = "TRL_LOPTI_SKIP_CHECK"
 
 RELEASES_PAGE = "the 'Supported releases' page of trl_lopti's documentation"
 
+LIBRARIES = ("trl", "transformers")
+"""The libraries whose classes trl_lopti's facts are about: a method of theirs that breaks a fact is not a user's."""
+
 LAUNCHER_VARIABLES = re.compile(
     r"(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_RANK|MASTER_ADDR|MASTER_PORT|OMP_NUM_THREADS)$"
     r"|ACCELERATE_|TORCHELASTIC|OMPI_|PMI_|PMIX_|MV2_"
@@ -57,6 +60,9 @@ class TRLFact:
             The wrong update that its runtime check prevents.
         checked_by (`str`):
             Where trl_lopti checks it while training.
+        methods (`tuple[str, ...]`):
+            The trainer methods whose behaviour it states: where one of them is a user's override, the user's
+            class broke it, not TRL.
     """
 
     code: str
@@ -64,6 +70,7 @@ class TRLFact:
     statement: str
     prevents: str
     checked_by: str
+    methods: tuple[str, ...]
 
 
 SCHEDULE = TRLFact(
@@ -71,9 +78,12 @@ SCHEDULE = TRLFact(
     "Schedule",
     "`_prepare_inputs` generates when `self._step % (steps_per_generation * self.num_iterations) == 0` (or with "
     "nothing buffered), buffers the batch split into micro-batches in `self._buffered_inputs` and serves slice "
-    "`self._step % steps_per_generation`, the same dicts until the next generation",
-    "a pass over another generation batch than the first pass trained, or over a copy without its split and pi_old",
-    "`lopti_mixin.check_micro_batch`, at every loss",
+    "`self._step % steps_per_generation`, the same dicts until the next generation; its train sampler repeats each "
+    "generation batch `self.num_iterations * steps_per_generation` times",
+    "a pass over another generation batch than the first pass trained, or over a copy without its split and pi_old, "
+    "or a run that leaves the prompts served inside a cycle untrained",
+    "`lopti_mixin.check_micro_batch`, at every loss; `lopti_mixin.check_prompts`, at every micro-step",
+    ("_prepare_inputs", "_get_train_sampler"),
 )
 LOSS_FORWARD = TRLFact(
     "S2",
@@ -82,6 +92,7 @@ LOSS_FORWARD = TRLFact(
     "(log-probabilities, entropies, auxiliary loss), and is differentiated through those log-probabilities",
     "an update whose gradient bypasses the log-probabilities that AR and Lopti act on",
     "`lopti_mixin.check_forward_output`, `lopti_mixin.check_backward_reached`, at every loss",
+    ("compute_loss", "_compute_loss", "_get_per_token_logps_and_entropies"),
 )
 CHECKPOINTS = TRLFact(
     "S3",
@@ -90,6 +101,7 @@ CHECKPOINTS = TRLFact(
     "transformers calls the latter on resume after `self.state` is loaded",
     "a resumed run that trains the wrong pass of its generation batch, or a new batch in the middle of a cycle",
     "`lopti_mixin.check_resumed_state`, `lopti_mixin.check_step_counter`, on resume and at every optimizer step",
+    ("_save_checkpoint", "_load_optimizer_and_scheduler"),
 )
 LOSS_MASK = TRLFact(
     "S4",
@@ -98,6 +110,7 @@ LOSS_MASK = TRLFact(
     "gradient through tokens that belong to neither Lopti group (padding, tool output), so that the two passes do not "
     "add up to the whole update",
     "`lopti_mixin.check_loss_mask`, before every optimizer step",
+    ("compute_loss", "_compute_loss"),
 )
 GRPO_LOSS = TRLFact(
     "G1",
@@ -105,6 +118,7 @@ GRPO_LOSS = TRLFact(
     "`_compute_loss` reads `inputs['advantages']` (token-level (B, T) accepted) only after its policy forward",
     "an update with the plain advantages where AR placed reweighted ones",
     "`lopti_mixin.check_loss_read` of `grpo_trainer.LoptiGRPOTrainer.placement_fact`, at every loss",
+    ("compute_loss", "_compute_loss"),
 )
 GRPO_GENERATION = TRLFact(
     "G2",
@@ -113,6 +127,7 @@ GRPO_GENERATION = TRLFact(
     "generation and its training, or vLLM importance sampling needs it",
     "a split, AR weights and second-pass ratios against a policy that already moved, taken for pi_old",
     "`lopti_mixin.check_on_policy`, at every split without pi_old",
+    ("_generate_and_score_completions",),
 )
 GRPO_REWARDS = TRLFact(
     "G3",
@@ -121,6 +136,7 @@ GRPO_REWARDS = TRLFact(
     "rewards of every completion of the batch (all processes, in process order), a column per reward function",
     "REINFORCE++ advantages whitened over the rewards of other completions",
     "`reinforce_plus_plus.ReinforcePlusPlusMixin._generate_and_score_completions`, at every generation batch",
+    ("_generate_and_score_completions", "_calculate_rewards"),
 )
 RLOO_GENERATION = TRLFact(
     "R1",
@@ -129,6 +145,7 @@ RLOO_GENERATION = TRLFact(
     "policy, without gradient, before the reference model's) and returns its masked sum as `old_logps`",
     "a split and AR weights from other log-probabilities than pi_old (the reference model's)",
     "`rloo_trainer.LoptiRLOOTrainer.old_per_token_logps_at_generation`, at every generation batch",
+    ("_generate_and_score_completions",),
 )
 RLOO_LOSS = TRLFact(
     "R2",
@@ -136,6 +153,7 @@ RLOO_LOSS = TRLFact(
     "`_compute_loss` sums the log-probabilities of its one policy forward over `completion_mask` (no `tool_mask`)",
     "a split over a `tool_mask` that RLOO's loss ignores, so that the two passes do not cover the tokens it trains",
     "`rloo_trainer.LoptiRLOOTrainer.old_per_token_logps_at_generation`, at every generation batch",
+    ("_generate_and_score_completions", "compute_loss", "_compute_loss"),
 )
 TRL_FACTS = (
     SCHEDULE,
@@ -151,14 +169,66 @@ TRL_FACTS = (
 """Every fact, in order: those of both trainers, then GRPO's, then RLOO's."""
 
 
-def broken_fact(fact: TRLFact, saw: str) -> RuntimeError:
-    """The error of a runtime check: the installed TRL no longer behaves as `fact` says, and `saw` says what
-    it saw."""
+def broken_fact(fact: TRLFact, saw: str, trainer_class: type) -> RuntimeError:
+    """
+    The error of a runtime check: a trainer of `trainer_class` no longer behaves as `fact` says, and `saw` says
+    what it saw.
+
+    The fact's methods tell who broke it: a user's class where it overrides one of them (the first class in the
+    MRO outside trl_lopti that defines the method lives outside TRL and transformers), else TRL (or transformers,
+    where every such method is its `Trainer`'s). Installing a release is advised only then, and never the release
+    installed.
+
+    Args:
+        fact (`TRLFact`):
+            The fact.
+        saw (`str`):
+            What the check saw.
+        trainer_class (`type`):
+            The trainer's class: trl_lopti's, or a user's composition.
+    """
+    from .utils import defining_class
+
+    owners = {name: defining_class(trainer_class, name) for name in fact.methods}
+    libraries = {name: owner.__module__.split(".")[0] for name, owner in owners.items() if owner is not None}
+    overrides = [f"{owners[name].__name__}.{name}" for name, root in libraries.items() if root not in LIBRARIES]
+    stops = f"Training stops here rather than train {fact.prevents}"
+    if overrides:
+        modules = sorted({owners[name].__module__ for name, root in libraries.items() if root not in LIBRARIES})
+        return RuntimeError(
+            f"{', '.join(overrides)} (in {', '.join(modules)}) breaks fact {fact.code} of trl_lopti ({fact.name}): "
+            f"{saw}. {stops}. trl_lopti relies on this: {fact.statement}. Change {' or '.join(overrides)} so that "
+            f"it holds, or train without trl_lopti; {check_trainer_class_command(trainer_class)} shows which "
+            "relation fails"
+        )
+    library = "TRL" if "trl" in libraries.values() else "transformers"
+    installed = TRL_VERSION if library == "TRL" else version("transformers")
+    changed = " or ".join(f"{owner.__name__}.{name}" for name, owner in owners.items() if owner is not None)
+    if library == "TRL" and TRL_VERSION not in TESTED_TRL_RELEASES:
+        advice = f"Install a tested release (pip install 'trl=={TESTED_TRL_RELEASES[-1]}')"
+    elif library == "TRL":
+        advice = (
+            f"TRL {TRL_VERSION} is a tested release, so something on this machine changed {changed} (a patch "
+            f"applied at run time, an edited install): reinstall it (pip install --force-reinstall "
+            f"'trl=={TRL_VERSION}') and run without the patch"
+        )
+    else:
+        advice = (
+            f"Something changed {changed}: a transformers release outside the tested stacks, or a patch applied at "
+            f"run time. Install a transformers release of the tested stacks"
+        )
     return RuntimeError(
-        f"TRL {TRL_VERSION} broke fact {fact.code} of trl_lopti ({fact.name}): {saw}. Training stops here rather than "
-        f"train {fact.prevents}. Install a tested release (pip install 'trl=={TESTED_TRL_RELEASES[-1]}'); "
+        f"{library} {installed} broke fact {fact.code} of trl_lopti ({fact.name}): {saw}. {stops}. {advice}; "
         f"`trl-lopti check` shows every fact on this machine, and {RELEASES_PAGE} lists them"
     )
+
+
+def check_trainer_class_command(trainer_class: type) -> str:
+    """How to run `trl-lopti check` on a user's trainer class: by its dotted path, or from Python where it is
+    defined in a script."""
+    if trainer_class.__module__ == "__main__":
+        return f"`trl_lopti.check.check_trainer_class({trainer_class.__qualname__})` in your script"
+    return f"`trl-lopti check --trainer_class {trainer_class.__module__}.{trainer_class.__qualname__}`"
 
 
 # ------------------------------------------------------------------------------------------------ the gate

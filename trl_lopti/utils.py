@@ -1,5 +1,5 @@
-"""Small helpers over TRL's trainers: TRL's own log-prob forward on a batch, and instance attributes set for
-a block."""
+"""Small helpers over TRL's trainers: TRL's own log-prob forward on a batch, instance attributes set for a
+block, and where a trainer class (a user's composition included) gets each method from."""
 
 import contextlib
 import functools
@@ -27,8 +27,9 @@ def trl_completion_logps(trainer, batch: dict[str, Any], model=None, **kwargs: A
     """
     Per-token log-probabilities and entropies of the completions of a TRL batch, by TRL's own forward.
 
-    The forward is `_get_per_token_logps_and_entropies` of the trainer's TRL class, whatever a subclass
-    overrides: its LM head, temperature and autocast. It keeps gradient where grad mode is on.
+    The forward is the `_get_per_token_logps_and_entropies` that the trainer's loss runs beneath trl_lopti's
+    hooks: TRL's (its LM head, temperature and autocast), or a user's override of it. It keeps gradient where grad
+    mode is on.
 
     Args:
         trainer (`GRPOTrainer` or `RLOOTrainer`):
@@ -52,7 +53,8 @@ def trl_completion_logps(trainer, batch: dict[str, Any], model=None, **kwargs: A
     if model is None:
         model = trainer.model
     num_tokens = batch["completion_ids"].size(1)
-    forward = getattr(trainer, "trl_trainer_class", GRPOTrainer)._get_per_token_logps_and_entropies
+    owner = defining_class(type(trainer), "_get_per_token_logps_and_entropies") or GRPOTrainer
+    forward = owner._get_per_token_logps_and_entropies
     output = forward(trainer, model, input_ids, attention_mask, num_tokens, **extra, **kwargs)
     return output[0], output[1]
 
@@ -78,3 +80,39 @@ def temporarily_set(obj: Any, **values: Any):
         for name in values:
             del vars(obj)[name]
         vars(obj).update(own)
+
+
+def is_trl_lopti_class(klass: type) -> bool:
+    """Whether `klass` is one of trl_lopti's own classes."""
+    return klass.__module__.split(".")[0] == "trl_lopti"
+
+
+def defining_class(trainer_class: type, name: str) -> type | None:
+    """
+    The class whose `name` a trainer of `trainer_class` runs beneath trl_lopti's own hooks: the first class in
+    its MRO, trl_lopti's skipped, that defines `name` itself.
+
+    Args:
+        trainer_class (`type`):
+            A trainer class: TRL's, trl_lopti's, or a user's composition of them.
+        name (`str`):
+            The method (or attribute).
+
+    Returns:
+        `type` or `None`: the class, `None` where no class outside trl_lopti defines `name`.
+    """
+    for klass in trainer_class.__mro__:
+        if name in vars(klass) and not is_trl_lopti_class(klass):
+            return klass
+    return None
+
+
+def base_trainer_class(trainer_class: type, trl_trainer_class: type) -> type:
+    """The trainer a Lopti trainer class extends: the first class in its MRO that is a subclass of
+    `trl_trainer_class` and of no class of trl_lopti (`GRPOTrainer` for `LoptiGRPOTrainer`, `GMPOTrainer` for
+    `class LoptiGMPOTrainer(LoptiGRPOTrainer, GMPOTrainer)`)."""
+    for klass in trainer_class.__mro__:
+        lopti = any(is_trl_lopti_class(ancestor) for ancestor in klass.__mro__)
+        if issubclass(klass, trl_trainer_class) and not lopti:
+            return klass
+    return trl_trainer_class

@@ -1,0 +1,481 @@
+"""AR and Lopti on the GRPO family: TRL's `GMPOTrainer` and a user's own `GRPOTrainer` subclass, composed as a user
+writes it (`class LoptiGMPOTrainer(LoptiGRPOTrainer, GMPOTrainer)`, `@dataclass class LoptiGMPOConfig(LoptiGRPOConfig,
+GMPOConfig)`).
+
+The config keeps each base's own defaults; trained parameters equal a hand-run of the general forms on an independent
+loss written from its formulas; the two passes add up to the base's own update on every parameter; what cannot be
+exact is refused in words that name the user's class; `trl-lopti check --trainer_class` proves a composition and
+finds a loss that bypasses TRL's log-prob forward.
+"""
+
+import copy
+import dataclasses
+import os
+import pickle
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+import torch
+from testing_utils import (
+    COMPLETION_LENGTH,
+    FLOAT64,
+    PLAIN_SGD,
+    TEMPERATURE,
+    completion_logps,
+    conversational_dataset,
+    fixed_generation,
+    length_reward,
+    micro_batches_as_generated,
+    quantile_generation_batch,
+    small_config,
+    threshold_between_values,
+    use_exact_log_prob_head,
+)
+from transformers import AutoModelForCausalLM
+from trl import GRPOConfig, GRPOTrainer, RLOOTrainer
+
+from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOTrainer
+from trl_lopti.check import check_trainer_class, main
+from trl_lopti.config import as_lopti_config
+
+
+gmpo = pytest.importorskip("trl.experimental.gmpo", reason="GMPOTrainer is in TRL from 1.16.0")
+
+
+@dataclass
+class LoptiGMPOConfig(LoptiGRPOConfig, gmpo.GMPOConfig): ...
+
+
+class LoptiGMPOTrainer(LoptiGRPOTrainer, gmpo.GMPOTrainer): ...
+
+
+class SequenceRatioTrainer(GRPOTrainer):
+    """A user's objective, as researchers write them: one importance ratio per sequence (the exp of its mean log-ratio)
+    times the sequence's advantage, read as (B,). It records the shape of the advantages it read."""
+
+    advantage_shapes: list
+
+    def _compute_loss(self, model, inputs):
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        logits_to_keep = inputs["completion_ids"].size(1)
+        logps, _, _ = self._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep)
+        old_logps = inputs.get("old_per_token_logps")
+        old_logps = logps.detach() if old_logps is None else old_logps
+        mask = inputs["completion_mask"]
+        log_ratio = ((logps - old_logps) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        advantages = inputs["advantages"]
+        self.advantage_shapes.append(tuple(advantages.shape))
+        loss = -(torch.exp(log_ratio) * advantages).mean()
+        return loss / self.current_gradient_accumulation_steps
+
+
+class LoptiSequenceRatioTrainer(LoptiGRPOTrainer, SequenceRatioTrainer): ...
+
+
+class ClippedRLOOTrainer(RLOOTrainer):
+    """A user's RLOO variant (RLOO's loss, a name of its own)."""
+
+    _tag_names: ClassVar[list[str]] = ["trl", "clipped-rloo"]
+
+
+class LoptiClippedRLOOTrainer(LoptiRLOOTrainer, ClippedRLOOTrainer): ...
+
+
+class OwnLogitsTrainer(GRPOTrainer):
+    """A user's loss that computes the log-probabilities from the logits itself, never through TRL's forward."""
+
+    def _compute_loss(self, model, inputs):
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        logits = model(input_ids=input_ids).logits[:, -inputs["completion_ids"].size(1) - 1 : -1]
+        logps = torch.log_softmax(logits.float(), -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+        mask = inputs["completion_mask"]
+        return -((logps * mask).sum(-1) * inputs["advantages"]).mean()
+
+
+class LoptiOwnLogitsTrainer(LoptiGRPOTrainer, OwnLogitsTrainer): ...
+
+
+class NegativeLogLikelihoodTrainer(GRPOTrainer):
+    """GRPO's loss plus an SFT-like term computed from the logits: a loss that bypasses TRL's forward in part."""
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        logits = model(input_ids=input_ids).logits[:, -inputs["completion_ids"].size(1) - 1 : -1]
+        targets = inputs["completion_ids"].flatten()
+        return loss + 0.1 * torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets)
+
+
+class LoptiNegativeLogLikelihoodTrainer(LoptiGRPOTrainer, NegativeLogLikelihoodTrainer): ...
+
+
+# ------------------------------------------------------------------------------------------------ the config
+def test_a_composed_config_keeps_each_fields_default_and_help_from_the_first_class_that_declares_it():
+    config = LoptiGMPOConfig(output_dir="unused", use_cpu=True, report_to="none")
+    gmpo_field = gmpo.GMPOConfig.__dataclass_fields__["epsilon"]
+    assert config.epsilon == gmpo_field.default == 0.4
+    assert LoptiGMPOConfig.__dataclass_fields__["epsilon"].metadata["help"] == gmpo_field.metadata["help"]
+    # The Lopti fields and LoptiGRPOConfig's own keep theirs, and the order of the fields is GMPOConfig's.
+    assert (config.advantage_reweighting_alpha, config.lopti_threshold, config.advantage_estimator) == (
+        0.3,
+        0.5,
+        "grpo",
+    )
+    names = [f.name for f in dataclasses.fields(LoptiGMPOConfig)]
+    gmpo_names = [f.name for f in dataclasses.fields(gmpo.GMPOConfig)]
+    assert [name for name in names if name in gmpo_names] == gmpo_names
+    # A user's own value wins: in the call, and in the class.
+    assert LoptiGMPOConfig(output_dir="unused", use_cpu=True, epsilon=0.3).epsilon == 0.3
+
+    @dataclass
+    class NarrowGMPOConfig(LoptiGRPOConfig, gmpo.GMPOConfig):
+        epsilon: float = 0.25
+
+    assert NarrowGMPOConfig(output_dir="unused", use_cpu=True).epsilon == 0.25
+
+
+def test_a_composed_config_without_dataclass_is_an_error_not_a_silent_default():
+    class Undecorated(LoptiGRPOConfig, gmpo.GMPOConfig):
+        pass
+
+    with pytest.raises(TypeError, match=r"Undecorated .*\(epsilon\) and has no @dataclass decorator"):
+        Undecorated(output_dir="unused", use_cpu=True)
+
+
+def test_every_path_into_a_composed_trainer_gets_its_bases_defaults(monkeypatch):
+    # args=None: GMPO's defaults, TRL's naming of the output folder (on a CPU, TRL's default bf16 needs a GPU).
+    monkeypatch.setattr("transformers.training_args.is_torch_bf16_gpu_available", lambda: True)
+    default = as_lopti_config(None, "org/Tiny-Model", LoptiGMPOTrainer)
+    assert isinstance(default, gmpo.GMPOConfig) and default.epsilon == 0.4
+    assert default.output_dir == "Tiny-Model-Lopti-GMPO" and default.lopti_threshold == 0.5
+    # A plain GMPOConfig keeps its values, a user's config its extra fields.
+    plain = gmpo.GMPOConfig(output_dir="unused", use_cpu=True, epsilon=0.35, learning_rate=3e-6)
+    with pytest.warns(UserWarning, match="got a plain GMPOConfig"):
+        upgraded = as_lopti_config(plain, "org/Tiny-Model", LoptiGMPOTrainer)
+    assert isinstance(upgraded, gmpo.GMPOConfig) and (upgraded.epsilon, upgraded.learning_rate) == (0.35, 3e-6)
+
+    @dataclass
+    class MyConfig(GRPOConfig):
+        my_weight: float = 2.0
+
+    mine = as_lopti_config(MyConfig(output_dir="unused", use_cpu=True, my_weight=5.0), "m", LoptiGRPOTrainer)
+    assert isinstance(mine, MyConfig) and mine.my_weight == 5.0 and mine.advantage_reweighting_alpha == 0.3
+    # The class composed at run time pickles (TRL saves the arguments with torch.save) and comes back whole.
+    restored = pickle.loads(pickle.dumps(upgraded))
+    assert type(restored) is type(upgraded) and restored.epsilon == 0.35 and restored.lopti_threshold == 0.5
+    # A Lopti config that is not the base's: it trains with other defaults, and says which.
+    with pytest.warns(UserWarning, match=r"not a GMPOConfig: .* epsilon \(0\.2, not 0\.4\)"):
+        as_lopti_config(LoptiGRPOConfig(output_dir="unused", use_cpu=True), "m", LoptiGMPOTrainer)
+
+
+def test_a_users_config_class_on_the_trainer_class_is_its_default(monkeypatch):
+    monkeypatch.setattr("transformers.training_args.is_torch_bf16_gpu_available", lambda: True)
+
+    class ConfiguredGMPOTrainer(LoptiGMPOTrainer):
+        config_class = LoptiGMPOConfig
+
+    config = as_lopti_config(None, "org/Tiny-Model", ConfiguredGMPOTrainer)
+    assert type(config) is LoptiGMPOConfig and config.epsilon == 0.4
+
+
+def test_a_composed_run_names_its_base(tiny_model_path, tmp_path):
+    config = small_config(tmp_path, LoptiGMPOConfig, max_steps=2)
+    trainer = LoptiGMPOTrainer(tiny_model_path, length_reward, config, conversational_dataset())
+    assert trainer._tag_names == ["trl", "gmpo", "lopti"]
+    assert trainer._name.startswith("GMPO with Advantage Reweighting (alpha=0.3) and Low-Probability Token")
+    assert "2505.12929" in trainer._paper["id"]
+    trainer.create_model_card()
+    card = (tmp_path / "README.md").read_text()
+    assert "GMPO with Advantage Reweighting" in card and "lopti" in card
+
+
+# ------------------------------------------------------------------------------------------------ exact, by hand
+ROWS = 8
+LEARNING_RATE = PLAIN_SGD["learning_rate"]
+
+
+def reference_gmpo_loss(logps, old_logps, advantages, mask, epsilon_low: float, epsilon_high: float):
+    """GMPO's loss from its formulas: per sequence, the geometric mean of the token ratios, each log-ratio clipped on
+    the side its sequence's advantage makes harmful (above `epsilon_high` for a positive advantage, below
+    `-epsilon_low` otherwise), times the advantage; the mean over sequences."""
+    log_ratio = logps - old_logps
+    positive = advantages[:, None] > 0
+    clipped = torch.where(positive, log_ratio.clamp(max=epsilon_high), log_ratio.clamp(min=-epsilon_low))
+    mean_log_ratio = (clipped * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return -(mean_log_ratio.exp() * advantages).mean()
+
+
+def reference_sequence_ratio_loss(logps, old_logps, advantages, mask, epsilon_low: float, epsilon_high: float):
+    """`SequenceRatioTrainer`'s loss from its formula (no clipping)."""
+    mean_log_ratio = ((logps - old_logps) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return -(mean_log_ratio.exp() * advantages).mean()
+
+
+def hand_run(initial_model, micro_batches, config, eta: float | None, alpha: float, reference_loss):
+    """A generation batch trained by hand (SGD): once per Lopti group, low first (`eta` None: once, all tokens), each
+    pass the whole schedule against the same pi_old, in AR's general form (the gradient through each token's
+    log-probability scaled by alpha * pi_old + 1 - alpha) and the general form of isolation."""
+    model = copy.deepcopy(initial_model)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    with torch.no_grad():
+        old = [completion_logps(model, micro_batch) for micro_batch in micro_batches]
+    accumulation = config.gradient_accumulation_steps
+    for group in ("low", "high") if eta is not None else (None,):
+        for index, micro_batch in enumerate(micro_batches):
+            mask = micro_batch["completion_mask"].bool()
+            weights = alpha * old[index].exp() + 1 - alpha
+            logps = completion_logps(model, micro_batch)
+            logps = weights * logps + (1 - weights) * logps.detach()
+            if group is not None:
+                low = (old[index].exp() < eta) & mask
+                active = low if group == "low" else mask & ~low
+                logps = torch.where(active, logps, logps.detach())
+            epsilon_high = config.epsilon_high if config.epsilon_high is not None else config.epsilon
+            loss = reference_loss(
+                logps, old[index], micro_batch["advantages"], mask.double(), config.epsilon, epsilon_high
+            )
+            (loss / accumulation).backward()
+            if (index + 1) % accumulation == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+    return model
+
+
+def train_one_cycle(trainer_class, model_path, config, batch):
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+    trainer = trainer_class(
+        model=model,
+        reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+        args=config,
+        train_dataset=conversational_dataset(64),
+    )
+    # TRL's fused head is float32 whatever the model's dtype; the hand run is not.
+    use_exact_log_prob_head(trainer)
+    trainer.train()
+    return trainer
+
+
+def cycle_config(config_class, output_dir, rows: int, eta: float | None, alpha: float, **overrides):
+    """One generation batch of `rows` completions, in 2 micro-batches and 2 optimizer steps per pass (TRL computes
+    pi_old at generation), plain SGD, float64; the Lopti fields where `config_class` has them."""
+    values = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=rows // 2,
+        gradient_accumulation_steps=1,
+        steps_per_generation=2,
+        num_generations=2,
+        max_completion_length=COMPLETION_LENGTH,
+        temperature=TEMPERATURE,
+        beta=0.0,
+        advantage_reweighting_alpha=alpha,
+        lopti_threshold=eta,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        shuffle_dataset=False,
+        max_steps=4 if eta is not None else 2,
+    )
+    values.update(PLAIN_SGD)
+    values.update(FLOAT64)
+    values.update(overrides)
+    if not issubclass(config_class, LoptiGRPOConfig):
+        del values["advantage_reweighting_alpha"]
+        del values["lopti_threshold"]
+    return config_class(**values)
+
+
+def largest_difference(model_a, model_b) -> float:
+    pairs = zip(model_a.parameters(), model_b.parameters(), strict=True)
+    return max(float((a.detach() - b.detach()).abs().max()) for a, b in pairs)
+
+
+def batch_and_eta(model_path, rows: int):
+    """A fixed generation batch with padding, a float64 copy of the model, and an eta half-way in a wide gap of the
+    batch's pi_old."""
+    initial_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+    batch = quantile_generation_batch(initial_model.config.vocab_size, rows)
+    with torch.no_grad():
+        logps = completion_logps(initial_model, batch)[batch["completion_mask"].bool()]
+    return initial_model, batch, float(torch.tensor(threshold_between_values(logps)).exp())
+
+
+@pytest.mark.parametrize("alpha, lopti", [(0.3, False), (0.0, True), (0.3, True)], ids=["ar", "lopti", "ar-and-lopti"])
+def test_gmpo_with_ar_and_lopti_trains_exactly_the_hand_run(
+    tiny_float64_model_path, tmp_path, monkeypatch, single_thread, float64_norms, alpha, lopti
+):
+    initial_model, batch, eta = batch_and_eta(tiny_float64_model_path, ROWS)
+    eta = eta if lopti else None
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", fixed_generation(batch))
+    config = cycle_config(LoptiGMPOConfig, tmp_path, ROWS, eta, alpha)
+    assert config.epsilon == 0.4
+    trainer = train_one_cycle(LoptiGMPOTrainer, tiny_float64_model_path, config, batch)
+    expected = hand_run(
+        initial_model, micro_batches_as_generated(trainer, batch), config, eta, alpha, reference_gmpo_loss
+    )
+    difference = largest_difference(trainer.model, expected)
+    moved = largest_difference(expected, initial_model)
+    # 3.6e-15 measured (ar-and-lopti), moved 0.35: the parameters of the hand run.
+    print(f"GMPO, alpha {alpha}, eta {eta}: |trainer - hand run| = {difference:.2e}, moved {moved:.2e}")  # noqa: T201
+    assert difference < 1e-8 and moved > 1e-3
+    # Without AR's and isolation's general forms the hand run lands elsewhere: the test can tell.
+    plain = hand_run(initial_model, micro_batches_as_generated(trainer, batch), config, None, 0.0, reference_gmpo_loss)
+    assert largest_difference(trainer.model, plain) > 1e-4
+
+
+def test_a_users_loss_that_reads_one_advantage_per_sequence_gets_ars_general_form(
+    tiny_float64_model_path, tmp_path, monkeypatch, single_thread, float64_norms
+):
+    """Micro-batches of 6 completions of 6 tokens: token-level advantages (B, T) would broadcast silently in a loss
+    that reads (B,). AR takes its general form there, and Lopti isolates, exactly."""
+    rows = 2 * COMPLETION_LENGTH
+    initial_model, batch, eta = batch_and_eta(tiny_float64_model_path, rows)
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", fixed_generation(batch))
+    monkeypatch.setattr(SequenceRatioTrainer, "advantage_shapes", [], raising=False)
+    config = cycle_config(LoptiGRPOConfig, tmp_path, rows, eta, 0.3)
+    trainer = train_one_cycle(LoptiSequenceRatioTrainer, tiny_float64_model_path, config, batch)
+    assert set(SequenceRatioTrainer.advantage_shapes) == {(rows // 2,)}, "the loss read (B,) advantages"
+    micro_batches = micro_batches_as_generated(trainer, batch)
+    expected = hand_run(initial_model, micro_batches, config, eta, 0.3, reference_sequence_ratio_loss)
+    difference = largest_difference(trainer.model, expected)
+    print(f"a user's (B,) loss: |trainer - hand run| = {difference:.2e}")  # noqa: T201
+    assert difference < 1e-8 and largest_difference(expected, initial_model) > 1e-3
+
+
+def test_the_passes_add_up_to_gmpos_own_update_on_every_parameter(
+    tiny_float64_model_path, tmp_path, single_thread, float64_norms
+):
+    """At equal parameters, off-policy (ratios clip) and with GMPO's KL term: the parameter gradient of the low pass
+    plus the high pass's is TRL's own GMPOTrainer's, and neither pass alone is."""
+    initial_model, batch, eta = batch_and_eta(tiny_float64_model_path, ROWS)
+    noise = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        current = completion_logps(initial_model, batch)
+    batch["old_per_token_logps"] = current + 0.4 * torch.randn(current.shape, generator=noise, dtype=torch.float64)
+    batch["ref_per_token_logps"] = current + 0.3 * torch.randn(current.shape, generator=noise, dtype=torch.float64)
+    batch["num_items_in_batch"] = batch["completion_mask"].sum()
+    # pi_old moved: eta half-way in a wide gap of the moved probabilities.
+    eta = float(
+        torch.tensor(threshold_between_values(batch["old_per_token_logps"][batch["completion_mask"].bool()])).exp()
+    )
+    del batch["row_id"]
+
+    def gradient(trainer, step: int) -> torch.Tensor:
+        trainer.model.zero_grad(set_to_none=True)
+        trainer.model.train()
+        trainer._step = step
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.compute_loss(trainer.model, dict(batch)).backward()
+        return torch.cat([parameter.grad.flatten() for parameter in trainer.model.parameters()])
+
+    common = dict(beta=0.04, max_steps=4)
+    plain = gmpo.GMPOTrainer(
+        model=tiny_float64_model_path,
+        reward_funcs=length_reward,
+        args=cycle_config(gmpo.GMPOConfig, tmp_path, ROWS, None, 0.0, **common),
+        train_dataset=conversational_dataset(),
+    )
+    lopti = LoptiGMPOTrainer(
+        model=tiny_float64_model_path,
+        reward_funcs=length_reward,
+        args=cycle_config(LoptiGMPOConfig, tmp_path, ROWS, eta, 0.0, **common),
+        train_dataset=conversational_dataset(),
+    )
+    use_exact_log_prob_head(plain)
+    use_exact_log_prob_head(lopti)
+    whole = gradient(plain, 0)
+    low = gradient(lopti, 0)
+    high = gradient(lopti, lopti.args.lopti_pass_micro_steps)
+    scale = float(whole.abs().max())
+    difference = float((low + high - whole).abs().max()) / scale
+    print(f"GMPO: |low + high - GMPOTrainer| / |GMPOTrainer| = {difference:.2e}")  # noqa: T201
+    assert difference < 1e-10
+    assert float((low - whole).abs().max()) / scale > 1e-3 and float((high - whole).abs().max()) / scale > 1e-3
+
+
+# ------------------------------------------------------------------------------------------------ what cannot be exact
+def test_ar_with_a_kl_term_in_a_loss_of_the_users_is_refused_naming_the_class_and_method(tiny_model_path, tmp_path):
+    config = small_config(tmp_path, LoptiGMPOConfig, beta=0.04)
+    with pytest.raises(ValueError) as error:
+        LoptiGMPOTrainer(tiny_model_path, length_reward, config, conversational_dataset())
+    message = str(error.value)
+    assert message.startswith("LoptiGMPOTrainer: advantage_reweighting_alpha=0.3 with beta=0.04. GMPOTrainer.")
+    assert "_compute_loss (in trl.experimental.gmpo.gmpo_trainer)" in message and "Set beta=0.0" in message
+    # Lopti alone isolates the KL term with the rest: no refusal.
+    lopti_alone = small_config(tmp_path, LoptiGMPOConfig, beta=0.04, advantage_reweighting_alpha=0.0)
+    LoptiGMPOTrainer(tiny_model_path, length_reward, lopti_alone, conversational_dataset())
+
+
+def test_a_users_loss_that_bypasses_trls_forward_is_named_as_the_cause(tiny_model_path, tmp_path):
+    config = small_config(tmp_path, advantage_reweighting_alpha=0.0, max_steps=2)
+    trainer = LoptiOwnLogitsTrainer(tiny_model_path, length_reward, config, conversational_dataset())
+    with pytest.raises(RuntimeError) as error:
+        trainer.train()
+    message = str(error.value)
+    print(message)  # noqa: T201 - the error, word for word (pytest -s)
+    assert message.startswith(
+        "OwnLogitsTrainer._compute_loss (in test_composition) breaks fact S2 of trl_lopti (Loss forward): the backward"
+    )
+    assert "trl-lopti check --trainer_class test_composition.LoptiOwnLogitsTrainer" in message
+    # The user's override is the cause: no TRL release to install.
+    assert "TRL 1.16.0" not in message and "pip install" not in message
+
+
+# ------------------------------------------------------------------------------------------------ trl-lopti check
+def test_the_check_proves_gmpo_and_finds_a_loss_that_bypasses_the_forward_in_part(single_thread):
+    results = check_trainer_class(LoptiGMPOTrainer)
+    assert [result.name for result in results] == [
+        f"LoptiGMPOTrainer {name}" for name in ("train", "isolation", "passes", "ar")
+    ]
+    assert all(result.passed for result in results), [result.line() for result in results]
+    bypass = {result.name.split()[-1]: result for result in check_trainer_class(LoptiNegativeLogLikelihoodTrainer)}
+    assert bypass["passes"].status == "FAIL" and "does not go through the log-probabilities" in bypass["passes"].detail
+    assert "NegativeLogLikelihoodTrainer._compute_loss" in bypass["passes"].detail
+    assert bypass["isolation"].passed and bypass["ar"].passed
+    # The RLOO family too.
+    assert all(result.passed for result in check_trainer_class(LoptiClippedRLOOTrainer))
+
+
+@pytest.mark.parametrize(
+    "trainer_class, expected",
+    [
+        ("no_such_module.LoptiTrainer", "importing no_such_module failed: ModuleNotFoundError"),
+        ("my_trainers.Missing", "my_trainers has no class Missing"),
+        ("my_trainers.GMPOTrainer", "GMPOTrainer is not a Lopti trainer: compose it with one"),
+        ("my_trainers", "give MODULE.CLASS"),
+    ],
+)
+def test_the_command_says_in_one_line_why_it_cannot_check_a_class(
+    tmp_path, monkeypatch, capsys, trainer_class, expected
+):
+    (tmp_path / "my_trainers.py").write_text("from trl.experimental.gmpo import GMPOTrainer\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["--trainer_class", trainer_class]) == 2
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trl-lopti check: ") and expected in lines[0], lines
+
+
+def test_a_module_that_fails_to_import_gives_one_line_and_no_traceback(tmp_path):
+    (tmp_path / "broken_trainers.py").write_text("import torch\nraise RuntimeError('a bug in my module')\n")
+    completed = subprocess.run(
+        [sys.executable, "-m", "trl_lopti", "check", "--trainer_class", "broken_trainers.LoptiTrainer"],
+        cwd=tmp_path,
+        # conftest's WANDB_MODE=offline makes wandb print a line of its own.
+        env={name: value for name, value in os.environ.items() if name != "WANDB_MODE"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert completed.returncode == 2 and "Traceback" not in completed.stdout + completed.stderr
+    expected = (
+        "trl-lopti check: --trainer_class broken_trainers.LoptiTrainer: importing broken_trainers failed: "
+        "RuntimeError: a bug in my module"
+    )
+    assert completed.stdout.splitlines() == [expected]
