@@ -508,14 +508,30 @@ def test_a_hub_id_is_still_read_from_the_hub(base, monkeypatch):
     "name, text, error",
     [
         ("empty.jsonl", "", "dataset_name: the data file {path} is empty"),
-        ("blank.jsonl", "\n\n", "dataset_name: cannot read the data file {path}: "),
+        ("blank.jsonl", "\n\n", "dataset_name: cannot read the data file {path}: it holds only blank lines"),
         (
             "broken.jsonl",
             '{"prompt": "a"}\n{"prompt": "b"\n',
-            "dataset_name: cannot read the data file {path}: JSON parse",
+            "dataset_name: cannot read the data file {path}: line 2 is not JSON: Expecting ',' delimiter (column 15)",
         ),
-        ("text.jsonl", '{"prompt": "a"}\nnot json\n', "dataset_name: cannot read the data file {path}: JSON parse"),
-        ("broken.csv", 'prompt,answer\n"a,1\n', "dataset_name: cannot read the data file {path}: Error tokenizing"),
+        (
+            "text.jsonl",
+            '{"prompt": "a"}\n\nnot json\n',
+            "dataset_name: cannot read the data file {path}: line 3 is not JSON: Expecting value (column 1)",
+        ),
+        (
+            "document.json",
+            '[\n  {"prompt": "a"},\n  {"prompt": "b"}\n  {"prompt": "c"}\n]\n',
+            "dataset_name: cannot read the data file {path}: line 4 is not JSON: Expecting ',' delimiter (column 3)",
+        ),
+        (
+            "broken.csv",
+            'prompt,answer\n"a,1\n',
+            (
+                "dataset_name: cannot read the data file {path}: Error tokenizing data. C error: EOF inside string "
+                "starting at row 1"
+            ),
+        ),
     ],
 )
 def test_an_empty_or_malformed_data_file_is_an_error_that_names_it(tmp_path, base, run_cli, name, text, error):
@@ -523,7 +539,8 @@ def test_an_empty_or_malformed_data_file_is_an_error_that_names_it(tmp_path, bas
     path.write_text(text)
     argv = ["grpo", "--model_name_or_path", base["model_name_or_path"], "--output_dir", base["output_dir"]]
     code, _, err = run_cli([*argv, "--use_cpu", "true", "--dataset_name", str(path), "--reward_funcs", REWARD])
-    assert code == 2 and error.format(path=path) in err and "Traceback" not in err, err
+    assert code == 2 and err.splitlines()[-1] == f"trl-lopti grpo: error: {error.format(path=path)}", err
+    assert "Traceback" not in err
     # Refused before any model loads.
     assert not Path(base["output_dir"]).exists()
 
@@ -760,3 +777,240 @@ def test_rehearsal_of_the_rloo_preset_trains_rloo_through_both_passes_and_resume
     assert min(report["low_pass_grad_norms"] + report["high_pass_grad_norms"]) > 0
     assert report["checkpoint"].endswith("(with lopti_generation_batch_rank0.pt)")
     assert report["resume_max_abs_difference"] <= 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What a user can get wrong ends in one line, `trl-lopti COMMAND: error: ...`, and exit code 2, never a traceback
+# ---------------------------------------------------------------------------------------------------------------------
+def error_line(result: subprocess.CompletedProcess, command: str = "grpo") -> str:
+    """The error a finished `python -m trl_lopti COMMAND ...` printed: exit code 2, no traceback, the last line of its
+    stderr, `trl-lopti COMMAND: error: ` taken off."""
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith(f"trl-lopti {command}: error: "), result.stderr[-3000:]
+    return last.removeprefix(f"trl-lopti {command}: error: ")
+
+
+def checkpoint_folder(path: Path) -> Path:
+    """An empty stand-in for a checkpoint: a folder with a `trainer_state.json`."""
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text("{}")
+    return path
+
+
+def test_resume_from_checkpoint_true_is_the_latest_checkpoint_in_output_dir_and_false_is_none(base, run_cli):
+    """`--resume_from_checkpoint true` resumes as `Trainer.train(resume_from_checkpoint=True)` does, from the
+    checkpoint-N folder of output_dir with the largest N; `--dry_run` shows the folder. Without one, a value that is
+    no checkpoint folder (`true` once reached the trainer as a path), a one-line error before anything loads."""
+    output_dir = Path(base["output_dir"])
+    argv = ["grpo", "--model_name_or_path", base["model_name_or_path"], "--output_dir", str(output_dir), "--dry_run"]
+    argv += ["--use_cpu", "true"]
+    code, _, err = run_cli([*argv, "--resume_from_checkpoint", "true"])
+    assert code == 2 and err == (
+        "trl-lopti grpo: error: resume_from_checkpoint: true resumes from the latest checkpoint-N folder in "
+        f"output_dir, and {output_dir} holds none: train without it first, or name a checkpoint folder "
+        "(resume_from_checkpoint from the flag --resume_from_checkpoint; output_dir from the flag --output_dir)\n"
+    )
+    (output_dir / "checkpoint-7").mkdir(parents=True)
+    code, _, err = run_cli([*argv, "--resume_from_checkpoint", "true"])
+    assert code == 2 and err.startswith(
+        f"trl-lopti grpo: error: resume_from_checkpoint: '{output_dir / 'checkpoint-7'}' is no checkpoint folder (it "
+        "holds no trainer_state.json): name a checkpoint-N folder that a run saved, or true for the latest one in "
+        "output_dir (resume_from_checkpoint from the flag --resume_from_checkpoint"
+    )
+    # By step, not by name: checkpoint-10 is later than checkpoint-9.
+    checkpoint_folder(output_dir / "checkpoint-9")
+    latest = checkpoint_folder(output_dir / "checkpoint-10")
+    for value in ("true", "True"):
+        code, out, err = run_cli([*argv, "--resume_from_checkpoint", value])
+        assert code == 0 and json.loads(out)["flags"]["resume_from_checkpoint"] == str(latest), err
+    code, out, _ = run_cli([*argv, "--resume_from_checkpoint", str(output_dir / "checkpoint-9")])
+    assert code == 0 and json.loads(out)["flags"]["resume_from_checkpoint"] == str(output_dir / "checkpoint-9")
+    code, out, _ = run_cli([*argv, "--resume_from_checkpoint", "false"])
+    assert code == 0 and json.loads(out)["flags"]["resume_from_checkpoint"] is None
+
+
+def test_a_resume_the_checkpoint_does_not_fit_is_one_line(base, run_cli, single_thread):
+    """A checkpoint taken inside a generation batch, resumed (`true`: the latest) with another schedule, and a
+    checkpoint folder without weights: the trainer's `ValueError` while it loads the checkpoint, as one line."""
+    output_dir = Path(base["output_dir"])
+    argv = ["grpo", "--model_name_or_path", base["model_name_or_path"], "--output_dir", str(output_dir)]
+    argv += ["--use_cpu", "true", "--kk_num_samples", "4", "--per_device_train_batch_size", "2", "--num_generations"]
+    argv += ["2", "--max_completion_length", "4", "--save_steps", "1", "--report_to", "none"]
+    # One optimizer step: the low pass of the first generation batch's Lopti cycle.
+    code, _, err = run_cli([*argv, "--max_steps", "1"])
+    assert code == 0 and (output_dir / "checkpoint-1" / "lopti_generation_batch_rank0.pt").is_file(), err
+    resumed = [*argv, "--max_steps", "2", "--resume_from_checkpoint", "true"]
+    code, _, err = run_cli([*resumed, "--advantage_reweighting_alpha", "0.2"])
+    assert code == 2 and err.splitlines()[-1] == (
+        f"trl-lopti grpo: error: resume_from_checkpoint: {output_dir / 'checkpoint-1'} was saved inside a generation "
+        "batch with advantage_reweighting_alpha=0.3; this run has advantage_reweighting_alpha=0.2: resume it with the "
+        "values it was saved with, or from a checkpoint between generation batches"
+    )
+    empty = checkpoint_folder(output_dir / "checkpoint-2")
+    code, _, err = run_cli(resumed)
+    assert code == 2 and err.splitlines()[-1] == (
+        f"trl-lopti grpo: error: resume_from_checkpoint: Can't find a valid checkpoint at {empty}"
+    )
+
+
+def test_only_a_value_error_of_a_checkpoint_being_loaded_is_a_resume_error():
+    """The narrow rule that makes a `ValueError` of `Trainer.train` a user's error: raised inside a method that
+    loads the checkpoint (`train.RESUME_STEPS`), by it or below it; any other stays a traceback."""
+    from trl_lopti.cli.train import RESUME_STEPS, raised_while_resuming
+
+    def _load_optimizer_and_scheduler():
+        raise ValueError("saved with another schedule")
+
+    def _load_from_checkpoint():
+        # An error raised below the method.
+        json.loads("{")
+
+    def training_step():
+        raise ValueError("a bug")
+
+    assert RESUME_STEPS == {"_load_from_checkpoint", "_load_optimizer_and_scheduler"}
+    raised = {}
+    for function in (_load_optimizer_and_scheduler, _load_from_checkpoint, training_step):
+        try:
+            function()
+        except ValueError as error:
+            raised[function.__name__] = raised_while_resuming(error)
+    assert raised == {"_load_optimizer_and_scheduler": True, "_load_from_checkpoint": True, "training_step": False}
+
+
+def test_use_peft_without_peft_is_one_line_that_names_the_extra(tmp_path, tiny_model_path):
+    """In a process where `import peft` fails, as where it is not installed: refused as the flags are checked."""
+    argv = ["trl-lopti", "grpo", "--model_name_or_path", tiny_model_path, "--use_cpu", "true", "--use_peft", "true"]
+    script = "import runpy, sys; sys.modules['peft'] = None; sys.argv = sys.argv[1:]; "
+    script += "runpy.run_module('trl_lopti', run_name='__main__')"
+    result = subprocess.run(
+        [sys.executable, "-c", script, *argv, "--dry_run"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+        check=False,
+    )
+    assert error_line(result) == (
+        "use_peft: LoRA needs PEFT, which is not installed: pip install 'trl_lopti[peft]' (use_peft from the flag "
+        "--use_peft)"
+    )
+
+
+def test_a_model_name_neither_a_folder_nor_on_the_hub_is_one_line_naming_both(tmp_path, monkeypatch, run_cli):
+    """A misspelt bare name (`tiyn`) once went to the Hub for half a minute, then ended in a traceback; with
+    `HF_HUB_OFFLINE=1` (as the tests run) the Hub is not asked, and the run stops at once, before any data or model
+    loads."""
+    from huggingface_hub.constants import is_offline_mode
+
+    monkeypatch.chdir(tmp_path)
+    start = time.perf_counter()
+    argv = ["grpo", "--model_name_or_path", "tiyn", "--use_cpu", "true", "--output_dir", str(tmp_path / "out")]
+    code, _, err = run_cli(argv)
+    assert code == 2 and err == (
+        f"trl-lopti grpo: error: model_name_or_path: 'tiyn' is no folder in {tmp_path}, nor a model in this "
+        "machine's Hub cache (HF_HUB_OFFLINE=1: the Hub is not asked)\n"
+    )
+    assert is_offline_mode() and time.perf_counter() - start < 10
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "raised, error",
+    [
+        (
+            "RepositoryNotFoundError",
+            (
+                "model_name_or_path: 'tiyn' is no folder in {cwd}, nor a model on the Hub (none of that name, or a "
+                "private one: log in with hf auth login)"
+            ),
+        ),
+        (
+            "GatedRepoError",
+            (
+                "model_name_or_path: 'tiyn' is a gated model on the Hub: accept its terms on its page, then log in "
+                "(hf auth login)"
+            ),
+        ),
+        ("RevisionNotFoundError", "model_revision: the Hub's model 'tiyn' has no revision 'v9'"),
+        (
+            "LocalEntryNotFoundError",
+            (
+                "model_name_or_path: 'tiyn' is no folder in {cwd}, nor a model in this machine's Hub cache (the Hub "
+                "cannot be reached; with HF_HUB_OFFLINE=1 it is not asked)"
+            ),
+        ),
+        (
+            "HfHubHTTPError",
+            (
+                "model_name_or_path: 'tiyn' is no folder in {cwd}, and the Hub could not say whether it has it (503 "
+                "Service Unavailable)"
+            ),
+        ),
+    ],
+)
+def test_each_answer_of_the_hub_about_a_model_name_is_one_line(tmp_path, monkeypatch, run_cli, raised, error):
+    """What the Hub answers online (stood in for: the tests run offline), each as one line; with no answer (no network,
+    after huggingface_hub's retries), the same."""
+    import httpx
+    from huggingface_hub import errors
+
+    from trl_lopti.cli import parsing
+
+    response = httpx.Response(404, request=httpx.Request("GET", "http://localhost/tiyn/config.json"))
+
+    def download(repo_id, filename, revision=None):
+        if raised == "LocalEntryNotFoundError":
+            raise errors.LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub")
+        raise getattr(errors, raised)("503 Service Unavailable\nmore", response=response)
+
+    monkeypatch.setattr(parsing, "hf_hub_download", download)
+    monkeypatch.setattr(parsing, "is_offline_mode", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    argv = ["grpo", "--model_name_or_path", "tiyn", "--model_revision", "v9", "--use_cpu", "true"]
+    code, _, err = run_cli([*argv, "--output_dir", str(tmp_path / "out")])
+    assert code == 2 and err == f"trl-lopti grpo: error: {error.format(cwd=tmp_path)}\n"
+
+
+def test_a_malformed_json_lines_file_names_the_line_once(tmp_path, tiny_model_path):
+    """The line, counted from 1, in the one line of the error; not the datasets library's own line before it, which
+    counted rows from 0."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"\n{"prompt": "d"}\n')
+    argv = ["grpo", "--model_name_or_path", tiny_model_path, "--use_cpu", "true", "--dataset_name", str(data)]
+    result = run_command(*argv, "--reward_funcs", REWARD, "--output_dir", str(tmp_path / "out"), cwd=tmp_path)
+    assert error_line(result) == (
+        f"dataset_name: cannot read the data file {data}: line 3 is not JSON: Expecting ',' delimiter (column 15)"
+    )
+    assert "row" not in result.stderr and "Failed to load JSON" not in result.stderr
+
+
+def test_presets_dry_run_says_what_it_checked_of_each_preset(tmp_path, monkeypatch, run_cli):
+    """Each preset's line says what its dry run checked: the fields its file sets, the config they built, its task
+    and reward functions (imported); the last line, what every check covers. A preset that fails is named."""
+    from trl_lopti.cli import presets
+    from trl_lopti.cli.preset_files import PRESETS, preset_names
+    from trl_lopti.cli.train import DEFAULT_REWARD_FUNCS
+
+    code, out, err = run_cli(["presets", "--dry_run"])
+    lines = out.splitlines()
+    assert code == 0 and lines[0].startswith(f"checking the presets in {PRESETS} as `trl-lopti COMMAND"), err
+    names = preset_names()
+    assert lines[-1] == (
+        f"checked {len(names)} presets: the keys of each are fields of its command, its 3 dataclasses are built and "
+        "valid (use_cpu=True), its reward functions import; no model or data loaded"
+    )
+    for name, line in zip(names, lines[1:-1], strict=True):
+        values = yaml.safe_load((PRESETS / f"{name}.yaml").read_text())
+        command = values.pop("trainer", "grpo")
+        values.pop("env", None)
+        config = TRAINERS[command].__name__
+        rewards = ", ".join(values.get("reward_funcs") or DEFAULT_REWARD_FUNCS[values["task"]])
+        what = f"ok: {len(values)} fields -> {config}; task {values['task']}; rewards {rewards}"
+        assert line.split() == [name, command, *what.split()], line
+    (tmp_path / "kk").mkdir()
+    (tmp_path / "kk" / "bad.yaml").write_text("# a bad preset\ntask: sudoku\n")
+    monkeypatch.setattr(presets, "PRESETS", tmp_path)
+    code, _, err = run_cli(["presets", "--dry_run"])
+    assert code == 2 and err.startswith("trl-lopti presets: error: preset kk/bad: task: must be one of"), err

@@ -267,8 +267,18 @@ def test_model_card_reads_the_trainer_name_and_paper(tiny_model_path, tmp_path, 
 
 
 def test_the_installed_trl_imports_and_its_release_is_named():
-    installed = importlib.metadata.version("trl")
-    assert contract.check_trl_version() == installed == contract.TRL_VERSION
+    """`TRL_VERSION` names the release of the TRL that `import trl` loads: the version in the metadata of the installed
+    distribution whose record lists the very file imported (not another copy that comes first on the path), read here
+    without trl_lopti. tests/test_check.py covers the warning on an untested release and the error without TRL."""
+    from pathlib import Path
+
+    import trl
+
+    distribution = importlib.metadata.distribution("trl")
+    imported = Path(trl.__file__).resolve()
+    recorded = {Path(distribution.locate_file(file)).resolve() for file in distribution.files or []}
+    assert imported in recorded, f"{imported} is no file of the installed trl {distribution.metadata['Version']}"
+    assert contract.TRL_VERSION == distribution.metadata["Version"]
 
 
 def test_the_declared_requirement_is_the_floor_without_a_cap():

@@ -18,7 +18,7 @@ from .. import LoptiGRPOConfig, LoptiGRPOTrainer
 from ..diagnostics.report import new_figure, save_figure
 from ..models import get_smollm2
 from ..tasks.arithmetic import build_train_dataset, evaluate_held_out, exact_answer_reward, split_problems
-from .parsing import LoptiParser, check_model_name_or_path, cpu_settings
+from .parsing import LoptiParser, check_model_name_or_path, check_model_reachable, cpu_settings
 from .train import policy_model_init_kwargs
 
 
@@ -102,6 +102,7 @@ def main(argv: Sequence[str]) -> int:
     args = training_args
     rollout_batches = demo_args.rollout_batches
     model_path = check_model_name_or_path(model_args.model_name_or_path or get_smollm2())
+    check_model_reachable(model_path, model_args.model_revision)
     train_problems, held_out = split_problems("add", demo_args.num_eval_pairs, split_seed=args.seed)
     prompts = rollout_batches * args.generation_batch_size // args.num_generations
     dataset = build_train_dataset(train_problems, prompts, args.seed)

@@ -24,7 +24,7 @@ from ..diagnostics import (
     sample_generation_batch,
 )
 from ..models import get_smollm2
-from .parsing import CliError, LoptiParser, check_model_name_or_path, cpu_settings
+from .parsing import CliError, LoptiParser, check_model_args, cpu_settings
 from .train import LoptiScriptArguments, build_trainer
 
 
@@ -56,7 +56,7 @@ def parse_args(argv: Sequence[str]) -> tuple:
     parser = LoptiParser((DiagnoseArguments, LoptiScriptArguments, LoptiGRPOConfig, ModelConfig), "diagnose")
     diagnose_args, script_args, training_args, model_args = parsed = parser.parse(argv, added)
     try:
-        check_model_name_or_path(model_args.model_name_or_path)
+        check_model_args(model_args)
         if script_args.dry_run or script_args.rehearse:
             raise CliError("dry_run, rehearse: options of trl-lopti grpo, not of diagnose")
         check_probe_methods([method for method in diagnose_args.probe_methods if method != "none"], training_args)

@@ -14,6 +14,18 @@ from typing import Any
 
 import torch
 import yaml
+from huggingface_hub import hf_hub_download
+from huggingface_hub.constants import is_offline_mode
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from transformers.utils import is_peft_available
 from trl import TrlParser
 
 from .. import LoptiGRPOConfig, LoptiRLOOConfig
@@ -191,3 +203,58 @@ def check_model_name_or_path(model_name_or_path: str | None) -> str:
     if model_name_or_path.startswith(("/", ".", "~")) and not Path(model_name_or_path).expanduser().is_dir():
         raise CliError(f"model_name_or_path: {model_name_or_path!r} is not a folder")
     return model_name_or_path
+
+
+def check_model_args(model_args) -> None:
+    """TRL's `ModelConfig` checked before anything loads: its `model_name_or_path` ([`check_model_name_or_path`]), and
+    PEFT installed where `use_peft` asks for LoRA (TRL's `get_peft_config` would raise its own error later).
+
+    Args:
+        model_args (`trl.ModelConfig`): the model's arguments.
+    """
+    check_model_name_or_path(model_args.model_name_or_path)
+    if model_args.use_peft and not is_peft_available():
+        raise CliError("use_peft: LoRA needs PEFT, which is not installed: pip install 'trl_lopti[peft]'")
+
+
+def check_model_reachable(model_name_or_path: str, revision: str | None = None) -> None:
+    """A `model_name_or_path` that is no folder, looked up as a hub id before anything loads: its `config.json`, which
+    the trainer would fetch first, from this machine's Hub cache or the Hub. Raises a [`CliError`] that names the path
+    and the Hub where neither has it; with `HF_HUB_OFFLINE=1` the Hub is not asked, and the answer takes no time.
+
+    Args:
+        model_name_or_path (`str`): a model folder or a hub id.
+        revision (`str`, *optional*): the hub revision (`model_revision`).
+    """
+    if Path(model_name_or_path).expanduser().is_dir():
+        return
+    where = f"{model_name_or_path!r} is no folder in {os.getcwd()}"
+    try:
+        hf_hub_download(model_name_or_path, "config.json", revision=revision)
+    except HFValidationError as error:
+        raise CliError(f"model_name_or_path: {where}, nor a hub id (owner/name: letters, digits, -, _, .)") from error
+    except GatedRepoError as error:
+        raise CliError(
+            f"model_name_or_path: {model_name_or_path!r} is a gated model on the Hub: accept its terms on its page, "
+            "then log in (hf auth login)"
+        ) from error
+    except RepositoryNotFoundError as error:
+        raise CliError(
+            f"model_name_or_path: {where}, nor a model on the Hub (none of that name, or a private one: log in with "
+            "hf auth login)"
+        ) from error
+    except RevisionNotFoundError as error:
+        raise CliError(
+            f"model_revision: the Hub's model {model_name_or_path!r} has no revision {revision!r}"
+        ) from error
+    except LocalEntryNotFoundError as error:
+        reason = "HF_HUB_OFFLINE=1: the Hub is not asked"
+        if not is_offline_mode():
+            reason = "the Hub cannot be reached; with HF_HUB_OFFLINE=1 it is not asked"
+        raise CliError(f"model_name_or_path: {where}, nor a model in this machine's Hub cache ({reason})") from error
+    except EntryNotFoundError:
+        # A model on the Hub without a config.json: the trainer's loader says what it lacks.
+        return
+    except HfHubHTTPError as error:
+        said = str(error).splitlines()[0]
+        raise CliError(f"model_name_or_path: {where}, and the Hub could not say whether it has it ({said})") from error

@@ -1,13 +1,15 @@
 """`trl-lopti presets [--dry_run | --path NAME]`: the presets installed with the package (the repository's `configs/`),
 one line each: the name `--config` takes, the command that trains it, and what it reproduces (its header's first line
 and script); then the folder of the `accelerate` launchers. `--dry_run`: each preset checked as `--dry_run` does on a
-CPU. `--path NAME`: the installed file of a preset or a launcher, for `accelerate launch --config_file "$(trl-lopti
-presets --path accelerate/fsdp2)" ...` from any folder."""
+CPU, its line saying what was checked instead of what it reproduces. `--path NAME`: the installed file of a preset or
+a launcher, for `accelerate launch --config_file "$(trl-lopti presets --path accelerate/fsdp2)" ...` from any
+folder."""
 
 import argparse
 import re
 from collections.abc import Sequence
 
+from .base import CliError
 from .preset_files import PRESETS, installed_file, preset_names
 
 
@@ -26,21 +28,50 @@ def main(argv: Sequence[str]) -> int:
     if args.path:
         print(installed_file(args.path))
         return 0
-    # Imported here: the list and --path load no TRL.
-    if args.dry_run:
-        from .train import checked_args
-    print(f"presets in {PRESETS} (trl-lopti COMMAND --config NAME):")
+    if not args.dry_run:
+        print(f"presets in {PRESETS} (trl-lopti COMMAND --config NAME):")
+    else:
+        print(f"checking the presets in {PRESETS} as `trl-lopti COMMAND --config NAME --dry_run` does on a CPU:")
     names = preset_names(PRESETS)
     for name in names:
         path = PRESETS / f"{name}.yaml"
         text = path.read_text()
         command = (re.findall(r"^trainer: *(\w+)", text, re.MULTILINE) or ["grpo"])[0]
-        # Checked on any machine, with the CPU settings.
+        # Checked on any machine, with the CPU settings: what was checked, else what it reproduces and the authors'
+        # script, where one is named.
         if args.dry_run:
-            checked_args(["--config", str(path), "--dry_run"], command, {"use_cpu": True})
-        # The authors' script, where one is named.
-        script = re.findall(r"\A.*\n# Reproduces scripts/(\S+)", text)
-        what = text.splitlines()[0].lstrip("# ") + (f" (the authors' {script[0]})" if script else "")
+            what = check_preset(name, command)
+        else:
+            script = re.findall(r"\A.*\n# Reproduces scripts/(\S+)", text)
+            what = text.splitlines()[0].lstrip("# ") + (f" (the authors' {script[0]})" if script else "")
         print(f"  {name:<{max(map(len, names))}}  {command}  {what}", flush=True)
-    print(f"launchers (accelerate launch --config_file FILE): {PRESETS / 'accelerate'}/*.yaml")
+    if not args.dry_run:
+        print(f"launchers (accelerate launch --config_file FILE): {PRESETS / 'accelerate'}/*.yaml")
+        return 0
+    print(
+        f"checked {len(names)} presets: the keys of each are fields of its command, its 3 dataclasses are built and "
+        "valid (use_cpu=True), its reward functions import; no model or data loaded"
+    )
     return 0
+
+
+def check_preset(name: str, command: str) -> str:
+    """What `trl-lopti COMMAND --config NAME --dry_run` checked of the preset `name`, on a CPU, in a few words; its
+    error names the preset.
+
+    Args:
+        name (`str`): the preset's name.
+        command (`str`): the command that trains it, `grpo` or `rloo`.
+    """
+    # Imported here: the list and --path load no TRL.
+    from .train import checked_args
+
+    try:
+        script_args, training_args, _, resolved = checked_args(
+            ["--config", str(PRESETS / f"{name}.yaml"), "--dry_run"], command, {"use_cpu": True}
+        )
+    except CliError as error:
+        raise CliError(f"preset {name}: {error}") from error
+    fields = len(resolved["config_file"])
+    rewards = ", ".join(resolved["reward_funcs"])
+    return f"ok: {fields} fields -> {type(training_args).__name__}; task {script_args.task}; rewards {rewards}"

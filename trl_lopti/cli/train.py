@@ -4,8 +4,11 @@ TRL's `ModelConfig` and [`LoptiScriptArguments`], from `--config FILE|PRESET` an
 
 import dataclasses
 import importlib
+import json
+import logging
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,11 +19,12 @@ import torch
 from accelerate import PartialState
 from datasets.exceptions import DatasetGenerationError
 from transformers import AutoTokenizer
+from transformers.trainer_utils import get_last_checkpoint
 from trl import ModelConfig, ScriptArguments, get_peft_config, get_quantization_config
 
 from .. import LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer, tasks
 from .base import CliError
-from .parsing import CONFIGS, LoptiParser, check_model_name_or_path, cpu_settings, own_fields
+from .parsing import CONFIGS, LoptiParser, check_model_args, check_model_reachable, cpu_settings, own_fields
 
 
 REWARD_FUNCS = {
@@ -41,6 +45,15 @@ DEFAULT_REWARD_FUNCS = {"knights_knaves": ["knights_knaves_reward"], "math": ["m
 
 DATA_FILE_SUFFIXES = {".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".txt"}
 """The extensions of the data files `datasets` reads (compressed too: `.jsonl.gz`)."""
+
+RESUME_STEPS = frozenset({"_load_from_checkpoint", "_load_optimizer_and_scheduler"})
+"""The methods by which `Trainer.train` loads the checkpoint it resumes from (the Lopti trainers extend the second: a
+checkpoint taken inside a generation batch must be resumed with its schedule). A `ValueError` raised inside one of them
+while a run resumes is about the checkpoint the user named: [`run_training`] makes it a one-line error."""
+
+JSON_BUILDER_LOGGER = "datasets.packaged_modules.json.json"
+"""The logger of `datasets`' JSON builder, which logs a file it cannot read before it raises; [`build_datasets`] says
+which line of the file is not JSON instead."""
 
 
 @dataclass
@@ -172,6 +185,74 @@ def resolved_config(parser: LoptiParser, script_args, training_args, model_args)
     }
 
 
+def json_error_line(path: Path) -> str | None:
+    """Where the JSON data file `path` (JSON Lines, or one JSON document) stops being JSON, by 1-based line number,
+    e.g. `line 3 is not JSON: Expecting ',' delimiter (column 15)`, or that it holds only blank lines; `None` where it
+    parses, or is not a `.json` or `.jsonl` file.
+
+    Args:
+        path (`Path`): the data file.
+    """
+    if path.suffix not in (".json", ".jsonl"):
+        return None
+    text = path.read_text(errors="replace")
+    if not text.strip():
+        return "it holds only blank lines"
+    try:
+        json.loads(text)
+        return None
+    except json.JSONDecodeError as error:
+        found = error
+    # Values after the first one: JSON Lines, read line by line; else one document, whose error says where.
+    if found.msg == "Extra data":
+        for number, line in enumerate(text.splitlines(), start=1):
+            try:
+                if line.strip():
+                    json.loads(line)
+            except json.JSONDecodeError as error:
+                return f"line {number} is not JSON: {error.msg} (column {error.colno})"
+        return None
+    return f"line {found.lineno} is not JSON: {found.msg} (column {found.colno})"
+
+
+def resolve_checkpoint(training_args) -> None:
+    """Sets `resume_from_checkpoint` to the folder the run resumes from, checked before anything loads: `true` (the
+    flag's text, or YAML's `true`) is the latest `checkpoint-N` folder in `output_dir`, as `Trainer.train`'s `True`,
+    `false` none; any other value must be a checkpoint folder (one that holds a `trainer_state.json`).
+
+    Args:
+        training_args (`LoptiGRPOConfig` or `LoptiRLOOConfig`): the trainer's config.
+    """
+    value = training_args.resume_from_checkpoint
+    if value is None or str(value).lower() == "false":
+        training_args.resume_from_checkpoint = None
+        return
+    if str(value).lower() == "true":
+        output_dir = training_args.output_dir
+        value = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        if value is None:
+            raise CliError(
+                "resume_from_checkpoint: true resumes from the latest checkpoint-N folder in output_dir, and "
+                f"{output_dir} holds none: train without it first, or name a checkpoint folder"
+            )
+    state = Path(value).expanduser() / "trainer_state.json"
+    if not state.is_file():
+        raise CliError(
+            f"resume_from_checkpoint: {str(value)!r} is no checkpoint folder (it holds no trainer_state.json): name a "
+            "checkpoint-N folder that a run saved, or true for the latest one in output_dir"
+        )
+    training_args.resume_from_checkpoint = str(state.parent)
+
+
+def raised_while_resuming(error: BaseException) -> bool:
+    """Whether `error` was raised inside one of [`RESUME_STEPS`] (by it, or by a function it called).
+
+    Args:
+        error (`BaseException`): the error, with its traceback.
+    """
+    return any(frame.name in RESUME_STEPS for frame in traceback.extract_tb(error.__traceback__))
+
+
 def build_datasets(script_args: LoptiScriptArguments, training_args) -> tuple:
     """The task's training set and, when `eval_strategy` is not `"no"`, its evaluation set (else `None`)."""
     args = script_args
@@ -206,10 +287,16 @@ def build_datasets(script_args: LoptiScriptArguments, training_args) -> tuple:
         if not path.stat().st_size:
             raise CliError(f"dataset_name: the data file {path} is empty")
         # All its rows in either split; the builder (json, parquet, ...) follows from its extension.
+        json_logger = logging.getLogger(JSON_BUILDER_LOGGER)
+        level = json_logger.level
+        json_logger.setLevel(logging.CRITICAL)
         try:
             return datasets.load_dataset(str(path.parent), data_files=path.name, split="train")
         except (DatasetGenerationError, StopIteration, ValueError) as error:
-            raise CliError(f"dataset_name: cannot read the data file {path}: {error.__cause__ or error}") from error
+            said = json_error_line(path) or error.__cause__ or error
+            raise CliError(f"dataset_name: cannot read the data file {path}: {said}") from error
+        finally:
+            json_logger.setLevel(level)
 
     try:
         train = load(args.dataset_train_split, train=True)
@@ -237,6 +324,7 @@ def policy_model_init_kwargs(training_args, model_args) -> dict[str, Any]:
 def build_trainer(script_args, training_args, model_args, num_train_prompts: int | None = None):
     """The trainer of `trl-lopti grpo` ([`LoptiGRPOTrainer`]) or `rloo` ([`LoptiRLOOTrainer`]), as the type of
     `training_args` says; `trl-lopti diagnose`: on its first `num_train_prompts` prompts."""
+    check_model_reachable(model_args.model_name_or_path, model_args.model_revision)
     training_args.model_init_kwargs = policy_model_init_kwargs(training_args, model_args)
     train_dataset, eval_dataset = build_datasets(script_args, training_args)
     if num_train_prompts is not None:
@@ -307,7 +395,13 @@ def run_training(
     accelerator = trainer.accelerator
     if prepare is not None:
         prepare(trainer)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    resume_from_checkpoint = training_args.resume_from_checkpoint
+    try:
+        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    except ValueError as error:
+        if resume_from_checkpoint is None or not raised_while_resuming(error):
+            raise
+        raise CliError(f"resume_from_checkpoint: {error}") from error
     trainer.save_model(training_args.output_dir)
     accelerator.print(f"{command}: model saved to {training_args.output_dir}")
     if training_args.push_to_hub:
@@ -326,7 +420,8 @@ def checked_args(argv: Sequence[str], trainer: str, added: dict[str, Any] | None
     parser = train_parser(trainer)
     script_args, training_args, model_args = parse_train_args(argv, trainer, added, parser)
     try:
-        check_model_name_or_path(model_args.model_name_or_path)
+        check_model_args(model_args)
+        resolve_checkpoint(training_args)
         resolved = resolved_config(parser, script_args, training_args, model_args)
     except CliError as error:
         raise CliError(parser.where(str(error))) from error
