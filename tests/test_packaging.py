@@ -126,3 +126,36 @@ def test_the_package_says_it_is_typed_and_ships_the_marker():
     assert "Typing :: Typed" in lines(config["metadata"]["classifiers"])
     assert "py.typed" in config["options.package_data"]["trl_lopti"]
     assert (ROOT / "trl_lopti" / "py.typed").is_file()
+
+
+def extras() -> dict[str, list[str]]:
+    """{extra: its requirements} of setup.cfg."""
+    section = setup_cfg()["options.extras_require"]
+    return {name: [part.strip() for part in section[name].split(";") if part.strip()] for name in section}
+
+
+def test_the_deepspeed_extra_installs_deepspeed_and_the_test_extra_takes_it():
+    """The ZeRO launchers need DeepSpeed, which the package does not: `pip install 'trl_lopti[deepspeed]'`; the test
+    suite runs them on a CPU (tests/test_launchers.py), so the test extra takes the deepspeed extra, not a copy of it."""
+    declared = extras()
+    (deepspeed,) = map(Requirement, declared["deepspeed"])
+    assert (
+        deepspeed.name == "deepspeed"
+        and Version("0.19") in deepspeed.specifier
+        and Version("0.18.9") not in deepspeed.specifier
+    )
+    (itself,) = [Requirement(part) for part in declared["test"] if part.startswith("trl_lopti[")]
+    assert "deepspeed" in itself.extras and not any(part.startswith("deepspeed") for part in declared["test"])
+
+
+def test_the_readme_lists_every_extra_and_the_zero_launchers_name_theirs():
+    readme = (ROOT / "README.md").read_text()
+    listed = re.findall(r"^\| `(\w+)` \|", readme, re.MULTILINE)
+    assert listed and sorted(listed) == sorted(extras()), "the README's table of extras is setup.cfg's"
+    for launcher in ("zero2", "zero3"):
+        header = [
+            line
+            for line in (ROOT / "configs/accelerate" / f"{launcher}.yaml").read_text().splitlines()
+            if line.startswith("#")
+        ]
+        assert "pip install 'trl_lopti[deepspeed]'" in "\n".join(header), launcher

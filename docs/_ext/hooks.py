@@ -6,6 +6,10 @@
   as `../benchmarks/results/NAME.png`, which is right on the repository's page and is made right for the site here.
 - A config's API page lists, in its parameters table, every field the config adds to TRL's (`LoptiArguments'` among
   them): the build fails where one is missing.
+- Tables read on any screen: code in a table may wrap only after `_`, `/` or a dot before a letter (a `<wbr>` there;
+  the stylesheet lets no code break elsewhere, so a name or a default never breaks inside a word), and each cell of an
+  API table (mkdocstrings' `doc-section-item` rows) carries its column's name (`data-label`), which the stylesheet shows
+  where the rows stack on a narrow screen.
 """
 
 from __future__ import annotations
@@ -47,4 +51,29 @@ def on_page_content(html: str, page, config, files: Files) -> str:
         listed = set(re.findall(r'<tr class="doc-section-item">\s*<td>\s*<code>(\w+)</code>', section))
         if added - listed:
             raise PluginError(f"{page.file.src_uri}: {name}'s parameters table lacks {sorted(added - listed)}")
-    return html
+    return re.sub(r"<table>.*?</table>", lambda table: readable_table(table[0]), html, flags=re.DOTALL)
+
+
+def readable_table(table: str) -> str:
+    """A table's code with a break allowed only after `_`, `/` and a dot before a letter, and an API table's cells
+    labelled by column (`data-label`)."""
+    table = re.sub(
+        r"(<code\b[^>]*>)(.*?)(</code>)", lambda code: code[1] + word_breaks(code[2]) + code[3], table, flags=re.DOTALL
+    )
+    if 'class="doc-section-item"' not in table:
+        return table
+    labels = [re.sub(r"<[^>]+>", "", cell).strip() for cell in re.findall(r"<th\b[^>]*>(.*?)</th>", table, re.DOTALL)]
+
+    def label_cells(row: re.Match[str]) -> str:
+        cells = iter(labels)
+        return re.sub(r"<td>", lambda _: f'<td data-label="{next(cells, "")}">', row[0])
+
+    return re.sub(r'<tr class="doc-section-item">.*?</tr>', label_cells, table, flags=re.DOTALL)
+
+
+def word_breaks(code: str) -> str:
+    """`<wbr>` after each `_` and `/`, and after a dot before a letter, in the text of a code span (not in its tags)."""
+    parts = re.split(r"(<[^>]+>)", code)
+    return "".join(
+        part if part.startswith("<") else re.sub(r"([_/]|\.(?=[A-Za-z]))", r"\1<wbr>", part) for part in parts
+    )

@@ -10,7 +10,10 @@ What it rewrites, in every docstring of the package:
 - Parameter lines. ``name (`type`, *optional*, defaults to `value`):`` becomes ``name (type): Defaults to `value`. ...``,
   and TRL's shared line for several parameters, ``a (`T`), b (`U`):``, becomes one item per parameter with the same
   description. Types such as ``float` or `None``` read as ``float | None``.
-- A ``Returns:`` item ``` `T`: description``` keeps its type (``T: description``).
+- A ``Returns:`` item ``` `T`: description``` (or ``` `T` or `None`: description```) keeps its type
+  (``T: description``, ``T | None: description``).
+- Types are shown as the source writes them: each code span of TRL's type text whole (``` `dict[str, Any]` ``` stays
+  ``dict[str, Any]``), the spans joined by `` | `` (``` `float` or `None` ``` reads ``float | None``).
 - Inherited fields. A class whose base is one of the package's classes with a ``Parameters:`` block (a config
   dataclass inherits its base's fields: `LoptiGRPOConfig` and `LoptiRLOOConfig` those of `LoptiArguments`) lists the
   base's parameters in its own ``Parameters:`` block, first (a block of its own where it adds no field itself), so that
@@ -33,12 +36,24 @@ ONE_PARAMETER = r"[A-Za-z_*][\w*]*\s*\((?:[^()]|\([^()]*\))*\)"
 PARAMETER_LINE = re.compile(rf"^(\s*)({ONE_PARAMETER}(?:\s*,\s*{ONE_PARAMETER})*)\s*:\s*(.*)$")
 NAME_AND_TYPE = re.compile(r"([A-Za-z_*][\w*]*)\s*\(((?:[^()]|\([^()]*\))*)\)")
 DEFAULT = re.compile(r",?\s*\*optional\*(?:,\s*defaults to\s*(.+))?$")
-RETURNS_LINE = re.compile(r"^(\s*)`([^`]+)`\s*:\s*(.*)$")
+TYPE_SPAN = r"\[?`~?[^`]+`\]?"  # a type in TRL's text: `T`, or a cross-reference [`T`] / [`~a.b.T`]
+RETURNS_LINE = re.compile(rf"^(\s*)({TYPE_SPAN}(?:\s*(?:,\s*or|,|or)\s*{TYPE_SPAN})*)\s*:\s*(.*)$")
 
 
 def python_type(text: str) -> str:
-    """TRL's type text (`` `float` or `None` ``) as a Python annotation (``float | None``)."""
-    parts = [part.strip().strip("[]`~ ") for part in re.split(r"\s+or\s+|,", text) if part.strip()]
+    """TRL's type text as a Python annotation, each type as the source writes it: `` `float` or `None` `` reads
+    ``float | None``, `` `dict[str, Any]` `` stays ``dict[str, Any]``. Text without code spans (a Google-style type) is
+    split only on the ``or`` and commas outside brackets (``dict[str, Any] or None``: ``dict[str, Any] | None``)."""
+    spans = [span.strip() for span in re.findall(r"`~?([^`]+)`", text)]
+    if spans:
+        return " | ".join(spans)
+    parts, start = [], 0
+    for separator in re.finditer(r",\s*or\s+|,|\s+or\s+", text):
+        before = text[: separator.start()]
+        if before.count("[") + before.count("(") == before.count("]") + before.count(")"):  # outside brackets
+            parts.append(text[start : separator.start()])
+            start = separator.end()
+    parts = [part.strip() for part in [*parts, text[start:]] if part.strip()]
     return " | ".join(parts)
 
 

@@ -1,0 +1,184 @@
+"""The documentation site as a user reads it: the API tables show types as the source writes them (`.ci/check_site.py`,
+which `.ci/run` runs on the site it builds), and no name or default breaks inside a word.
+
+The checks of the built site need MkDocs (the `docs` extra), which the README's test command does not install: there
+they skip, and `.ci/run`'s docs stage runs `.ci/check_site.py` on its own build. Everything else here runs anywhere.
+"""
+
+import importlib.util
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECK_SITE = runpy.run_path(str(ROOT / ".ci" / "check_site.py"))
+
+
+def extension(name: str):
+    """A module of docs/_ext/, imported from its file."""
+    spec = importlib.util.spec_from_file_location(f"docs_ext_{name}", ROOT / "docs" / "_ext" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def api_table(rows: list[tuple[str, str]]) -> str:
+    """A parameters table as mkdocstrings writes it (with the hooks' `<wbr>` and labels), for the names and types."""
+    body = "".join(
+        f'<tr class="doc-section-item"><td data-label="Name"><code>{name}</code></td><td data-label="Type">'
+        f'<code><span title="x">{type_}</span></code></td><td><div class="doc-md-description"><p>text, with a comma'
+        "</p></div></td><td><code>None</code></td></tr>"
+        for name, type_ in rows
+    )
+    return (
+        "<p>Parameters:</p><table><thead><tr><th>Name</th><th>Type</th><th>Description</th><th>Default</th></tr>"
+        f"</thead><tbody>{body}</tbody></table>"
+    )
+
+
+# ------------------------------------------------------------------------------------------------- .ci/check_site.py
+@pytest.mark.parametrize(
+    ("cell", "problem"),
+    [
+        ("dict[str, Any]", None),
+        ("Callable[[str, float], None]", None),
+        ("Sequence[str] | Sequence[list[dict]]", None),
+        ("float | None", None),
+        ("list[torch.Tensor", "unbalanced brackets"),
+        ("Callable[[str | float | None", "unbalanced brackets"),
+        ("`torch.Tensor` or `None`", "a raw backtick"),
+        ("pi_old (B, T), or None where TRL computed none", "not a Python expression"),
+    ],
+)
+def test_a_type_cell_must_be_a_python_annotation(cell, problem):
+    assert CHECK_SITE["type_problem"](cell) == problem
+
+
+def test_the_package_writes_types_with_commas_and_the_check_finds_them():
+    parameters, returns = CHECK_SITE["written_types"]()
+    assert "Callable[[str, float], None]" in parameters["log_metric"]
+    assert "dict[str, Any]" in returns
+    assert all(CHECK_SITE["has_comma_in_brackets"](written) for found in parameters.values() for written in found)
+
+
+def test_a_page_that_drops_a_comma_or_a_bracket_fails_and_one_as_written_passes():
+    check_page = CHECK_SITE["check_page"]
+    parameters = {"log_metric": {"Callable[[str, float], None]"}, "data_files": {"str | Sequence[str]"}}
+    returns = {"dict[str, Any]"}
+    good = api_table([("log_<wbr>metric", "Callable[[str, float], None]"), ("data_files", "str | Sequence[str]")])
+    problems, checked, shown = check_page(good, parameters, returns)
+    assert problems == [] and checked == 2 and shown == {"Callable[[str, float], None]", "str | Sequence[str]"}
+
+    commas_lost = api_table([("log_metric", "Callable[[str | float] | None]")])
+    (problem,) = check_page(commas_lost, parameters, returns)[0]
+    assert "log_metric" in problem and "Callable[[str, float], None]" in problem
+
+    brackets_lost = api_table([("log_metric", "Callable[[str | float | None")])
+    assert check_page(brackets_lost, parameters, returns)[0] == [
+        "type 'Callable[[str | float | None': unbalanced brackets"
+    ]
+    returns_table = (
+        "<table><thead><tr><th>Type</th><th>Description</th></tr></thead><tbody>"
+        '<tr class="doc-section-item"><td><code>dict[str | Any]</code></td><td>the results</td></tr></tbody></table>'
+    )
+    (problem,) = check_page(returns_table, parameters, returns)[0]
+    assert "dict[str | Any]" in problem
+
+
+def test_check_site_fails_on_a_folder_without_a_site(tmp_path, capsys):
+    assert CHECK_SITE["main"]([str(tmp_path)]) == 1
+    assert "no type cell found" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------- docs/_ext/ and the CSS
+def test_types_are_rendered_as_the_source_writes_them():
+    pytest.importorskip("griffe", reason="the docs extra (mkdocstrings) brings griffe")
+    docstrings = extension("trl_docstrings")
+    python_type = docstrings.python_type
+    assert python_type("`dict[str, Any]`") == "dict[str, Any]"
+    assert python_type("`Callable[[str, float], None]`") == "Callable[[str, float], None]"
+    assert python_type("`list[torch.Tensor]` or `None`") == "list[torch.Tensor] | None"
+    assert python_type("`str` or [`~trl_lopti.tasks.MathDatasetSpec`]") == "str | trl_lopti.tasks.MathDatasetSpec"
+    assert python_type("`GRPOConfig`, `RLOOConfig` or `None`") == "GRPOConfig | RLOOConfig | None"
+    assert python_type("dict[str, Any] or None") == "dict[str, Any] | None"
+    returns = ["    `torch.Tensor` or `None`: pi_old (B, T), or `None` where", "    TRL computed none."]
+    assert docstrings.rewrite_returns(returns) == [
+        "    torch.Tensor | None: pi_old (B, T), or `None` where TRL computed none."
+    ]
+
+
+def test_code_in_tables_breaks_only_after_an_underscore_a_slash_or_a_dot_before_a_letter():
+    pytest.importorskip("mkdocs", reason="the docs extra")
+    hooks = extension("hooks")
+    table = (
+        "<table><thead><tr><th>Name</th><th>Type</th><th>Description</th><th>Default</th></tr></thead><tbody>"
+        '<tr class="doc-section-item"><td><code>lopti_order</code></td><td><code><span title="str">str</span></code>'
+        "</td><td><p>see <code>trl_lopti.core_algos</code></p></td><td><code>0.5</code></td></tr></tbody></table>"
+    )
+    html = hooks.readable_table(table)
+    assert "<code>lopti_<wbr>order</code>" in html and "<code>trl_<wbr>lopti.<wbr>core_<wbr>algos</code>" in html
+    assert '<span title="str">str</span>' in html and "<code>0.5</code>" in html  # tags and numbers left whole
+    labels = re.findall(r'<td data-label="(\w+)">', html)
+    assert labels == ["Name", "Type", "Description", "Default"]
+    page_table = "<table><tr><td><code>a_b</code></td></tr></table>"  # a page's own table: breaks, no labels
+    assert hooks.readable_table(page_table) == "<table><tr><td><code>a_<wbr>b</code></td></tr></table>"
+
+
+def test_the_stylesheet_breaks_no_code_inside_a_word():
+    """`overflow-wrap: anywhere` broke names and defaults mid-word ("advantage_r / eweighting_"): no rule for a table
+    may do so."""
+    css = (ROOT / "docs" / "stylesheets" / "extra.css").read_text()
+    rules = re.findall(r"([^{}]+)\{([^{}]*)\}", re.sub(r"/\*.*?\*/", "", css, flags=re.DOTALL))
+    assert rules
+    for selector, body in rules:
+        if "table" in selector:
+            assert not re.search(r"overflow-wrap:\s*anywhere|word-break:\s*break-all", body), selector.strip()
+    assert re.search(r"table:not\(\[class\]\) code\s*\{[^}]*overflow-wrap:\s*normal", css)
+
+
+# ------------------------------------------------------------------------------------------------- the built site
+@pytest.mark.slow
+def test_the_built_site_shows_every_api_type_as_the_source_writes_it(tmp_path):
+    """`mkdocs build --strict`, then `.ci/check_site.py` on the site, as `.ci/run`'s docs stage does."""
+    pytest.importorskip("mkdocs", reason="the docs extra (.ci/run's docs stage checks the site it builds)")
+    site = tmp_path / "site"
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    checked = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "check_site.py"), str(site)], capture_output=True, text=True, check=False
+    )
+    assert checked.returncode == 0, checked.stdout
+    assert "dict[str, Any]" in checked.stdout and "Callable[[str, float], None]" in checked.stdout
+    quickstart = re.sub(r"<[^>]+>", "", (site / "quickstart" / "index.html").read_text())  # in the nav, built
+    assert "pip install trl_lopti" in quickstart and '"Qwen/Qwen2.5-0.5B-Instruct"' in quickstart
+
+
+# ----------------------------------------------------------------------------------- .ci/docs_launch_commands.py
+def test_a_deepspeed_launch_command_is_skipped_only_where_deepspeed_is_not_installed(monkeypatch):
+    """`accelerate launch` refuses a ZeRO launcher before any process starts where DeepSpeed is missing (the wheel's
+    environment has no `deepspeed` extra): the command is skipped there, with the reason, and dry-run elsewhere."""
+    commands = runpy.run_path(str(ROOT / ".ci" / "docs_launch_commands.py"))
+    zero2 = 'accelerate launch --config_file "$(trl-lopti presets --path accelerate/zero2)" -m trl_lopti grpo'
+    fsdp2 = zero2.replace("zero2", "fsdp2")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a)
+    )
+    skipped = commands["plan"]("docs/scale.md:1", zero2)
+    assert skipped.run is None and "DeepSpeed is not installed" in skipped.how
+    assert commands["plan"]("docs/scale.md:1", fsdp2).run == f"{fsdp2} --dry_run"
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "deepspeed" else find_spec(name, *a)
+    )
+    assert commands["plan"]("docs/scale.md:1", zero2).run == f"{zero2} --dry_run"
