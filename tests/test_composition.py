@@ -14,6 +14,7 @@ import os
 import pickle
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -40,6 +41,7 @@ from trl import GRPOConfig, GRPOTrainer, RLOOTrainer
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOTrainer
 from trl_lopti.check import check_trainer_class, main
 from trl_lopti.config import as_lopti_config
+from trl_lopti.trl_contract import TRL_VERSION
 
 
 gmpo = pytest.importorskip("trl.experimental.gmpo", reason="GMPOTrainer is in TRL from 1.16.0")
@@ -191,6 +193,104 @@ def test_a_composed_run_names_its_base(tiny_model_path, tmp_path):
     trainer.create_model_card()
     card = (tmp_path / "README.md").read_text()
     assert "GMPO with Advantage Reweighting" in card and "lopti" in card
+
+
+def test_a_config_of_a_base_trainer_class_is_the_default(monkeypatch):
+    """A base trainer that names its config (`config_class`), beneath the Lopti class: its config's defaults."""
+    monkeypatch.setattr("transformers.training_args.is_torch_bf16_gpu_available", lambda: True)
+
+    class NamedConfigTrainer(gmpo.GMPOTrainer):
+        config_class = gmpo.GMPOConfig
+
+    class LoptiNamedConfigTrainer(LoptiGRPOTrainer, NamedConfigTrainer): ...
+
+    config = as_lopti_config(None, "org/Tiny-Model", LoptiNamedConfigTrainer)
+    assert isinstance(config, gmpo.GMPOConfig) and config.epsilon == 0.4
+
+
+def test_only_defaults_that_differ_and_were_kept_are_warned_about():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        # epsilon set to GMPO's own value: nothing to warn about.
+        as_lopti_config(LoptiGRPOConfig(output_dir="unused", use_cpu=True, epsilon=0.4), "m", LoptiGMPOTrainer)
+    # A plain GRPOConfig is upgraded and warned about the same way.
+    with pytest.warns(
+        UserWarning, match=r"got a GRPOConfig, which is not a GMPOConfig: .* epsilon \(0\.2, not 0\.4\)"
+    ):
+        as_lopti_config(GRPOConfig(output_dir="unused", use_cpu=True), "m", LoptiGMPOTrainer)
+
+
+def test_a_field_type_declared_as_a_string_is_resolved_in_its_own_module(tmp_path, monkeypatch):
+    """A user's config module with `from __future__ import annotations`: the composed class's fields keep real types,
+    so TRL's parser reads them."""
+    (tmp_path / "string_configs.py").write_text(
+        "from __future__ import annotations\n"
+        "from dataclasses import dataclass, field\n"
+        "from typing import Optional\n"
+        "from trl import GRPOConfig\n\n\n"
+        "@dataclass\n"
+        "class ScaledConfig(GRPOConfig):\n"
+        "    epsilon: Optional[float] = field(default=0.3, metadata={'help': 'a narrower clip'})\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from string_configs import ScaledConfig
+    from trl import TrlParser
+
+    from trl_lopti.config import lopti_config_class
+
+    composed = lopti_config_class(ScaledConfig, LoptiGRPOConfig)
+    (parsed,) = TrlParser([composed]).parse_args_into_dataclasses(
+        ["--output_dir", "o", "--use_cpu", "true", "--epsilon", "0.25"]
+    )
+    assert type(parsed) is composed and parsed.epsilon == 0.25
+
+    @dataclass
+    class LoptiScaledConfig(LoptiGRPOConfig, ScaledConfig): ...
+
+    assert LoptiScaledConfig(output_dir="o", use_cpu=True).epsilon == 0.3
+    (parsed,) = TrlParser([LoptiScaledConfig]).parse_args_into_dataclasses(
+        ["--output_dir", "o", "--use_cpu", "true", "--epsilon", "0.2"]
+    )
+    assert parsed.epsilon == 0.2
+
+
+# ------------------------------------------------------------------------------------------------ the trainer class
+def test_the_other_order_of_the_bases_is_refused_when_the_class_is_written():
+    with pytest.raises(
+        TypeError,
+        match=r"GMPOLoptiTrainer puts GMPOTrainer before LoptiGRPOTrainer .* `class "
+        r"GMPOLoptiTrainer\(LoptiGRPOTrainer, GMPOTrainer\)`",
+    ):
+
+        class GMPOLoptiTrainer(gmpo.GMPOTrainer, LoptiGRPOTrainer): ...
+
+
+def test_positional_arguments_reach_the_base_by_its_own_names(tiny_model_path, tmp_path):
+    class ScaledTrainer(GRPOTrainer):
+        def __init__(self, model, reward_funcs, args=None, train_dataset=None, reward_scale=1.0, **kwargs):
+            self.reward_scale = reward_scale
+            super().__init__(model, reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
+
+    class LoptiScaledTrainer(LoptiGRPOTrainer, ScaledTrainer): ...
+
+    config = small_config(tmp_path, max_steps=2)
+    trainer = LoptiScaledTrainer(tiny_model_path, length_reward, config, conversational_dataset(), 2.5)
+    assert trainer.reward_scale == 2.5 and trainer.eval_dataset is None
+    # Through GMPO's **kwargs, TRL's own names.
+    gmpo_config = small_config(tmp_path, LoptiGMPOConfig, max_steps=2)
+    trainer = LoptiGMPOTrainer(tiny_model_path, length_reward, gmpo_config, conversational_dataset(), None)
+    assert len(trainer.train_dataset) == 16 and trainer.eval_dataset is None
+
+
+def test_a_broken_fact_in_a_trainer_trl_lopti_does_not_test_names_that_trainer():
+    from trl_lopti.trl_contract import LOSS_FORWARD, broken_fact
+
+    composed = str(broken_fact(LOSS_FORWARD, "what it saw", LoptiGMPOTrainer))
+    assert composed.startswith("GMPOTrainer._compute_loss (in trl.experimental.gmpo.gmpo_trainer) breaks fact S2")
+    assert "train GMPOTrainer without trl_lopti" in composed and "pip install" not in composed
+    own = str(broken_fact(LOSS_FORWARD, "what it saw", LoptiGRPOTrainer))
+    assert own.startswith(f"TRL {TRL_VERSION} broke fact S2 of trl_lopti (Loss forward): what it saw.")
+    assert "pip install" not in own and "changed GRPOTrainer.compute_loss or GRPOTrainer._compute_loss" in own
 
 
 # ------------------------------------------------------------------------------------------------ exact, by hand
@@ -423,7 +523,7 @@ def test_a_users_loss_that_bypasses_trls_forward_is_named_as_the_cause(tiny_mode
     )
     assert "trl-lopti check --trainer_class test_composition.LoptiOwnLogitsTrainer" in message
     # The user's override is the cause: no TRL release to install.
-    assert "TRL 1.16.0" not in message and "pip install" not in message
+    assert f"TRL {TRL_VERSION}" not in message and "pip install" not in message
 
 
 # ------------------------------------------------------------------------------------------------ trl-lopti check

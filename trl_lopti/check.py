@@ -37,7 +37,6 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging
 
 from .config import lopti_config_class, trainer_config_classes
-from .core_algos import isolate_token_gradients
 from .grpo_trainer import LoptiGRPOTrainer
 from .lopti_mixin import LOPTI_BATCH_KEYS, LoptiTrainerMixin
 from .models import PEAKED_TINY_MODEL, build_tiny_model
@@ -186,8 +185,12 @@ def observed_forwards(trl_class: type, active_mask: torch.Tensor | None = None) 
             passes.logps.append(output[0])
         if active_mask is None:
             return output
-        entropies = output[1] if output[1] is None else isolate_token_gradients(output[1], active_mask)
-        return isolate_token_gradients(output[0], active_mask), entropies, output[2]
+        # The other tokens detached, written here rather than by the isolation under test.
+        logps = torch.where(active_mask, output[0], output[0].detach())
+        entropies = output[1]
+        if entropies is not None:
+            entropies = torch.where(active_mask, entropies, entropies.detach())
+        return logps, entropies, output[2]
 
     setattr(trl_class, name, observing)
     try:
@@ -513,10 +516,15 @@ class Contract:
                 worst["passes"] = max(worst["passes"], difference)
             with self.failure(failures, "ar"):
                 unweighted = self.gradients(trainer, forward_class, batch, plain, kl=False)
+                if not torch.count_nonzero(unweighted):
+                    raise Relation(f"{what}: {loss_method} has no gradient through the log-probabilities")
                 weighted = self.gradients(trainer, forward_class, batch, reweighted, kl=False)
                 exactly_zero(weighted[unweighted == 0], f"{what}: AR where {loss_method} has no gradient")
                 difference = close(weighted, weights * unweighted, self.tolerance, f"{what}: AR")
                 worst["ar"] = max(worst["ar"], difference)
+        if not checked:
+            failure = Relation(f"no configuration of {loss_method} could run (every one: an unknown loss type)")
+            return {"isolation": failure, "passes": failure, "ar": failure}
         count = f"{checked} configurations of its loss" if checked > 1 else "its loss"
         details = {
             "isolation": f"{count}: each pass = autograd on {loss_method} with the other group detached, to "
@@ -558,10 +566,12 @@ class Composition:
     family: str
 
     def loss_method(self) -> str:
-        """The loss the class trains, as `Class.method`: the first override outside TRL, else TRL's own."""
+        """The loss the class trains, as `Class.method`: the first override beneath the Lopti class outside the
+        TRL trainer it extends (GMPO's, a user's), else the TRL trainer's own."""
+        trl_classes = self.trainer_class.trl_trainer_class.__mro__
         for name in ("_compute_loss", "compute_loss"):
             owner = defining_class(self.trainer_class, name)
-            if owner is not None and owner.__module__.split(".")[0] != "trl":
+            if owner is not None and owner not in trl_classes:
                 return f"{owner.__name__}.{name}"
         return f"{defining_class(self.trainer_class, '_compute_loss').__name__}._compute_loss"
 
@@ -579,9 +589,11 @@ def composition_of(trainer_class: Any, config_class: Any = None) -> Composition:
     """
     if not isinstance(trainer_class, type) or not issubclass(trainer_class, LoptiTrainerMixin):
         name = getattr(trainer_class, "__name__", repr(trainer_class))
+        rloo = isinstance(trainer_class, type) and issubclass(trainer_class, trl.RLOOTrainer)
+        lopti = "LoptiRLOOTrainer" if rloo else "LoptiGRPOTrainer"
         raise TypeError(
             f"{name} is not a Lopti trainer: compose it with one, Lopti class first, e.g. `class Lopti{name}"
-            f"(LoptiGRPOTrainer, {name})`, and check that class"
+            f"({lopti}, {name})`, and check that class"
         )
     family = "grpo" if issubclass(trainer_class, LoptiGRPOTrainer) else "rloo"
     if config_class is None:
@@ -727,28 +739,32 @@ def check_trainer_class(
     """
     composition = composition_of(trainer_class, config_class)
     name = trainer_class.__name__
-    results = []
+    results = [CheckResult(f"{name} {check}", ()) for check in ("train", "isolation", "passes", "ar")]
+    contract = None
+    relations = {}
     with tempfile.TemporaryDirectory(prefix="trl-lopti-check-") as folder:
-        with temporarily_set(trl_contract, _verifying_contract=True), quiet():
-            contract = Contract(Path(folder), device, precision)
-        relations = {}
-        for check in ("train", "isolation", "passes", "ar"):
-            result = CheckResult(f"{name} {check}", ())
+        for result in results:
+            check = result.name.split()[-1]
             start = time.perf_counter()
             try:
                 with temporarily_set(trl_contract, _verifying_contract=True), quiet():
+                    contract = contract or Contract(Path(folder), device, precision)
                     if check == "train":
                         outcome = contract.composition_train(composition)
                     else:
-                        relations = relations or contract.composition_relations(composition)
+                        # Run once for the three relations; an error that stops it stands for each.
+                        if not relations:
+                            try:
+                                relations = contract.composition_relations(composition)
+                            except Exception as error:  # noqa: BLE001 - a verdict for every relation
+                                relations = dict.fromkeys(("isolation", "passes", "ar"), error)
                         outcome = relations[check]
-                if isinstance(outcome, Relation):
+                if isinstance(outcome, Exception):
                     raise outcome
                 result.detail = outcome
             except Exception as error:  # noqa: BLE001 - a verdict for every relation, whatever breaks
                 record_failure(result, error)
             result.seconds = time.perf_counter() - start
-            results.append(result)
             if report is not None:
                 report(result)
     return results
@@ -879,8 +895,9 @@ def import_class(dotted: str, option: str) -> type:
     try:
         module = importlib.import_module(module_name)
     except Exception as error:  # noqa: BLE001 - whatever the user's module raises, one line
+        said = (str(error).splitlines() or [""])[0]
         raise ValueError(
-            f"{option} {dotted}: importing {module_name} failed: {type(error).__name__}: {error}"
+            f"{option} {dotted}: importing {module_name} failed: {type(error).__name__}: {said}"
         ) from None
     found = getattr(module, class_name, None)
     if not isinstance(found, type):

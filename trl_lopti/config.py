@@ -7,6 +7,7 @@ import inspect
 import math
 import numbers
 import sys
+import typing
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,10 +31,10 @@ LIGER_MINIMUM_TRL = Version("1.14.0")
 reach."""
 
 
-def fields_taken_from_a_later_base(config_class: type) -> dict[str, dataclasses.Field]:
+def fields_taken_from_a_later_base(config_class: type) -> dict[str, type]:
     """
     The fields that `@dataclass` would give `config_class` from another base than the first class in its MRO
-    that declares the field itself, each as that class declares it.
+    that declares the field itself, each with that class.
 
     Dataclasses collects fields in reverse MRO order, each dataclass base contributing all of its fields, inherited
     ones included: in `class C(LoptiGRPOConfig, GMPOConfig)`, the `epsilon` that `LoptiGRPOConfig` inherited from
@@ -55,9 +56,18 @@ def fields_taken_from_a_later_base(config_class: type) -> dict[str, dataclasses.
             declared = vars(base).get("__dataclass_fields__", {}).get(name)
             if declared is not None and name in inspect.get_annotations(base):
                 if declared is not collected_field:
-                    taken_from_a_later_base[name] = declared
+                    taken_from_a_later_base[name] = base
                 break
     return taken_from_a_later_base
+
+
+def declared_type(declaring_class: type, name: str) -> Any:
+    """The type of the field `name` as `declaring_class` declares it, resolved in its own module (a string
+    annotation, as under `from __future__ import annotations`, would otherwise be read in another)."""
+    try:
+        return typing.get_type_hints(declaring_class)[name]
+    except (NameError, TypeError):
+        return declaring_class.__dataclass_fields__[name].type
 
 
 def copy_field(declared: dataclasses.Field) -> dataclasses.Field:
@@ -146,9 +156,9 @@ class LoptiArguments:
         if not taken_from_a_later_base:
             return
         annotations = inspect.get_annotations(cls)
-        for name, declared in taken_from_a_later_base.items():
-            annotations[name] = declared.type
-            setattr(cls, name, copy_field(declared))
+        for name, declaring_class in taken_from_a_later_base.items():
+            annotations[name] = declared_type(declaring_class, name)
+            setattr(cls, name, copy_field(declaring_class.__dataclass_fields__[name]))
         cls.__annotations__ = annotations
 
     def __post_init__(self):
@@ -359,10 +369,8 @@ def trainer_config_classes(trainer_class: type) -> tuple[type, type]:
     )
     family_config = next(trl_config for trl_config, lopti in LOPTI_CONFIGS.items() if lopti is family_lopti_config)
     for klass in trainer_class.__mro__:
-        if "config_class" in vars(klass):
-            if not is_trl_lopti_class(klass):
-                return family_lopti_config, vars(klass)["config_class"]
-            break
+        if "config_class" in vars(klass) and not is_trl_lopti_class(klass):
+            return family_lopti_config, vars(klass)["config_class"]
     base = base_trainer_class(trainer_class, trainer_class.trl_trainer_class)
     named = vars(sys.modules[base.__module__]).get(base.__name__.removesuffix("Trainer") + "Config")
     if isinstance(named, type) and issubclass(named, family_config):
@@ -405,8 +413,8 @@ def as_lopti_config(args: Any, model: Any, trainer_class: type) -> LoptiArgument
             f"args must be a {family_lopti_config.__name__} or a {family_config.__name__} (or a subclass), got "
             f"{type(args).__name__}"
         )
+    warn_if_defaults_differ(args, default_config, family_lopti_config, trainer_class.__name__)
     if isinstance(args, LoptiArguments):
-        warn_if_defaults_differ(args, default_config, family_lopti_config, trainer_class.__name__)
         return args
     config_class = lopti_config_class(type(args), family_lopti_config)
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
@@ -436,28 +444,41 @@ def as_lopti_config(args: Any, model: Any, trainer_class: type) -> LoptiArgument
     return config
 
 
-def warn_if_defaults_differ(
-    args: LoptiArguments, default_config: type, family_lopti_config: type, trainer_name: str
-) -> None:
-    """Warns where `args` is not a `default_config` (the config of the trainer's base, e.g. `GMPOConfig`) and
-    so trains with other defaults than that config's, naming the fields whose defaults differ."""
+def warn_if_defaults_differ(args: Any, default_config: type, family_lopti_config: type, trainer_name: str) -> None:
+    """
+    Warns where `args` is not a `default_config` (the config of the trainer's base, e.g. `GMPOConfig`) and keeps
+    a default of its own class where `default_config`'s differs, naming those fields.
+
+    Args:
+        args (`GRPOConfig` or `RLOOConfig`):
+            The config given to the trainer.
+        default_config (`type`):
+            The config of the trainer's base.
+        family_lopti_config (`type`):
+            [`LoptiGRPOConfig`] or [`LoptiRLOOConfig`].
+        trainer_name (`str`):
+            The trainer's class name, for the warning.
+    """
     if isinstance(args, default_config):
         return
     defaults = {f.name: f.default for f in dataclasses.fields(default_config) if f.init}
     differ = [
         f"{f.name} ({f.default!r}, not {defaults[f.name]!r})"
         for f in dataclasses.fields(args)
-        if f.name in defaults and f.default != defaults[f.name]
+        if f.name in defaults
+        and f.default is not dataclasses.MISSING
+        and f.default != defaults[f.name]
+        and getattr(args, f.name) == f.default
     ]
     if differ:
         warnings.warn(
             f"{trainer_name} got a {type(args).__name__}, which is not a {default_config.__name__}: it trains with "
             f"the defaults of {type(args).__name__} where they differ from {default_config.__name__}'s: "
-            f"{', '.join(differ)}. Pass a config that extends both (`@dataclass class "
-            f"Lopti{default_config.__name__}({family_lopti_config.__name__}, {default_config.__name__}): ...`), or "
-            "args=None",
+            f"{', '.join(differ)}. Pass a config of {default_config.__name__} (with trl_lopti's fields: `@dataclass "
+            f"class Lopti{default_config.__name__}({family_lopti_config.__name__}, {default_config.__name__}): ...`), "
+            "or args=None",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
 

@@ -66,7 +66,7 @@ from .core_algos import (
     token_group_mask,
     token_level_advantages,
 )
-from .utils import base_trainer_class, temporarily_set, trl_completion_logps
+from .utils import base_trainer_class, is_trl_lopti_class, temporarily_set, trl_completion_logps
 
 
 logger = logging.get_logger(__name__)
@@ -265,6 +265,24 @@ class LoptiTrainerMixin:
     # The fact by which TRL's loss reads what AR places in its inputs.
     placement_fact: ClassVar[trl_contract.TRLFact] = trl_contract.LOSS_FORWARD
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A trainer of the family placed before the Lopti class (`class X(GMPOTrainer, LoptiGRPOTrainer)`) would run
+        # its own hooks first, and may skip Lopti's.
+        mro = cls.__mro__
+        before = mro[: mro.index(LoptiTrainerMixin)]
+        trl_trainer_class = getattr(cls, "trl_trainer_class", None)
+        if trl_trainer_class is None:
+            return
+        for klass in before:
+            if issubclass(klass, trl_trainer_class) and not issubclass(klass, LoptiTrainerMixin):
+                lopti = next(k for k in mro if is_trl_lopti_class(k) and "trl_trainer_class" in vars(k))
+                raise TypeError(
+                    f"{cls.__name__} puts {klass.__name__} before {lopti.__name__} in its bases, so {klass.__name__}'s "
+                    f"methods would run before Lopti's, and could skip them: put the Lopti class first, `class "
+                    f"{cls.__name__}({lopti.__name__}, {klass.__name__})`"
+                )
+
     def __init__(self, model, reward_funcs=None, args=None, *extra_args, **kwargs):
         trainer_class = type(self)
         args = as_lopti_config(args, model, trainer_class)
@@ -278,8 +296,8 @@ class LoptiTrainerMixin:
         self._tag_names = [*base._tag_names, "lopti"]
         self._name = describe_method(args, base.__name__.removesuffix("Trainer"))
         self._paper = lopti_paper(base) if args.advantage_reweighting_enabled or args.lopti_enabled else base._paper
-        # The base's own arguments by keyword, as a user's class may take them (`GMPOTrainer`: `**kwargs`).
-        names = list(inspect.signature(self.trl_trainer_class.__init__).parameters)[4:]
+        # The base's arguments by keyword, as a user's class may take them (`GMPOTrainer`: `**kwargs`).
+        names = positional_argument_names(trainer_class, self.trl_trainer_class)
         if len(extra_args) > len(names):
             raise TypeError(f"{trainer_class.__name__} takes at most {len(names) + 3} positional arguments")
         for name, value in zip(names, extra_args, strict=False):
@@ -788,6 +806,30 @@ def resume_error(checkpoint: str, saved: dict[str, Any], current: dict[str, Any]
         f"run has {', '.join(f'{k}={current.get(k)}' for k in differ)}: resume it with the values it was saved with, or "
         "from a checkpoint between generation batches"
     )
+
+
+def positional_argument_names(trainer_class: type, trl_trainer_class: type) -> list[str]:
+    """
+    The names, in order, of the arguments after `model`, `reward_funcs` and `args` that a Lopti trainer class
+    takes by position: those of the `__init__` beneath the Lopti class (a user's base, TRL's trainer), followed,
+    where it passes the rest on (`**kwargs`, as `GMPOTrainer`), by the TRL trainer's own.
+
+    Args:
+        trainer_class (`type`):
+            The Lopti trainer class.
+        trl_trainer_class (`type`):
+            The TRL trainer it extends (`GRPOTrainer`, `RLOOTrainer`).
+    """
+    mro = trainer_class.__mro__
+    beneath = mro[mro.index(LoptiTrainerMixin) + 1 :]
+    init = next(vars(klass)["__init__"] for klass in beneath if "__init__" in vars(klass))
+    parameters = list(inspect.signature(init).parameters.values())[1:]
+    named = [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD]
+    names = [name for name in named if name not in ("model", "reward_funcs", "args")]
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
+        trl_names = list(inspect.signature(trl_trainer_class.__init__).parameters)[4:]
+        names += [name for name in trl_names if name not in names]
+    return names
 
 
 def describe_method(config: LoptiArguments, base_name: str) -> str:

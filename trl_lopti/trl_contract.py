@@ -34,8 +34,6 @@ SKIP_CHECK_VARIABLE = "TRL_LOPTI_SKIP_CHECK"
 
 RELEASES_PAGE = "the 'Supported releases' page of trl_lopti's documentation"
 
-LIBRARIES = ("trl", "transformers")
-"""The libraries whose classes trl_lopti's facts are about: a method of theirs that breaks a fact is not a user's."""
 
 LAUNCHER_VARIABLES = re.compile(
     r"(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_RANK|MASTER_ADDR|MASTER_PORT|OMP_NUM_THREADS)$"
@@ -83,7 +81,7 @@ SCHEDULE = TRLFact(
     "a pass over another generation batch than the first pass trained, or over a copy without its split and pi_old, "
     "or a run that leaves the prompts served inside a cycle untrained",
     "`lopti_mixin.check_micro_batch`, at every loss; `lopti_mixin.check_prompts`, at every micro-step",
-    ("_prepare_inputs", "_get_train_sampler"),
+    ("_prepare_inputs", "_get_train_sampler", "get_train_dataloader", "training_step"),
 )
 LOSS_FORWARD = TRLFact(
     "S2",
@@ -174,10 +172,11 @@ def broken_fact(fact: TRLFact, saw: str, trainer_class: type) -> RuntimeError:
     The error of a runtime check: a trainer of `trainer_class` no longer behaves as `fact` says, and `saw` says
     what it saw.
 
-    The fact's methods tell who broke it: a user's class where it overrides one of them (the first class in the
-    MRO outside trl_lopti that defines the method lives outside TRL and transformers), else TRL (or transformers,
-    where every such method is its `Trainer`'s). Installing a release is advised only then, and never the release
-    installed.
+    The fact's methods tell who broke it. Where one of them comes from a class outside the TRL trainer that
+    trl_lopti extends and its bases (a user's override, or another trainer of TRL's such as `GMPOTrainer`, which
+    trl_lopti's tested releases do not cover), the error names that class and method, and `trl-lopti check
+    --trainer_class`. Else TRL (or transformers, where every such method is its `Trainer`'s) broke it: a TRL
+    release to install is advised only where the installed one is untested, never the release installed.
 
     Args:
         fact (`TRLFact`):
@@ -187,35 +186,38 @@ def broken_fact(fact: TRLFact, saw: str, trainer_class: type) -> RuntimeError:
         trainer_class (`type`):
             The trainer's class: trl_lopti's, or a user's composition.
     """
-    from .utils import defining_class
+    from .utils import base_trainer_class, defining_class
 
+    trl_trainer_class = getattr(trainer_class, "trl_trainer_class", trainer_class)
     owners = {name: defining_class(trainer_class, name) for name in fact.methods}
-    libraries = {name: owner.__module__.split(".")[0] for name, owner in owners.items() if owner is not None}
-    overrides = [f"{owners[name].__name__}.{name}" for name, root in libraries.items() if root not in LIBRARIES]
+    owners = {name: owner for name, owner in owners.items() if owner is not None}
+    composed = {name: owner for name, owner in owners.items() if owner not in trl_trainer_class.__mro__}
     stops = f"Training stops here rather than train {fact.prevents}"
-    if overrides:
-        modules = sorted({owners[name].__module__ for name, root in libraries.items() if root not in LIBRARIES})
+    if composed:
+        methods = [f"{owner.__name__}.{name}" for name, owner in composed.items()]
+        modules = sorted({owner.__module__ for owner in composed.values()})
+        base = base_trainer_class(trainer_class, trl_trainer_class)
         return RuntimeError(
-            f"{', '.join(overrides)} (in {', '.join(modules)}) breaks fact {fact.code} of trl_lopti ({fact.name}): "
-            f"{saw}. {stops}. trl_lopti relies on this: {fact.statement}. Change {' or '.join(overrides)} so that "
-            f"it holds, or train without trl_lopti; {check_trainer_class_command(trainer_class)} shows which "
-            "relation fails"
+            f"{', '.join(methods)} (in {', '.join(modules)}) breaks fact {fact.code} of trl_lopti ({fact.name}): "
+            f"{saw}. {stops}. trl_lopti relies on this: {fact.statement}. Change {' or '.join(methods)} so that it "
+            f"holds, or train {base.__name__} without trl_lopti; {check_trainer_class_command(trainer_class)} shows "
+            "which relation fails"
         )
-    library = "TRL" if "trl" in libraries.values() else "transformers"
+    roots = {owner.__module__.split(".")[0] for owner in owners.values()}
+    library = "TRL" if "trl" in roots else "transformers"
     installed = TRL_VERSION if library == "TRL" else version("transformers")
-    changed = " or ".join(f"{owner.__name__}.{name}" for name, owner in owners.items() if owner is not None)
+    changed = " or ".join(f"{owner.__name__}.{name}" for name, owner in owners.items())
     if library == "TRL" and TRL_VERSION not in TESTED_TRL_RELEASES:
         advice = f"Install a tested release (pip install 'trl=={TESTED_TRL_RELEASES[-1]}')"
     elif library == "TRL":
         advice = (
-            f"TRL {TRL_VERSION} is a tested release, so something on this machine changed {changed} (a patch "
-            f"applied at run time, an edited install): reinstall it (pip install --force-reinstall "
-            f"'trl=={TRL_VERSION}') and run without the patch"
+            f"TRL {TRL_VERSION} is a tested release, so something on this machine changed {changed} (a patch applied "
+            "at run time, an edited install): train without that change"
         )
     else:
         advice = (
             f"Something changed {changed}: a transformers release outside the tested stacks, or a patch applied at "
-            f"run time. Install a transformers release of the tested stacks"
+            "run time. Install a transformers release of the tested stacks"
         )
     return RuntimeError(
         f"{library} {installed} broke fact {fact.code} of trl_lopti ({fact.name}): {saw}. {stops}. {advice}; "
