@@ -52,13 +52,17 @@ METHODS: dict[str, dict[str, Any] | None] = {  # Lopti config fields; None: TRL'
 }
 # the same settings on TRL's RLOOTrainer (`rloo`) and LoptiRLOOTrainer, which never adds a forward: RLOO computes pi_old
 METHODS |= {"rloo": None, **{f"rloo-{name}": METHODS[name] for name in ("ar", "lopti", "ar+lopti")}}
+# and on TRL's GMPOTrainer (`gmpo`, TRL >= 1.16.0) and the Lopti trainer composed with it as a user writes it
+# (`harness.LoptiGMPOTrainer`): its loss is not GRPO's token-level one, so AR takes its general form there
+METHODS |= {"gmpo": None, **{f"gmpo-{name}": METHODS[name] for name in ("ar", "lopti", "ar+lopti")}}
 AFTER_SCORING = {"lopti-refstyle": harness.add_old_logps_forward}  # the `after_scoring` hook of a method
 
 
 def algorithm_of(method: str) -> str:
-    """The base algorithm (`harness.TRAINERS`) of a method of `METHODS`: `"rloo"` for `rloo` and `rloo-*`, else
-    `"grpo"`."""
-    return "rloo" if method.startswith("rloo") else "grpo"
+    """The base algorithm (`harness.TRAINERS`) of a method of `METHODS`: `"rloo"` for `rloo` and `rloo-*`, `"gmpo"`
+    for `gmpo` and `gmpo-*`, else `"grpo"`."""
+    prefix = method.split("-")[0]
+    return prefix if prefix in ("rloo", "gmpo") else "grpo"
 
 
 @dataclass
@@ -126,11 +130,12 @@ SIZES: dict[str, dict[str, Any]] = {
 
 @dataclass
 class Cost(Options):
-    """What AR and Lopti cost against TRL's `GRPOTrainer`: each variant on one size, the same model, prompts and seed,
-    one after the other in one process, the same number of generation batches (Lopti's `max_steps` doubled) of
-    fixed-length completions (`min_new_tokens`). Writes `bench_<size>.json` (after every variant: a run cut short keeps
-    what it measured) and `bench_<size>.md`; variants not started within the size's time budget are listed as
-    skipped. `None`: the size's value."""
+    """What AR and Lopti cost against the TRL trainer each variant extends (`GRPOTrainer`, `RLOOTrainer`,
+    `GMPOTrainer`): each variant on one size, the same model, prompts and seed, one after the other in one process, the
+    same number of generation batches (Lopti's `max_steps` doubled) of fixed-length completions (`min_new_tokens`).
+    Writes `bench_<size>.json` (after every variant: a run cut short keeps what it measured) and `bench_<size>.md`;
+    variants not started within the size's time budget, or whose trainer this TRL lacks (GMPO before 1.16.0), are
+    listed as skipped. `None`: the size's value."""
 
     size: str = field(default="tiny", metadata={"choices": list(SIZES)})
     variants: list[str] = field(default_factory=lambda: list(METHODS), metadata={"choices": list(METHODS)})
@@ -149,6 +154,12 @@ def cost(args: Cost) -> dict[str, Any]:
     json_path = Path(args.output_dir) / f"bench_{args.size}.json"
     num_batches, length = size["warmup_batches"] + size["measured_batches"], size["max_completion_length"]
     start = time.perf_counter()
+
+    def save() -> None:  # after every variant, and once at the end (where every variant was skipped)
+        data.update(load_average_at_end=os.getloadavg(), total_wall_s=time.perf_counter() - start)
+        harness.write_json(json_path, data)
+        json_path.with_suffix(".md").write_text(report.cost_markdown(data))
+
     with tempfile.TemporaryDirectory(prefix="bench-model-") as tmp:
         model_path = harness.prepare_model(size["model"], Path(tmp), args.seed, size["device"], **size["model_config"])
         eta = size["lopti_threshold"] or 1.0 / AutoConfig.from_pretrained(model_path).vocab_size
@@ -157,6 +168,9 @@ def cost(args: Cost) -> dict[str, Any]:
         for name in args.variants:
             if size["time_budget_s"] is not None and time.perf_counter() - start > size["time_budget_s"]:
                 data["skipped"].append(f"{name} (time budget of {size['time_budget_s']:g} s spent)")
+                continue
+            if algorithm_of(name) in harness.UNAVAILABLE:
+                data["skipped"].append(f"{name} ({harness.UNAVAILABLE[algorithm_of(name)]})")
                 continue
             lopti = METHODS[name]
             if lopti and lopti["lopti_threshold"] is not None:  # a fixed eta: the size's
@@ -188,9 +202,8 @@ def cost(args: Cost) -> dict[str, Any]:
                 name=name, lopti=lopti, baseline=algorithm_of(name), medians=report.batch_medians(run["batches"])
             )
             data["runs"].append(run)
-            data.update(load_average_at_end=os.getloadavg(), total_wall_s=time.perf_counter() - start)
-            harness.write_json(json_path, data)
-            json_path.with_suffix(".md").write_text(report.cost_markdown(data))
+            save()
+    save()
     print(report.cost_markdown(data))
     return data
 

@@ -21,6 +21,7 @@ import shlex
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
@@ -66,6 +67,24 @@ TRAINERS = {
     "rloo": (RLOOConfig, RLOOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer),
 }
 """The trainers a run can measure: TRL's config and trainer, and the Lopti config and trainer that extend them."""
+UNAVAILABLE: dict[str, str] = {}
+"""Why a base algorithm is missing from `TRAINERS` on this install (the cost experiment skips its variants)."""
+
+try:
+    with warnings.catch_warnings():
+        # TRL warns on every import from trl.experimental: this one is on purpose.
+        warnings.simplefilter("ignore")
+        from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
+except ImportError:
+    UNAVAILABLE["gmpo"] = f"TRL {version('trl')} has no trl.experimental.gmpo (GMPOTrainer: TRL >= 1.16.0)"
+else:
+    # AR and Lopti on GMPO, composed as a user writes it (docs/trainers/own.md).
+    @dataclasses.dataclass
+    class LoptiGMPOConfig(LoptiGRPOConfig, GMPOConfig): ...
+
+    class LoptiGMPOTrainer(LoptiGRPOTrainer, GMPOTrainer): ...
+
+    TRAINERS["gmpo"] = (GMPOConfig, GMPOTrainer, LoptiGMPOConfig, LoptiGMPOTrainer)
 
 # Every run: no checkpoints, no reporting, every optimizer step logged, no KL (no reference model; RLOO: no penalty).
 BASE_ARGS = dict(
@@ -301,8 +320,9 @@ def measure_training(
 ) -> dict[str, Any]:
     """
     Trains one configuration for `generation_batches` generation batches (`max_steps` is this times `lopti_num_passes`:
-    equal rollouts): TRL's trainer of `algorithm` (`"grpo"` or `"rloo"`, `TRAINERS`) where `lopti` is `None`, else its
-    Lopti trainer with those Lopti config fields; `config_fields` are fields of TRL's config on top of `BASE_ARGS`.
+    equal rollouts): TRL's trainer of `algorithm` (`"grpo"`, `"rloo"` or `"gmpo"`, `TRAINERS`) where `lopti` is
+    `None`, else its Lopti trainer with those Lopti config fields; `config_fields` are fields of TRL's config on top of
+    `BASE_ARGS`.
     `after_training(trainer)` runs after training (hooks removed) and its entries join the result, beside `trainer`,
     `method`, `global_step`, `train_wall_s`, `train_cpu_s`, `peak_memory_mb`, `batches` and, when asked (see
     [`Probe`]), `fig3_batches`, `token_gradients`.
@@ -311,12 +331,17 @@ def measure_training(
     _reset_peak_memory(cuda)
     with tempfile.TemporaryDirectory(prefix="bench-") as output_dir:
         fields = {**BASE_ARGS, "output_dir": output_dir, **config_fields}
+        if algorithm in UNAVAILABLE:
+            raise RuntimeError(UNAVAILABLE[algorithm])
         trl_config, trl_trainer, lopti_config, lopti_trainer = TRAINERS[algorithm]
         args = trl_config(**fields) if lopti is None else lopti_config(**fields, **lopti)
         args.max_steps = generation_batches * getattr(args, "lopti_num_passes", 1)
         set_seed(args.seed)
         trainer_class = trl_trainer if lopti is None else lopti_trainer
-        trainer = trainer_class(model_path, reward_funcs, args, dataset, processing_class=processing_class)
+        # The dataset by keyword: `GMPOTrainer` takes every argument after `args` so.
+        trainer = trainer_class(
+            model_path, reward_funcs, args, train_dataset=dataset, processing_class=processing_class
+        )
         probe = Probe(trainer, after_scoring, fig3, capture_token_gradients)
         torch.manual_seed(args.seed)
         start = probe._now()
@@ -324,7 +349,7 @@ def measure_training(
         end = probe._now()
         result = {
             "trainer": trainer_class.__name__,
-            "method": algorithm.upper() if lopti is None else describe_method(args),
+            "method": algorithm.upper() if lopti is None else describe_method(args, algorithm.upper()),
             "global_step": trainer.state.global_step,
             "train_wall_s": end[0] - start[0],
             "train_cpu_s": end[1] - start[1],

@@ -163,6 +163,7 @@ def cost_markdown(report: dict[str, Any]) -> str:
                 ]
             )
         lines += [f"{title} per generation batch (median):", "", *markdown_table(header, rows), ""]
+    lines += over_base_markdown(runs, on_gpu)
     shares = [
         share
         for run in runs
@@ -186,6 +187,56 @@ def cost_markdown(report: dict[str, Any]) -> str:
     if report["skipped"]:
         conditions += " Skipped: " + ", ".join(report["skipped"]) + "."
     return "\n".join([*lines, conditions]) + "\n"
+
+
+def over_base_markdown(runs: Sequence[dict[str, Any]], on_gpu: bool) -> list[str]:
+    """
+    The table of every run over its own base (`baseline`, TRL's trainer it extends) in the same file, the runs of the
+    same settings on different bases side by side (`ar+lopti` / `grpo` beside `gmpo-ar+lopti` / `gmpo`): medians per
+    generation batch of the step and of loss+bwd+opt as ratios (wall; on CPU also process CPU time), and the counted
+    passes against the base's. `extra forwards` counts the policy forwards outside generation beyond one gradient
+    forward per micro-batch per pass (passes: optimizer steps over the base's) and beyond the base's own no-grad
+    forwards. Empty where no run has its base in the file.
+    """
+    by_name = {run["name"]: run for run in runs}
+    pairs = {}
+    for run in runs:
+        base = by_name.get(run.get("baseline", BASELINE))
+        if base is not None and run is not base:
+            # The settings of the run, whatever its base: `gmpo-ar+lopti` and `ar+lopti` are both `ar+lopti`.
+            settings = run["name"].removeprefix(f"{base['name']}-")
+            pairs.setdefault(settings, []).append((run, base))
+    if not pairs:
+        return []
+    clocks = {"wall": "wall"} if on_gpu else {"wall": "wall", "cpu": "CPU"}
+    phases = {"step_s": "step", "loss_backward_optimizer_s": "loss+bwd+opt"}
+    timed = [(clock, key, f"{phase}, {name}") for key, phase in phases.items() for clock, name in clocks.items()]
+    columns = ["run / its base", *(label for _, _, label in timed), "fwd grad", "fwd no-grad", "extra forwards"]
+    header = " | ".join([*columns, "bwd", "opt steps"])
+    rows = []
+    for group in pairs.values():
+        for run, base in group:
+            counts, base_counts = run["medians"]["counts"], base["medians"]["counts"]
+            passes = counts["optimizer_steps"] / base_counts["optimizer_steps"]
+            extra = counts["policy_forwards_grad"] - passes * base_counts["policy_forwards_grad"]
+            extra += counts["policy_forwards_no_grad"] - base_counts["policy_forwards_no_grad"]
+            rows.append(
+                [
+                    f"{run['name']} / {base['name']}",
+                    *(f"{run['medians'][clock][key] / base['medians'][clock][key]:.2f}x" for clock, key, _ in timed),
+                    *(
+                        f"{counts[key]:g} vs {base_counts[key]:g}"
+                        for key in ("policy_forwards_grad", "policy_forwards_no_grad")
+                    ),
+                    "none" if extra == 0 else f"{extra:+g}",
+                    *(f"{counts[key]:g} vs {base_counts[key]:g}" for key in ("backward_passes", "optimizer_steps")),
+                ]
+            )
+    title = (
+        "Each configuration over its own base trainer (median per generation batch; settings side by side across "
+        "bases):"
+    )
+    return [title, "", *markdown_table(header, rows), ""]
 
 
 def compare_markdown(report: dict[str, Any]) -> str:

@@ -12,7 +12,7 @@ from scipy import stats
 from testing_utils import load_benchmark_script
 
 
-pytestmark = pytest.mark.slow  # trains six tiny trainers and a tiny comparison (about a minute on 2 shared CPUs)
+pytestmark = pytest.mark.slow  # trains 14 tiny trainers and a tiny comparison (about 2 minutes on 2 shared CPUs)
 
 VARIANTS = ["grpo", "ar", "lopti", "ar+lopti", "lopti-refstyle", "lopti-quantile"]
 LOPTI = {"lopti", "ar+lopti", "lopti-refstyle", "lopti-quantile"}
@@ -90,9 +90,16 @@ def test_json_and_markdown_complete(cost):
                 assert 0.0 < logged["lopti/low_token_share"][0] < 1.0
                 assert len(logged["lopti/loss_low_pass"]) == len(logged["lopti/loss_high_pass"]) == 1
     tables = [line for line in (output_dir / "bench_tiny.md").read_text().splitlines() if line.startswith("| ")]
-    assert len(tables) == 2 * (1 + len(VARIANTS))  # wall-clock and CPU time: header and one row per variant
+    # wall-clock and CPU time: header and one row per variant; over the base: header and one row per Lopti variant
+    assert len(tables) == 2 * (1 + len(VARIANTS)) + len(VARIANTS)
     for name in VARIANTS:
         assert sum(line.startswith(f"| {name}: ") for line in tables) == 2
+    # Over GRPO: no forward beyond the passes, except the reference style's and the quantile split's no-grad one.
+    over_base = {line.split(" | ")[0]: line.split(" | ") for line in tables if " / grpo | " in line}
+    assert list(over_base) == [f"| {name} / grpo" for name in VARIANTS[1:]]
+    for name in VARIANTS[1:]:
+        extra = "+2" if name in ("lopti-refstyle", "lopti-quantile") else "none"
+        assert over_base[f"| {name} / grpo"][7] == extra, name
 
 
 def test_comparison_counts_and_pairing(comparison):
@@ -173,7 +180,82 @@ def test_rloo_rows_count_rloos_own_old_forward_and_lopti_adds_only_its_second_pa
             if name in ("rloo-ar", "rloo-ar+lopti"):  # alpha * pi_old + 1 - alpha, below 1: AR reweighted
                 assert 0.7 <= logged["lopti/ar_weight_mean"][0] < 1.0
     # the ratios of the RLOO rows are to RLOO's (plain RLOO's row has none)
-    rows = [line for line in (output_dir / "bench_tiny.md").read_text().splitlines() if line.startswith("| rloo")]
+    lines = (output_dir / "bench_tiny.md").read_text().splitlines()
+    rows = [line for line in lines if line.startswith("| rloo") and " / rloo | " not in line]
     assert len(rows) == 2 * len(RLOO_VARIANTS) and all(
         ("x)" in row) == (not row.startswith("| rloo: ")) for row in rows
     )
+    # over RLOO: its own no-grad forward, and none added
+    over_base = [line.split(" | ") for line in lines if " / rloo | " in line]
+    assert [row[0] for row in over_base] == [f"| {name} / rloo" for name in RLOO_VARIANTS[1:]]
+    assert all(row[6:8] == ["2 vs 2", "none"] for row in over_base)
+
+
+GMPO_VARIANTS = ["gmpo", "gmpo-ar", "gmpo-lopti", "gmpo-ar+lopti"]
+
+
+@pytest.fixture(scope="module")
+def gmpo_cost(benchmarks, tmp_path_factory):
+    if "gmpo" in benchmarks.harness.UNAVAILABLE:
+        pytest.skip(benchmarks.harness.UNAVAILABLE["gmpo"])
+    output_dir = tmp_path_factory.mktemp("cost-gmpo")
+    options = dict(size="tiny", variants=GMPO_VARIANTS, warmup_batches=1, measured_batches=1)
+    benchmarks.cost(benchmarks.Cost(output_dir=str(output_dir), **options))
+    return json.loads((output_dir / "bench_tiny.json").read_text())
+
+
+def test_lopti_on_gmpo_costs_over_gmpo_what_lopti_costs_over_grpo(benchmarks, gmpo_cost, cost):
+    size, runs = gmpo_cost["size"], {run["name"]: run for run in gmpo_cost["runs"]}
+    grpo_runs = {run["name"]: run for run in cost[0]["runs"]}
+    micro_steps = size["gradient_accumulation_steps"]
+    assert list(runs) == GMPO_VARIANTS and gmpo_cost["skipped"] == []
+    assert runs["gmpo"]["trainer"] == "GMPOTrainer" and runs["gmpo"]["method"] == "GMPO"
+    counted = ("policy_forwards_grad", "policy_forwards_no_grad", "backward_passes", "optimizer_steps")
+    for name, run in runs.items():
+        # the Lopti trainer composed with GMPOTrainer as a user writes it, each run's ratios to GMPO's
+        assert run["baseline"] == "gmpo" and run["method"].startswith("GMPO"), name
+        assert run["trainer"] == ("GMPOTrainer" if name == "gmpo" else "LoptiGMPOTrainer"), name
+        passes = 2 if "lopti" in name else 1
+        assert run["global_step"] == passes * len(run["batches"]), name
+        for batch in run["batches"]:
+            # one gradient forward and backward per micro-batch per pass, and no forward without gradient (on-policy
+            # GMPO reads pi_old from its own forward, and so do AR and Lopti on it)
+            assert batch["policy_forwards_grad"] == batch["backward_passes"] == passes * micro_steps, name
+            assert batch["policy_forwards_no_grad"] == 0, name
+            assert batch["optimizer_steps"] == passes and batch["generate_calls"] == 1, name
+            logged = batch["logged"]
+            if "lopti" in name:  # both passes trained tokens
+                assert 0.0 < logged["lopti/low_token_share"][0] < 1.0
+                assert len(logged["lopti/loss_low_pass"]) == len(logged["lopti/loss_high_pass"]) == 1
+            if name in ("gmpo-ar", "gmpo-ar+lopti"):  # AR's general form reweighted
+                assert 0.7 <= logged["lopti/ar_weight_mean"][0] < 1.0
+        # the same passes over GMPO as the same settings on GRPO over GRPO: every count of every batch
+        grpo_twin = grpo_runs["grpo" if name == "gmpo" else name.removeprefix("gmpo-")]
+        assert [[b[key] for key in counted] for b in run["batches"]] == [
+            [b[key] for key in counted] for b in grpo_twin["batches"]
+        ], name
+    # In one report, each row over its own base, the GMPO row of a setting beside its GRPO row.
+    merged = {**cost[0], "runs": [*cost[0]["runs"], *gmpo_cost["runs"]]}
+    lines = benchmarks.report.cost_markdown(merged).splitlines()
+    rows = {
+        line.split(" | ")[0].removeprefix("| "): line.split(" | ")
+        for line in lines
+        if " / grpo | " in line or " / gmpo | " in line
+    }
+    names = list(rows)
+    for setting, passes in (("ar", 1), ("lopti", 2), ("ar+lopti", 2)):
+        grpo_row, gmpo_row = f"{setting} / grpo", f"gmpo-{setting} / gmpo"
+        assert names[names.index(grpo_row) + 1] == gmpo_row
+        # fwd grad, fwd no-grad, extra forwards, bwd (after the run and four time ratios)
+        expected = [f"{2 * passes} vs 2", "0 vs 0", "none", f"{2 * passes} vs 2"]
+        assert rows[grpo_row][5:9] == rows[gmpo_row][5:9] == expected, setting
+
+
+def test_cost_skips_an_algorithm_this_trl_lacks(benchmarks, tmp_path, monkeypatch):
+    monkeypatch.setitem(benchmarks.harness.UNAVAILABLE, "gmpo", "no trl.experimental.gmpo here")
+    options = dict(size="tiny", variants=["gmpo", "gmpo-lopti"], warmup_batches=1, measured_batches=1)
+    benchmarks.cost(benchmarks.Cost(output_dir=str(tmp_path), **options))
+    data = json.loads((tmp_path / "bench_tiny.json").read_text())
+    assert data["runs"] == []
+    assert data["skipped"] == ["gmpo (no trl.experimental.gmpo here)", "gmpo-lopti (no trl.experimental.gmpo here)"]
+    assert "Skipped: gmpo (no trl.experimental.gmpo here)" in (tmp_path / "bench_tiny.md").read_text()
