@@ -23,7 +23,7 @@ from trl import GRPOConfig, RLOOConfig
 from trl.trainer.utils import get_config_model_id
 
 from .core_algos import ADVANTAGE_ESTIMATORS, LOPTI_PASS_ORDERS
-from .utils import is_trl_lopti_class
+from .utils import base_trainer_class, is_trl_lopti_class
 
 
 LIGER_MINIMUM_TRL = Version("1.14.0")
@@ -308,6 +308,11 @@ LOPTI_CONFIGS: dict[type, type] = {GRPOConfig: LoptiGRPOConfig, RLOOConfig: Lopt
 """TRL's config of each trainer and its Lopti config."""
 
 
+def trl_config_of(family_lopti_config: type) -> type:
+    """TRL's config (`GRPOConfig`, `RLOOConfig`) that a Lopti config of `LOPTI_CONFIGS` extends."""
+    return next(trl_config for trl_config, lopti in LOPTI_CONFIGS.items() if lopti is family_lopti_config)
+
+
 @functools.cache
 def lopti_config_class(config_class: type, family_lopti_config: type) -> type:
     """
@@ -360,14 +365,12 @@ def trainer_config_classes(trainer_class: type) -> tuple[type, type]:
         trainer_class (`type`):
             A subclass of [`~trl_lopti.lopti_mixin.LoptiTrainerMixin`].
     """
-    from .utils import base_trainer_class
-
     family_lopti_config = next(
         vars(klass)["config_class"]
         for klass in trainer_class.__mro__
         if is_trl_lopti_class(klass) and "config_class" in vars(klass)
     )
-    family_config = next(trl_config for trl_config, lopti in LOPTI_CONFIGS.items() if lopti is family_lopti_config)
+    family_config = trl_config_of(family_lopti_config)
     for klass in trainer_class.__mro__:
         if "config_class" in vars(klass) and not is_trl_lopti_class(klass):
             return family_lopti_config, vars(klass)["config_class"]
@@ -397,10 +400,8 @@ def as_lopti_config(args: Any, model: Any, trainer_class: type) -> LoptiArgument
     Returns:
         [`LoptiArguments`]: the config to train with.
     """
-    from .utils import base_trainer_class
-
     family_lopti_config, default_config = trainer_config_classes(trainer_class)
-    family_config = next(trl_config for trl_config, lopti in LOPTI_CONFIGS.items() if lopti is family_lopti_config)
+    family_config = trl_config_of(family_lopti_config)
     base = base_trainer_class(trainer_class, trainer_class.trl_trainer_class)
     # "GRPO", "GMPO": the trainer, and the folder name.
     base_name = base.__name__.removesuffix("Trainer")
