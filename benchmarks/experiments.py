@@ -45,9 +45,6 @@ METHODS: dict[str, dict[str, Any] | None] = {  # Lopti config fields; None: TRL'
     "ar": dict(advantage_reweighting_alpha=0.2, lopti_threshold=None),
     "lopti": dict(advantage_reweighting_alpha=0.0, lopti_threshold=0.4),
     "ar+lopti": dict(advantage_reweighting_alpha=0.3, lopti_threshold=0.5),
-    # Lopti plus the separate no-grad forward for pi_old that the reference implementation runs (an `after_scoring`
-    # hook, `harness.add_old_logps_forward`: the same updates up to float rounding)
-    "lopti-refstyle": dict(advantage_reweighting_alpha=0.0, lopti_threshold=0.4),
     "lopti-quantile": dict(advantage_reweighting_alpha=0.0, lopti_threshold=None, lopti_quantile=0.5),
 }
 # the same settings on TRL's RLOOTrainer (`rloo`) and LoptiRLOOTrainer, which never adds a forward: RLOO computes pi_old
@@ -55,7 +52,6 @@ METHODS |= {"rloo": None, **{f"rloo-{name}": METHODS[name] for name in ("ar", "l
 # and on TRL's GMPOTrainer (`gmpo`, TRL >= 1.16.0) and the Lopti trainer composed with it as a user writes it
 # (`harness.LoptiGMPOTrainer`): its loss is not GRPO's token-level one, so AR takes its general form there
 METHODS |= {"gmpo": None, **{f"gmpo-{name}": METHODS[name] for name in ("ar", "lopti", "ar+lopti")}}
-AFTER_SCORING = {"lopti-refstyle": harness.add_old_logps_forward}  # the `after_scoring` hook of a method
 
 
 def algorithm_of(method: str) -> str:
@@ -183,7 +179,6 @@ def cost(args: Cost) -> dict[str, Any]:
                 num_batches,
                 lopti,
                 algorithm=algorithm_of(name),
-                after_scoring=AFTER_SCORING.get(name),
                 per_device_train_batch_size=size["per_device_train_batch_size"],
                 gradient_accumulation_steps=size["gradient_accumulation_steps"],
                 num_generations=size["num_generations"],
@@ -302,7 +297,6 @@ def compare(args: Compare) -> dict[str, Any]:
                     settings["rollout_batches"],
                     METHODS[name],
                     algorithm=algorithm_of(name),
-                    after_scoring=AFTER_SCORING.get(name),
                     fig3=True,
                     after_training=after_training,
                     processing_class=tokenizer,

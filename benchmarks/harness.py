@@ -32,9 +32,9 @@ from datasets import Dataset
 from transformers import AutoConfig, PrinterCallback, TrainerCallback, set_seed
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer, lopti_mixin
+from trl_lopti import LoptiArguments, LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer, lopti_mixin
 from trl_lopti.diagnostics import completion_log_probs, probability_quartiles, probability_shift
-from trl_lopti.lopti_mixin import LoptiTrainerMixin, describe_method
+from trl_lopti.lopti_mixin import describe_method
 from trl_lopti.models import build_tiny_model, get_smollm2
 from trl_lopti.tasks import completion_to_text
 from trl_lopti.utils import trl_completion_logps
@@ -54,10 +54,6 @@ COUNTS = (  # policy forwards outside generation, generate calls and their decod
     "completions",
 )
 FACT_CHECKS = [(lopti_mixin, name) for name in vars(lopti_mixin) if name.startswith("check_") or name == "prompts_of"]
-FACT_CHECKS += [
-    (LoptiTrainerMixin, "_mark_backward"),
-    *((lopti_mixin.ReadRecorder, name) for name in ("__init__", "__getitem__")),
-]
 """What runs for the runtime checks of the TRL facts, timed as `fact_checks_s` (within the other phases)."""
 LOGGED_PREFIXES = ("lopti/", "reward")
 """Logged metrics kept per generation batch: TRL's `reward`, `reward_std`, `rewards/*`, and the trainer's `lopti/*`."""
@@ -80,7 +76,7 @@ except ImportError:
 else:
     # AR and Lopti on GMPO, composed as a user writes it (docs/trainers/own.md).
     @dataclasses.dataclass
-    class LoptiGMPOConfig(LoptiGRPOConfig, GMPOConfig): ...
+    class LoptiGMPOConfig(LoptiArguments, GMPOConfig): ...
 
     class LoptiGMPOTrainer(LoptiGRPOTrainer, GMPOTrainer): ...
 

@@ -19,6 +19,12 @@ def pytest_addoption(parser):
         help="run the collected tests in reverse order (CI's check that no test depends on another's state)",
     )
     parser.addoption(
+        "--order-sample",
+        type=int,
+        default=1,
+        help="run every Nth collected test only (after --reverse-order): CI's order check on a sample",
+    )
+    parser.addoption(
         "--vllm",
         action="store_true",
         default=False,
@@ -36,6 +42,14 @@ def pytest_ignore_collect(collection_path, config):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--reverse-order"):
         items.reverse()
+    every = config.getoption("--order-sample")
+    if every > 1:
+        # Every Nth test of the (reversed) order, from the second on, so that each kept test runs after another one
+        # than in the plain order.
+        kept = items[1::every]
+        kept_ids = {id(item) for item in kept}
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept_ids])
+        items[:] = kept
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,7 +1,9 @@
 """Run by tests/test_distributed.py: one Lopti cycle on a fixed generation batch, under torchrun with 1 or 2 processes.
 
 With N processes each process trains on its 1/N of the same global generation batch (per-device batch 4 / N), so the
-two runs see the same completions; the final parameters are written by rank 0.
+two runs see the same completions; the final parameters are written by rank 0. Arguments: model path, output folder,
+result path, and optionally `anchor`: the trainer's loss first runs a frozen anchor model's forward, without gradient
+(`testing_utils.anchor_metric_trainer`), which must change nothing.
 """
 
 import os
@@ -13,10 +15,14 @@ from testing_utils import (
     COMPLETION_LENGTH,
     FLOAT64,
     TEMPERATURE,
+    anchor_metric_trainer,
+    completion_logps,
     fixed_generation_batch,
     patch_float64_norms,
+    perturbed_model,
     use_exact_log_prob_head,
 )
+from trl import GRPOTrainer
 
 from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer
 from trl_lopti.__main__ import exit_launched_process
@@ -25,7 +31,7 @@ from trl_lopti.__main__ import exit_launched_process
 GLOBAL_ROWS_PER_MICRO_STEP, STEPS_PER_GENERATION = 4, 2
 
 
-def main(model_path: str, output_dir: str, result_path: str) -> None:
+def main(model_path: str, output_dir: str, result_path: str, loss: str = "trl") -> None:
     patch_float64_norms()  # float64 model (testing_utils.FLOAT64): the two runs agree to ~1e-15
     rows = GLOBAL_ROWS_PER_MICRO_STEP * STEPS_PER_GENERATION
     batch, eta_log = fixed_generation_batch(model_path, rows, seed=0, beta=0.1)  # pi_ref = the initial policy
@@ -55,26 +61,36 @@ def main(model_path: str, output_dir: str, result_path: str) -> None:
         shuffle_dataset=False,
         **FLOAT64,
     )
-    trainer = LoptiGRPOTrainer(
+    trainer_class = LoptiGRPOTrainer
+    anchors = []
+    if loss == "anchor":
+        anchors.append(perturbed_model(model_path, dtype=torch.float64))
+        trainer_class = anchor_metric_trainer(anchors[0])
+    trainer = trainer_class(
         model=model_path,
         reward_funcs=lambda completions, **kw: [0.0] * len(completions),
         args=config,
         train_dataset=Dataset.from_dict({"prompt": ["p"] * 16}),
     )
     assert trainer.accelerator.num_processes == world_size and trainer.model.dtype == torch.float64
-    use_exact_log_prob_head(trainer)
+    use_exact_log_prob_head(trainer, *anchors)
     rank = trainer.accelerator.process_index
     local_rows = rows // world_size
     generations = []
 
-    def local_slice(generation_batch):
+    def local_slice(self, generation_batch):
         generations.append(1)
         rows = slice(rank * local_rows, (rank + 1) * local_rows)
         # every per-row tensor is sliced; num_items_in_batch stays global, as TRL gathers it over processes
         local = {key: value[rows].clone() if value.dim() else value.clone() for key, value in batch.items()}
+        # pi_old by TRL's rule: the batch spans both passes' optimizer steps
+        if self.args.gradient_accumulation_steps % (self.args.steps_per_generation * self.num_iterations):
+            with torch.no_grad():
+                local["old_per_token_logps"] = completion_logps(self.model, local)
         return local
 
-    trainer._generate_and_score_completions = local_slice
+    # TRL's generation replaced beneath the trainer's own, which splits the batch
+    GRPOTrainer._generate_and_score_completions = local_slice
     trainer.train()
     assert len(generations) == 1 and trainer.state.global_step == 2
     if trainer.accelerator.is_main_process:
@@ -83,5 +99,5 @@ def main(model_path: str, output_dir: str, result_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
     exit_launched_process(0)  # as `python -m trl_lopti` ends under a launcher

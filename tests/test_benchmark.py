@@ -14,8 +14,8 @@ from testing_utils import load_benchmark_script
 
 pytestmark = pytest.mark.slow  # trains 14 tiny trainers and a tiny comparison (about 2 minutes on 2 shared CPUs)
 
-VARIANTS = ["grpo", "ar", "lopti", "ar+lopti", "lopti-refstyle", "lopti-quantile"]
-LOPTI = {"lopti", "ar+lopti", "lopti-refstyle", "lopti-quantile"}
+VARIANTS = ["grpo", "ar", "lopti", "ar+lopti", "lopti-quantile"]
+LOPTI = {"lopti", "ar+lopti", "lopti-quantile"}
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +50,9 @@ def test_counted_passes_per_generation_batch(cost):
     runs = {run["name"]: run for run in data["runs"]}
     for name, run in runs.items():
         passes = 2 if name in LOPTI else 1
-        # One extra no-grad forward over the generation batch, in micro-batches (reference style: ours; quantile: TRL's)
-        extra_forward = name in ("lopti-refstyle", "lopti-quantile")
-        extra = completions // size["per_device_train_batch_size"] if extra_forward else 0
+        # Lopti: TRL's no-grad pi_old forward over the generation batch, in micro-batches (the batch spans both passes'
+        # optimizer steps); on-policy AR alone takes pi_old from its loss forward
+        extra = completions // size["per_device_train_batch_size"] if name in LOPTI else 0
         assert run["global_step"] == passes * len(run["batches"]), name
         for batch in run["batches"]:
             assert batch["policy_forwards_grad"] == passes * micro_steps, name
@@ -94,11 +94,11 @@ def test_json_and_markdown_complete(cost):
     assert len(tables) == 2 * (1 + len(VARIANTS)) + len(VARIANTS)
     for name in VARIANTS:
         assert sum(line.startswith(f"| {name}: ") for line in tables) == 2
-    # Over GRPO: no forward beyond the passes, except the reference style's and the quantile split's no-grad one.
+    # Over GRPO: no forward beyond the passes, except Lopti's no-grad pi_old forward, TRL's own.
     over_base = {line.split(" | ")[0]: line.split(" | ") for line in tables if " / grpo | " in line}
     assert list(over_base) == [f"| {name} / grpo" for name in VARIANTS[1:]]
     for name in VARIANTS[1:]:
-        extra = "+2" if name in ("lopti-refstyle", "lopti-quantile") else "none"
+        extra = "+2" if name in LOPTI else "none"
         assert over_base[f"| {name} / grpo"][7] == extra, name
 
 
@@ -218,10 +218,13 @@ def test_lopti_on_gmpo_costs_over_gmpo_what_lopti_costs_over_grpo(benchmarks, gm
         passes = 2 if "lopti" in name else 1
         assert run["global_step"] == passes * len(run["batches"]), name
         for batch in run["batches"]:
-            # one gradient forward and backward per micro-batch per pass, and no forward without gradient (on-policy
-            # GMPO reads pi_old from its own forward, and so do AR and Lopti on it)
+            # one gradient forward and backward per micro-batch per pass; no forward without gradient on-policy (GMPO
+            # and AR read pi_old from the loss forward), but TRL's pi_old forward under Lopti
             assert batch["policy_forwards_grad"] == batch["backward_passes"] == passes * micro_steps, name
-            assert batch["policy_forwards_no_grad"] == 0, name
+            pi_old_forwards = (
+                size["prompts_per_batch"] * size["num_generations"] // size["per_device_train_batch_size"]
+            )
+            assert batch["policy_forwards_no_grad"] == (pi_old_forwards if passes == 2 else 0), name
             assert batch["optimizer_steps"] == passes and batch["generate_calls"] == 1, name
             logged = batch["logged"]
             if "lopti" in name:  # both passes trained tokens
@@ -247,7 +250,12 @@ def test_lopti_on_gmpo_costs_over_gmpo_what_lopti_costs_over_grpo(benchmarks, gm
         grpo_row, gmpo_row = f"{setting} / grpo", f"gmpo-{setting} / gmpo"
         assert names[names.index(grpo_row) + 1] == gmpo_row
         # fwd grad, fwd no-grad, extra forwards, bwd (after the run and four time ratios)
-        expected = [f"{2 * passes} vs 2", "0 vs 0", "none", f"{2 * passes} vs 2"]
+        expected = [
+            f"{2 * passes} vs 2",
+            f"{2 * passes - 2} vs 0",
+            "+2" if passes == 2 else "none",
+            f"{2 * passes} vs 2",
+        ]
         assert rows[grpo_row][5:9] == rows[gmpo_row][5:9] == expected, setting
 
 

@@ -25,11 +25,13 @@ from testing_utils import (
     FLOAT64,
     PLAIN_SGD,
     TEMPERATURE,
+    anchor_metric_trainer,
     completion_logps,
     conversational_dataset,
     fixed_generation,
     length_reward,
     micro_batches_as_generated,
+    perturbed_model,
     quantile_generation_batch,
     small_config,
     threshold_between_values,
@@ -38,7 +40,7 @@ from testing_utils import (
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer, RLOOTrainer
 
-from trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOTrainer
+from trl_lopti import LoptiArguments, LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOTrainer
 from trl_lopti.check import check_trainer_class, main
 from trl_lopti.config import as_lopti_config
 from trl_lopti.trl_contract import TRL_VERSION
@@ -48,7 +50,7 @@ gmpo = pytest.importorskip("trl.experimental.gmpo", reason="GMPOTrainer is in TR
 
 
 @dataclass
-class LoptiGMPOConfig(LoptiGRPOConfig, gmpo.GMPOConfig): ...
+class LoptiGMPOConfig(LoptiArguments, gmpo.GMPOConfig): ...
 
 
 class LoptiGMPOTrainer(LoptiGRPOTrainer, gmpo.GMPOTrainer): ...
@@ -101,6 +103,30 @@ class OwnLogitsTrainer(GRPOTrainer):
 class LoptiOwnLogitsTrainer(LoptiGRPOTrainer, OwnLogitsTrainer): ...
 
 
+class TwiceForwardTrainer(GRPOTrainer):
+    """A user's loss that takes the log-probabilities from a first forward and the entropies from a second, and adds
+    an entropy bonus: every term goes through TRL's forward."""
+
+    def _compute_loss(self, model, inputs):
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        logits_to_keep = inputs["completion_ids"].size(1)
+        logps, _, _ = self._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep)
+        _, entropies, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True
+        )
+        old_logps = inputs.get("old_per_token_logps")
+        old_logps = logps.detach() if old_logps is None else old_logps
+        mask = inputs["completion_mask"]
+        ratio = torch.exp(logps - old_logps)
+        per_token = -ratio * inputs["advantages"].unsqueeze(1) - 0.01 * entropies
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
+        return loss / self.current_gradient_accumulation_steps
+
+
+class LoptiTwiceForwardTrainer(LoptiGRPOTrainer, TwiceForwardTrainer): ...
+
+
 class NegativeLogLikelihoodTrainer(GRPOTrainer):
     """GRPO's loss plus an SFT-like term computed from the logits: a loss that bypasses TRL's forward in part."""
 
@@ -116,17 +142,12 @@ class LoptiNegativeLogLikelihoodTrainer(LoptiGRPOTrainer, NegativeLogLikelihoodT
 
 
 # ------------------------------------------------------------------------------------------------ the config
-def test_a_composed_config_keeps_each_fields_default_and_help_from_the_first_class_that_declares_it():
+def test_a_config_composed_of_lopti_arguments_keeps_each_bases_defaults_and_help():
     config = LoptiGMPOConfig(output_dir="unused", use_cpu=True, report_to="none")
     gmpo_field = gmpo.GMPOConfig.__dataclass_fields__["epsilon"]
     assert config.epsilon == gmpo_field.default == 0.4
     assert LoptiGMPOConfig.__dataclass_fields__["epsilon"].metadata["help"] == gmpo_field.metadata["help"]
-    # The Lopti fields and LoptiGRPOConfig's own keep theirs, and the order of the fields is GMPOConfig's.
-    assert (config.advantage_reweighting_alpha, config.lopti_threshold, config.advantage_estimator) == (
-        0.3,
-        0.5,
-        "grpo",
-    )
+    assert (config.advantage_reweighting_alpha, config.lopti_threshold) == (0.3, 0.5)
     names = [f.name for f in dataclasses.fields(LoptiGMPOConfig)]
     gmpo_names = [f.name for f in dataclasses.fields(gmpo.GMPOConfig)]
     assert [name for name in names if name in gmpo_names] == gmpo_names
@@ -134,17 +155,39 @@ def test_a_composed_config_keeps_each_fields_default_and_help_from_the_first_cla
     assert LoptiGMPOConfig(output_dir="unused", use_cpu=True, epsilon=0.3).epsilon == 0.3
 
     @dataclass
-    class NarrowGMPOConfig(LoptiGRPOConfig, gmpo.GMPOConfig):
+    class NarrowGMPOConfig(LoptiArguments, gmpo.GMPOConfig):
         epsilon: float = 0.25
 
     assert NarrowGMPOConfig(output_dir="unused", use_cpu=True).epsilon == 0.25
 
 
-def test_a_composed_config_without_dataclass_is_an_error_not_a_silent_default():
-    class Undecorated(LoptiGRPOConfig, gmpo.GMPOConfig):
+def test_a_lopti_config_composed_with_another_config_is_refused_where_the_class_is_written():
+    """`class C(LoptiGRPOConfig, GMPOConfig)` would silently take GRPOConfig's epsilon (0.2) over GMPOConfig's own
+    (0.4), since LoptiGRPOConfig inherits it: refused, with the spelling that keeps GMPO's defaults."""
+    with pytest.raises(TypeError) as error:
+
+        @dataclass
+        class Mixed(LoptiGRPOConfig, gmpo.GMPOConfig): ...
+
+    message = str(error.value)
+    assert "Mixed would take the defaults of TRL's config over those its other bases declare (epsilon" in message
+    assert "`@dataclass class Mixed(LoptiArguments, GMPOConfig)` (from trl_lopti import LoptiArguments)" in message
+
+
+@pytest.mark.parametrize("conflicting", [False, True], ids=["no-field-conflicts", "fields-conflict"])
+def test_a_composed_config_without_dataclass_is_an_error_naming_the_users_class(conflicting):
+    @dataclass
+    class OwnConfig(GRPOConfig):
+        my_weight: float = 2.0
+
+    other = gmpo.GMPOConfig if conflicting else OwnConfig
+
+    class Undecorated(LoptiArguments, other):
         pass
 
-    with pytest.raises(TypeError, match=r"Undecorated .*\(epsilon\) and has no @dataclass decorator"):
+    with pytest.raises(
+        TypeError, match=rf"Undecorated composes several configs \(LoptiArguments, {other.__name__}\) "
+    ):
         Undecorated(output_dir="unused", use_cpu=True)
 
 
@@ -152,7 +195,7 @@ def test_every_path_into_a_composed_trainer_gets_its_bases_defaults(monkeypatch)
     # args=None: GMPO's defaults, TRL's naming of the output folder (on a CPU, TRL's default bf16 needs a GPU).
     monkeypatch.setattr("transformers.training_args.is_torch_bf16_gpu_available", lambda: True)
     default = as_lopti_config(None, "org/Tiny-Model", LoptiGMPOTrainer)
-    assert isinstance(default, gmpo.GMPOConfig) and default.epsilon == 0.4
+    assert isinstance(default, gmpo.GMPOConfig) and isinstance(default, LoptiArguments) and default.epsilon == 0.4
     assert default.output_dir == "Tiny-Model-Lopti-GMPO" and default.lopti_threshold == 0.5
     # A plain GMPOConfig keeps its values, a user's config its extra fields.
     plain = gmpo.GMPOConfig(output_dir="unused", use_cpu=True, epsilon=0.35, learning_rate=3e-6)
@@ -169,9 +212,11 @@ def test_every_path_into_a_composed_trainer_gets_its_bases_defaults(monkeypatch)
     # The class composed at run time pickles (TRL saves the arguments with torch.save) and comes back whole.
     restored = pickle.loads(pickle.dumps(upgraded))
     assert type(restored) is type(upgraded) and restored.epsilon == 0.35 and restored.lopti_threshold == 0.5
-    # A Lopti config that is not the base's: it trains with other defaults, and says which.
-    with pytest.warns(UserWarning, match=r"not a GMPOConfig: .* epsilon \(0\.2, not 0\.4\)"):
+    # A Lopti config that is not the base's: it trains with other defaults, says which, and names the config that fits.
+    with pytest.warns(UserWarning, match=r"not a GMPOConfig: .* epsilon \(0\.2, not 0\.4\)") as caught:
         as_lopti_config(LoptiGRPOConfig(output_dir="unused", use_cpu=True), "m", LoptiGMPOTrainer)
+    advice = "Pass a config of `@dataclass class LoptiGMPOConfig(trl_lopti.LoptiArguments, GMPOConfig)`, or args=None"
+    assert any(advice in str(warning.message) for warning in caught)
 
 
 def test_a_users_config_class_on_the_trainer_class_is_its_default(monkeypatch):
@@ -238,14 +283,14 @@ def test_a_field_type_declared_as_a_string_is_resolved_in_its_own_module(tmp_pat
 
     from trl_lopti.config import lopti_config_class
 
-    composed = lopti_config_class(ScaledConfig, LoptiGRPOConfig)
+    composed = lopti_config_class(ScaledConfig)
     (parsed,) = TrlParser([composed]).parse_args_into_dataclasses(
         ["--output_dir", "o", "--use_cpu", "true", "--epsilon", "0.25"]
     )
     assert type(parsed) is composed and parsed.epsilon == 0.25
 
     @dataclass
-    class LoptiScaledConfig(LoptiGRPOConfig, ScaledConfig): ...
+    class LoptiScaledConfig(LoptiArguments, ScaledConfig): ...
 
     assert LoptiScaledConfig(output_dir="o", use_cpu=True).epsilon == 0.3
     (parsed,) = TrlParser([LoptiScaledConfig]).parse_args_into_dataclasses(
@@ -384,7 +429,7 @@ def cycle_config(config_class, output_dir, rows: int, eta: float | None, alpha: 
     values.update(PLAIN_SGD)
     values.update(FLOAT64)
     values.update(overrides)
-    if not issubclass(config_class, LoptiGRPOConfig):
+    if not issubclass(config_class, LoptiArguments):
         del values["advantage_reweighting_alpha"]
         del values["lopti_threshold"]
     return config_class(**values)
@@ -511,6 +556,56 @@ def test_ar_with_a_kl_term_in_a_loss_of_the_users_is_refused_naming_the_class_an
     LoptiGMPOTrainer(tiny_model_path, length_reward, lopti_alone, conversational_dataset())
 
 
+@pytest.mark.parametrize("anchor_rows", [None, 4], ids=["every-row", "half-the-rows"])
+@pytest.mark.parametrize("lopti", [False, True], ids=["ar", "ar-and-lopti"])
+def test_a_side_forward_of_another_model_in_the_users_loss_changes_nothing(
+    tiny_float64_model_path, tmp_path, float64_norms, lopti, anchor_rows
+):
+    """A user's loss that first reads a frozen anchor model's log-probabilities through TRL's forward, without gradient
+    (`testing_utils.anchor_metric_trainer`), then returns TRL's loss, on an on-policy schedule (TRL computes no pi_old
+    for AR alone): the trained parameters are those of the same run without the side forward. Only a forward of the
+    model the loss received, with gradient, over its rows, carries the method."""
+    anchor = perturbed_model(tiny_float64_model_path, dtype=torch.float64)
+    lopti_fields = {"lopti_quantile": 0.5} if lopti else {"lopti_threshold": None}
+    runs = {}
+    for name, trainer_class in (("plain", LoptiGRPOTrainer), ("anchor", anchor_metric_trainer(anchor, anchor_rows))):
+        config = small_config(
+            tmp_path / name, advantage_reweighting_alpha=0.3, max_steps=4, **lopti_fields, **PLAIN_SGD, **FLOAT64
+        )
+        trainer = trainer_class(tiny_float64_model_path, length_reward, config, conversational_dataset())
+        use_exact_log_prob_head(trainer, anchor)
+        initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+        trainer.train()
+        runs[name] = trainer
+    moved = max(float((p.detach() - initial[n]).abs().max()) for n, p in runs["plain"].model.named_parameters())
+    difference = max(
+        float((p.detach() - q.detach()).abs().max())
+        for p, q in zip(runs["anchor"].model.parameters(), runs["plain"].model.parameters(), strict=True)
+    )
+    rows = anchor_rows or "every"
+    print(f"side forward over {rows} rows: {difference:.3g} from the run without it, moved {moved:.3g}")  # noqa: T201
+    assert moved > 1e-3 and difference <= 1e-12
+
+
+def test_ar_with_a_kl_term_and_a_sequence_ratio_is_refused_whatever_the_config_class(tiny_model_path, tmp_path):
+    """TRL's own loss at sequence level shares one ratio per sequence: AR takes its general form, which would reweight
+    the KL term's gradient. A config composed with `LoptiArguments` (which lacks LoptiGRPOConfig's own check) is refused
+    by the trainer all the same."""
+
+    @dataclass
+    class LoptiMyConfig(LoptiArguments, GRPOConfig):
+        my_weight: float = 1.0
+
+    config = small_config(
+        tmp_path, LoptiMyConfig, advantage_reweighting_alpha=0.3, importance_sampling_level="sequence", beta=0.04
+    )
+    with pytest.raises(ValueError) as error:
+        LoptiGRPOTrainer(tiny_model_path, length_reward, config, conversational_dataset())
+    message = str(error.value)
+    assert "importance_sampling_level='sequence' gives the tokens of a sequence one importance ratio" in message
+    assert "Set beta=0.0, importance_sampling_level='token', or advantage_reweighting_alpha=0.0" in message
+
+
 def test_a_users_loss_that_bypasses_trls_forward_is_named_as_the_cause(tiny_model_path, tmp_path):
     config = small_config(tmp_path, advantage_reweighting_alpha=0.0, max_steps=2)
     trainer = LoptiOwnLogitsTrainer(tiny_model_path, length_reward, config, conversational_dataset())
@@ -519,7 +614,8 @@ def test_a_users_loss_that_bypasses_trls_forward_is_named_as_the_cause(tiny_mode
     message = str(error.value)
     print(message)  # noqa: T201 - the error, word for word (pytest -s)
     assert message.startswith(
-        "OwnLogitsTrainer._compute_loss (in test_composition) breaks fact S2 of trl_lopti (Loss forward): the backward"
+        "OwnLogitsTrainer._compute_loss (in test_composition) breaks fact S2 of trl_lopti (Loss forward): the loss never "
+        "ran self._get_per_token_logps_and_entropies on the model it received with gradient"
     )
     assert "trl-lopti check --trainer_class test_composition.LoptiOwnLogitsTrainer" in message
     # The user's override is the cause: no TRL release to install.
@@ -527,18 +623,33 @@ def test_a_users_loss_that_bypasses_trls_forward_is_named_as_the_cause(tiny_mode
 
 
 # ------------------------------------------------------------------------------------------------ trl-lopti check
-def test_the_check_proves_gmpo_and_finds_a_loss_that_bypasses_the_forward_in_part(single_thread):
-    results = check_trainer_class(LoptiGMPOTrainer)
-    assert [result.name for result in results] == [
-        f"LoptiGMPOTrainer {name}" for name in ("train", "isolation", "passes", "ar")
-    ]
-    assert all(result.passed for result in results), [result.line() for result in results]
-    bypass = {result.name.split()[-1]: result for result in check_trainer_class(LoptiNegativeLogLikelihoodTrainer)}
-    assert bypass["passes"].status == "FAIL" and "does not go through the log-probabilities" in bypass["passes"].detail
-    assert "NegativeLogLikelihoodTrainer._compute_loss" in bypass["passes"].detail
-    assert bypass["isolation"].passed and bypass["ar"].passed
-    # The RLOO family too.
-    assert all(result.passed for result in check_trainer_class(LoptiClippedRLOOTrainer))
+def test_the_check_proves_gmpo_and_a_loss_that_runs_the_forward_twice(single_thread):
+    """Each relation the check prints can fail because of the user's class (the next tests): on GMPO, on a loss that
+    takes its log-probabilities from one forward and its entropies from a second, and on RLOO's family, all pass."""
+    for trainer_class in (LoptiGMPOTrainer, LoptiTwiceForwardTrainer, LoptiClippedRLOOTrainer):
+        results = check_trainer_class(trainer_class)
+        assert [result.name for result in results] == [
+            f"{trainer_class.__name__} {name}" for name in ("train", "passes")
+        ]
+        assert all(result.passed for result in results), [result.line() for result in results]
+
+
+def test_the_check_fails_a_loss_that_bypasses_the_forward_in_part_on_the_passes_relation(single_thread):
+    results = {result.name.split()[-1]: result for result in check_trainer_class(LoptiNegativeLogLikelihoodTrainer)}
+    assert results["train"].passed, "every runtime check passes: only the relation finds it"
+    assert (
+        results["passes"].status == "FAIL" and "does not go through the log-probabilities" in results["passes"].detail
+    )
+    assert "NegativeLogLikelihoodTrainer._compute_loss" in results["passes"].detail
+
+
+def test_the_check_fails_a_loss_that_never_runs_the_forward_once_and_runs_nothing_after_it(single_thread):
+    results = check_trainer_class(LoptiOwnLogitsTrainer)
+    lines = [result.line() for result in results]
+    print("\n".join(lines))  # noqa: T201 - what a user sees (pytest -s)
+    assert [result.status for result in results] == ["FAIL", "SKIP"], lines
+    assert results[0].broken == ("S2",) and "OwnLogitsTrainer._compute_loss" in results[0].detail
+    assert results[1].detail == "it needs the train relation"
 
 
 @pytest.mark.parametrize(

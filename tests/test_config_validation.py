@@ -37,18 +37,20 @@ def test_quantile_out_of_range_names_the_field_and_range(quantile):
     assert "lopti_quantile" in message and "(0, 1)" in message and repr(quantile) in message
 
 
-@pytest.mark.parametrize("threshold", [0.5, None])  # the default eta, or none: the quantile replaces it
+@pytest.mark.parametrize("threshold", ["default", None])  # the default eta, or none: the quantile replaces it
 @pytest.mark.parametrize("quantile", [0.2, np.float32(0.5)])
 def test_a_quantile_alone_turns_lopti_on_with_two_passes(threshold, quantile):
-    config = make(lopti_quantile=quantile, lopti_threshold=threshold, advantage_reweighting_alpha=0.0)
+    fields = {} if threshold == "default" else {"lopti_threshold": threshold}
+    config = make(lopti_quantile=quantile, advantage_reweighting_alpha=0.0, **fields)
     assert config.lopti_quantile == pytest.approx(float(quantile)) and type(config.lopti_quantile) is float
     assert config.lopti_threshold is None, "one split rule: the quantile"
     assert config.lopti_enabled and config.lopti_num_passes == 2 and config.lopti_pass_order == ("low", "high")
 
 
-def test_another_fixed_eta_beside_a_quantile_is_rejected():
-    message = rejection(lopti_threshold=0.4, lopti_quantile=0.3)
-    assert "lopti_threshold=0.4" in message and "lopti_quantile=0.3" in message
+@pytest.mark.parametrize("threshold", [0.4, 0.5, np.float64(0.5)])
+def test_a_fixed_eta_given_beside_a_quantile_is_rejected_even_the_defaults_value(threshold):
+    message = rejection(lopti_threshold=threshold, lopti_quantile=0.3)
+    assert message.startswith(f"lopti_threshold={threshold!r} and lopti_quantile=0.3 are two Lopti split rules")
 
 
 def test_the_lopti_schedule_check_applies_to_the_quantile_rule():
@@ -155,7 +157,10 @@ def test_a_plain_grpo_config_with_an_unfit_schedule_gets_an_error_in_its_own_ter
     message = str(error.value)
     assert "steps_per_generation=4" in message and "lopti_threshold=None" in message
     # one piece of advice, in terms of what a plain GRPOConfig user can pass
-    assert message.count("to train without Lopti") == 1 and "pass a trl_lopti.LoptiGRPOConfig(" in message
+    assert (
+        message.count("to train without Lopti") == 1
+        and "pass a trl_lopti.LoptiGRPOConfig with lopti_threshold=None" in message
+    )
     assert "lopti_quantile" not in message
 
 

@@ -47,27 +47,24 @@ def assert_reinforce_plus_plus_whitens_over_both_processes(per_rank_batches):
 @pytest.mark.slow
 def test_two_process_ddp_equals_one_process_with_twice_the_batch(tiny_float64_model_path, tmp_path):
     """A Lopti cycle (sequence-level ratio, AR in its general form) on a fixed generation batch split over 2 gloo
-    processes, float64."""
+    processes, float64; and under 2 processes a user's loss whose side forward of a frozen anchor model, without
+    gradient, comes first (`testing_utils.anchor_metric_trainer`): it changes nothing."""
     import torch
     from testing_utils import assert_parameters_close
     from transformers import AutoModelForCausalLM
 
     results = {}
-    for num_processes in (1, 2):
-        path = tmp_path / f"parameters_{num_processes}.pt"
-        torchrun(
-            "ddp_equivalence_script.py",
-            num_processes,
-            tiny_float64_model_path,
-            str(tmp_path / f"out{num_processes}"),
-            str(path),
-        )
-        results[num_processes] = torch.load(path)
-    assert [results[n]["world_size"] for n in (1, 2)] == [1, 2]
+    for num_processes, loss in ((1, "trl"), (2, "trl"), (2, "anchor")):
+        path = tmp_path / f"parameters_{num_processes}_{loss}.pt"
+        output_dir = str(tmp_path / f"out{num_processes}_{loss}")
+        torchrun("ddp_equivalence_script.py", num_processes, tiny_float64_model_path, output_dir, str(path), loss)
+        results[(num_processes, loss)] = torch.load(path)
+    assert [results[key]["world_size"] for key in results] == [1, 2, 2]
     initial = dict(AutoModelForCausalLM.from_pretrained(tiny_float64_model_path).named_parameters())
-    single, distributed = results[1]["parameters"], results[2]["parameters"]
+    single = results[(1, "trl")]["parameters"]
     assert all(parameter.dtype == torch.float64 for parameter in single.values())
-    largest_difference, moved = assert_parameters_close(distributed, single, initial, atol=1e-8)
-    # the measured figure, for the record (pytest -s)
-    print(f"2 processes vs 1: largest difference {largest_difference:.3g}, moved {moved:.3g} in all")  # noqa: T201
-    assert moved > 1e-3, "the cycle must move the parameters"
+    for key in ((2, "trl"), (2, "anchor")):
+        largest_difference, moved = assert_parameters_close(results[key]["parameters"], single, initial, atol=1e-8)
+        # the measured figure, for the record (pytest -s)
+        print(f"{key}: largest difference from 1 process {largest_difference:.3g}, moved {moved:.3g} in all")  # noqa: T201
+        assert moved > 1e-3, "the cycle must move the parameters"

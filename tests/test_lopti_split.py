@@ -16,6 +16,7 @@ from testing_utils import (
     completion_logps,
     conversational_dataset,
     fixed_generation,
+    fixed_generation_batch,
     in_pass,
     length_reward,
     logged,
@@ -211,14 +212,16 @@ def test_a_quantile_alone_trains_at_one_no_grad_forward_per_generation_batch(tin
     assert all(float(entry[ETA_KEY]) == pytest.approx(thresholds[-1], rel=1e-6) for entry in entries)
 
 
-def test_fixed_eta_needs_no_extra_forward_and_logs_it(tiny_model_path, tmp_path):
+def test_fixed_eta_needs_no_forward_but_trls_pi_old_and_logs_it(tiny_model_path, tmp_path):
+    """The one forward without gradient is TRL's own pi_old at generation (the batch spans both passes' optimizer
+    steps), in micro-batches of per_device_train_batch_size: steps_per_generation forwards for one batch."""
     config = small_config(tmp_path, lopti_threshold=ETA_FROM_EACH_BATCH, max_steps=2)
     trainer = LoptiGRPOTrainer(
         model=tiny_model_path, reward_funcs=length_reward, args=config, train_dataset=conversational_dataset()
     )
     counter = PolicyPassCounter(trainer.model)
     trainer.train()
-    assert counter.forwards_without_grad == 0
+    assert counter.forwards_without_grad == config.steps_per_generation
     assert logged(trainer, "lopti/threshold") == [ETA_FROM_EACH_BATCH]
 
 
@@ -266,6 +269,30 @@ class KeepOptimizerState(TrainerCallback):
         if state.global_step == 1:
             self.parameters = [p.detach().clone() for p in self.trainer.model.parameters()]
             self.optimizer_state = copy.deepcopy(self.trainer.optimizer.state_dict())
+
+
+@pytest.mark.parametrize("token_group", ["low", "high"])
+def test_a_micro_batch_without_its_split_or_pi_old_stops_rather_than_split_at_the_moved_policy(
+    tiny_model_path, tmp_path, token_group
+):
+    """Under Lopti each micro-batch carries its generation's split: one that reaches the loss with neither the split nor
+    pi_old would take the current (moved) policy for pi_old, so the loss stops on fact S1. With pi_old alone, it is
+    split from that pi_old (a batch made elsewhere)."""
+    config = small_config(tmp_path, lopti_threshold=ETA_FROM_EACH_BATCH, max_steps=2)
+    trainer = LoptiGRPOTrainer(
+        model=tiny_model_path, reward_funcs=length_reward, args=config, train_dataset=conversational_dataset()
+    )
+    batch, _ = fixed_generation_batch(tiny_model_path, 4, seed=0, beta=0.0)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    with in_pass(trainer, token_group), pytest.raises(RuntimeError) as error:
+        trainer.compute_loss(trainer.model, dict(batch))
+    message = str(error.value)
+    assert "broke fact S1 of trl_lopti (Schedule): a micro-batch reached the loss without the split" in message
+    with torch.no_grad():
+        batch["old_per_token_logps"] = completion_logps(trainer.model, batch)
+    with in_pass(trainer, token_group):
+        assert torch.isfinite(trainer.compute_loss(trainer.model, dict(batch)))
 
 
 def test_an_empty_pass_is_an_adamw_step_with_zero_gradient(tiny_model_path, tmp_path):

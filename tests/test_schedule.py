@@ -1,6 +1,7 @@
 """The Lopti schedule: one cycle of LoptiGRPOTrainer equals a hand-run two-step update, and costs what it says."""
 
 import copy
+import unittest.mock
 
 import pytest
 import torch
@@ -85,18 +86,19 @@ def run_one_cycle(
     # not a deepcopy of trainer.model: TRL patches its forward with a closure over the original instance
     initial_model = AutoModelForCausalLM.from_pretrained(model_path)
     generation_calls = []
-    off_policy = gradient_accumulation_steps % (steps_per_generation * num_iterations) != 0
 
-    def generate_fixed_batch(generation_batch):
+    def generate_fixed_batch(self, generation_batch):
         generation_calls.append(len(generation_batch))
         output = {key: value.clone() for key, value in batch.items()}
-        if off_policy:  # TRL computes pi_old at generation time in this schedule
+        # TRL's rule, by its own count of the times a batch is trained (Lopti's passes included)
+        if self.args.gradient_accumulation_steps % (self.args.steps_per_generation * self.num_iterations) != 0:
             with torch.no_grad():
-                output["old_per_token_logps"], _ = completion_logps_and_entropies(trainer.model, output, TEMPERATURE)
+                output["old_per_token_logps"], _ = completion_logps_and_entropies(self.model, output, TEMPERATURE)
         return output
 
-    trainer._generate_and_score_completions = generate_fixed_batch
-    trainer.train()
+    # TRL's generation replaced beneath the trainer's own, which splits the batch
+    with unittest.mock.patch.object(GRPOTrainer, "_generate_and_score_completions", generate_fixed_batch):
+        trainer.train()
     return trainer, initial_model, generation_calls, eta, batch
 
 
@@ -279,7 +281,8 @@ def count_passes(trainer_class, model_path, output_dir, num_generation_batches, 
 
 
 def test_forward_and_backward_counts_per_generation_batch(tiny_model_path, tmp_path, mid_gap_trainer):
-    """On-policy (TRL skips old log-probs): AR adds no pass; Lopti doubles the forward+backward and adds no forward."""
+    """On-policy (TRL skips old log-probs): AR adds no pass; Lopti doubles the forward+backward, and TRL computes pi_old
+    at generation (its rule: the generation batch spans several optimizer steps)."""
     batches = 2
     grpo = count_passes(GRPOTrainer, tiny_model_path, tmp_path / "grpo", batches)
     ar = count_passes(LoptiGRPOTrainer, tiny_model_path, tmp_path / "ar", batches, lopti_threshold=None)
@@ -300,5 +303,8 @@ def test_forward_and_backward_counts_per_generation_batch(tiny_model_path, tmp_p
         grpo.backwards,
     )
     assert lopti.forwards_with_grad == 2 * grpo.forwards_with_grad
-    assert lopti.forwards_without_grad == len(mid_gap_trainer.etas), "none but the fixture's, one per generation batch"
+    # TRL's own pi_old forward at generation (a generation batch spans both passes' optimizer steps), in micro-batches
+    # of per_device_train_batch_size (2 per generation batch here), and the fixture's, one per generation batch
+    pi_old_forwards = 2 * batches
+    assert lopti.forwards_without_grad == pi_old_forwards + len(mid_gap_trainer.etas)
     assert lopti.backwards == 2 * grpo.backwards

@@ -102,9 +102,10 @@ class LogProbHeadOutput:
         self.loss = -log_probs.sum()
 
 
-def use_exact_log_prob_head(trainer) -> None:
+def use_exact_log_prob_head(trainer, *other_models) -> None:
     """
-    Makes TRL's log-prob forward (`model(..., labels=..., fused_lm_head=True)`) compute in the model's dtype.
+    Makes TRL's log-prob forward (`model(..., labels=..., fused_lm_head=True)`) compute in the model's dtype, on the
+    trainer's models and on `other_models` (a model a user's loss runs through TRL's forward).
 
     TRL's fused LM head runs its softmax in float32 whatever the model's dtype, which limits any comparison with an
     independent float64 computation to ~1e-7. This replaces it, on the policy and the reference model, by the plain
@@ -139,6 +140,8 @@ def use_exact_log_prob_head(trainer) -> None:
     exact_head(trainer.model)
     if trainer.ref_model is not None:
         exact_head(trainer.ref_model)
+    for model in other_models:
+        exact_head(model)
 
 
 # ------------------------------------------------------------------------------------- thresholds far from every value
@@ -581,15 +584,51 @@ def load_benchmark_script(name: str):
     return module
 
 
+# ------------------------------------------------------------------------------------------- a loss with a side forward
+def anchor_metric_trainer(anchor: torch.nn.Module, anchor_rows: int | None = None) -> type:
+    """
+    A Lopti trainer whose base is a user's `GRPOTrainer` subclass with a side forward: its `_compute_loss` first reads
+    a frozen `anchor` model's log-probabilities through `self._get_per_token_logps_and_entropies` (the anchor given a
+    log-prob head, as TRL gives its models: `add_fused_lm_head` or `use_exact_log_prob_head`), without gradient,
+    for a metric it then ignores (over the first `anchor_rows` rows of the batch; all where `None`), and then returns
+    TRL's loss. The documented order: `class LoptiAnchorMetricTrainer(LoptiGRPOTrainer, AnchorMetricTrainer)`.
+    """
+    from trl import GRPOTrainer
+
+    from trl_lopti import LoptiGRPOTrainer
+
+    class AnchorMetricTrainer(GRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            rows = inputs["completion_ids"].size(0) if anchor_rows is None else anchor_rows
+            input_ids = torch.cat([inputs["prompt_ids"][:rows], inputs["completion_ids"][:rows]], dim=1)
+            attention_mask = torch.cat([inputs["prompt_mask"][:rows], inputs["completion_mask"][:rows]], dim=1)
+            with torch.no_grad():
+                logits_to_keep = inputs["completion_ids"].size(1)
+                self._get_per_token_logps_and_entropies(anchor, input_ids, attention_mask, logits_to_keep)
+            return super()._compute_loss(model, inputs)
+
+    class LoptiAnchorMetricTrainer(LoptiGRPOTrainer, AnchorMetricTrainer):
+        pass
+
+    return LoptiAnchorMetricTrainer
+
+
+def perturbed_model(model_path: str, scale: float = 0.05, **kwargs):
+    """The model at `model_path` with N(0, `scale`) noise added to every parameter: a model unlike the policy."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter += scale * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+    return model.requires_grad_(False)
+
+
 # ---------------------------------------------------------------------------------------------- TRL, broken on purpose
 # Each mutation makes TRL's trainer class behave as a plausible future release that breaks one fact of
 # `trl_lopti.trl_contract.TRL_FACTS` would (monkeypatch undoes it). tests/test_fact_checks.py trains with each one and expects
 # the trainer's runtime check of that fact to stop it; tests/test_layout.py checks that every fact has one.
-def _copies_the_micro_batch(monkeypatch, trl_class):  # S1: what compute_loss gets is a copy of the buffered dict
-    prepare = trl_class._prepare_inputs
-    monkeypatch.setattr(trl_class, "_prepare_inputs", lambda self, batch: dict(prepare(self, batch)))
-
-
 def _generates_at_every_pass(monkeypatch, trl_class):  # S1: generates by the user's num_iterations, not its own
     prepare = trl_class._prepare_inputs
 
@@ -613,7 +652,7 @@ def _repeats_once_per_pass(monkeypatch, trl_class):  # the sampler repeats by ar
     monkeypatch.setattr(trl_class, "_get_train_sampler", sampler_by_the_arguments)
 
 
-def _loss_not_through_the_hook(monkeypatch, trl_class):  # S3: a fused loss; the hooked forward feeds metrics only
+def _loss_not_through_the_hook(monkeypatch, trl_class):  # S2: a fused loss; the hooked forward feeds metrics only
     loss = trl_class._compute_loss
 
     def fused(self, model, inputs):
@@ -651,7 +690,7 @@ def _loss_counts_padding(
     monkeypatch.setattr(trl_class, "_compute_loss", counting_padding)
 
 
-def _state_loaded_after_the_hook(monkeypatch, trl_class):  # S4: the trainer state is not loaded yet in the hook
+def _state_loaded_after_the_hook(monkeypatch, trl_class):  # S3: the trainer state is not loaded yet in the hook
     from transformers import TrainerState
 
     load = TrainerState.load_from_json.__func__
@@ -664,7 +703,7 @@ def _state_loaded_after_the_hook(monkeypatch, trl_class):  # S4: the trainer sta
     monkeypatch.setattr(TrainerState, "load_from_json", classmethod(not_yet_loaded))
 
 
-def _hook_not_called(monkeypatch, trl_class):  # S4: the training loop restores the optimizer through another hook
+def _hook_not_called(monkeypatch, trl_class):  # S3: the training loop restores the optimizer through another hook
     import functools
 
     import transformers
@@ -680,9 +719,18 @@ def _hook_not_called(monkeypatch, trl_class):  # S4: the training loop restores 
     monkeypatch.setattr(transformers.Trainer, "_inner_training_loop", loop_with_the_base_hook)
 
 
-def _advantages_read_first(monkeypatch, trl_class):  # G1: the loss reads its inputs before its policy forward
+def _advantages_per_sequence(monkeypatch, trl_class):  # G1: token-level advantages averaged over each sequence
     loss = trl_class._compute_loss
-    monkeypatch.setattr(trl_class, "_compute_loss", lambda self, model, inputs: loss(self, model, dict(inputs)))
+
+    def per_sequence(self, model, inputs):
+        advantages = inputs["advantages"]
+        if advantages.dim() == 2:
+            inputs = dict(inputs)
+            mask = inputs["completion_mask"]
+            inputs["advantages"] = (advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return loss(self, model, inputs)
+
+    monkeypatch.setattr(trl_class, "_compute_loss", per_sequence)
 
 
 def _no_pi_old(monkeypatch, trl_class):  # G2: no old_per_token_logps off-policy
@@ -733,14 +781,13 @@ def _tool_mask(monkeypatch, trl_class):  # R2: RLOO returns a tool_mask, which i
 
 
 TRL_MUTATIONS = {
-    "copied micro-batch": ("S1", _copies_the_micro_batch),
     "generation at every pass": ("S1", _generates_at_every_pass),
     "sampler repeats by the config's num_iterations": ("S1", _repeats_once_per_pass),
     "loss not through the hooked forward": ("S2", _loss_not_through_the_hook),
     "state loaded after the hook": ("S3", _state_loaded_after_the_hook),
     "hook not called on resume": ("S3", _hook_not_called),
     "a loss that counts padding": ("S4", _loss_counts_padding),
-    "advantages read before the forward": ("G1", _advantages_read_first),
+    "token-level advantages per sequence": ("G1", _advantages_per_sequence),
     "no pi_old off-policy": ("G2", _no_pi_old),
     "rewards from another method": ("G3", _rewards_elsewhere),
     "old_logps not the first forward": ("R1", _old_logps_elsewhere),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _LAZY_ATTRIBUTES = {
+    "LoptiArguments": "trl_lopti.config",
     "LoptiGRPOConfig": "trl_lopti.config",
     "LoptiGRPOTrainer": "trl_lopti.grpo_trainer",
     "LoptiRLOOConfig": "trl_lopti.config",
@@ -22,7 +23,7 @@ _LAZY_ATTRIBUTES = {
 }
 
 if TYPE_CHECKING:
-    from .config import LoptiGRPOConfig, LoptiRLOOConfig
+    from .config import LoptiArguments, LoptiGRPOConfig, LoptiRLOOConfig
     from .grpo_trainer import LoptiGRPOTrainer
     from .rloo_trainer import LoptiRLOOTrainer
     from .trl_contract import TRL_VERSION
@@ -40,4 +41,11 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY_ATTRIBUTES])
 
 
-__all__ = ["LoptiGRPOConfig", "LoptiGRPOTrainer", "LoptiRLOOConfig", "LoptiRLOOTrainer", "__version__"]
+__all__ = [
+    "LoptiArguments",
+    "LoptiGRPOConfig",
+    "LoptiGRPOTrainer",
+    "LoptiRLOOConfig",
+    "LoptiRLOOTrainer",
+    "__version__",
+]

@@ -36,7 +36,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging
 
-from .config import lopti_config_class, trainer_config_classes
+from .config import default_config_class, lopti_config_class
 from .grpo_trainer import LoptiGRPOTrainer
 from .lopti_mixin import LOPTI_BATCH_KEYS, LoptiTrainerMixin
 from .models import PEAKED_TINY_MODEL, build_tiny_model
@@ -106,7 +106,8 @@ class CheckResult:
         return self.status == "PASS"
 
     def line(self) -> str:
-        facts = " ".join(self.facts) or "-"
+        # A relation of a user's class relies on no fact by itself: the facts it found broken, if any.
+        facts = " ".join(self.facts or self.broken) or "-"
         return f"{self.status:<5} {facts:<20} {self.name}: {self.detail} ({self.seconds:.1f} s)"
 
 
@@ -166,10 +167,9 @@ def log_prob_forward_class(trainer_class: type) -> type:
 
 
 @contextlib.contextmanager
-def observed_forwards(trl_class: type, active_mask: torch.Tensor | None = None) -> Iterator[Passes]:
+def observed_forwards(trl_class: type) -> Iterator[Passes]:
     """Counts the calls of the log-prob forward of `trl_class` (TRL's own) in the block, and keeps the
-    log-probabilities it returned with gradient, each keeping its `.grad`; with `active_mask` (B, T), the
-    log-probabilities and entropies of the other tokens are returned detached."""
+    log-probabilities it returned with gradient, each keeping its `.grad`."""
     name = "_get_per_token_logps_and_entropies"
     forward = trl_class.__dict__[name]
     passes = Passes()
@@ -183,14 +183,7 @@ def observed_forwards(trl_class: type, active_mask: torch.Tensor | None = None) 
         if output[0].requires_grad:
             output[0].retain_grad()
             passes.logps.append(output[0])
-        if active_mask is None:
-            return output
-        # The other tokens detached, written here rather than by the isolation under test.
-        logps = torch.where(active_mask, output[0], output[0].detach())
-        entropies = output[1]
-        if entropies is not None:
-            entropies = torch.where(active_mask, entropies, entropies.detach())
-        return logps, entropies, output[2]
+        return output
 
     setattr(trl_class, name, observing)
     try:
@@ -386,7 +379,13 @@ class Contract:
             with self.failure(failures, "ar"):
                 reweighted = self.gradients(lopti, trl_class, batch, whole, kl=False)
                 exactly_zero(reweighted[unweighted == 0], f"{what}: AR where plain TRL has no gradient")
-                difference = close(reweighted, weights * unweighted, self.tolerance, f"{what}: AR")
+                try:
+                    difference = close(reweighted, weights * unweighted, self.tolerance, f"{what}: AR")
+                except Relation as error:
+                    # At token level GRPO's loss gets AR's token-level advantages, which it must weight token by
+                    # token (fact G1).
+                    token_level = trainer == "grpo" and configuration["importance_sampling_level"] == "token"
+                    raise Relation(str(error), (GRPO_LOSS.code,) if token_level else ()) from None
                 worst["ar"] = max(worst["ar"], difference)
         count = "its loss"
         if trainer == "grpo":
@@ -442,11 +441,15 @@ class Contract:
             raise Relation("no parameter moved")
         return f"{passes.steps} optimizer steps, both passes, low-token share {shares[0]:.2f}, every runtime check on"
 
-    def composition_relations(self, composition: "Composition") -> dict[str, str | Relation]:
-        """The `isolation`, `passes` and `ar` relations of a user's trainer class at equal parameters, for each
-        configuration of its loss: for each, a detail or the first relation that failed."""
+    def composition_passes(self, composition: "Composition") -> str:
+        """
+        The `passes` relation of a user's trainer class at equal parameters, for each configuration of its loss: the
+        parameter gradients of the low and the high pass (both groups hold tokens) add up to the class's own update.
+        It fails where part of the loss's gradient bypasses the log-probabilities and entropies of
+        `self._get_per_token_logps_and_entropies` (a term computed from the logits, a forward of its own): Lopti
+        cannot isolate that part, and AR cannot reweight it.
+        """
         trainer_class = composition.trainer_class
-        forward_class = log_prob_forward_class(trainer_class)
         family = composition.family
         configurations = [{}]
         if family == "grpo" and defining_class(trainer_class, "_compute_loss") is trl.GRPOTrainer:
@@ -461,14 +464,8 @@ class Contract:
         generator_config = self.composition_config(composition, "batch", beta=beta, advantage_reweighting_alpha=0.0)
         generator = self.trainer(trainer_class, generator_config)
         batch, eta = generation_batch_off_policy(generator)
-        mask = batch["completion_mask"].bool()
-        old_probabilities = batch["old_per_token_logps"].exp()
-        low_mask = (old_probabilities < eta) & mask
-        groups = {"low": low_mask, "high": mask & ~low_mask}
-        weights = 0.3 * old_probabilities + 0.7
         loss_method = composition.loss_method()
-        worst = {"isolation": 0.0, "passes": 0.0, "ar": 0.0}
-        failures = {}
+        worst = 0.0
         checked = 0
         for configuration in configurations:
             plain = self.composition_config(
@@ -477,7 +474,6 @@ class Contract:
             lopti = self.composition_config(
                 composition, "loss", **configuration, lopti_threshold=eta, advantage_reweighting_alpha=0.0
             )
-            reweighted = self.composition_config(composition, "loss", **configuration, lopti_threshold=None)
             trainer = self.trainer(trainer_class, lopti)
             what = f"{trainer_class.__name__} {' '.join(map(str, configuration.values()))}".strip()
             try:
@@ -488,67 +484,37 @@ class Contract:
                     continue
                 raise
             checked += 1
-            passes = []
-            with self.failure(failures, "isolation"):
-                for pass_index, group in enumerate(lopti.lopti_pass_order):
-                    gradient = self.parameter_gradients(trainer, batch, lopti, pass_index, beta)
-                    passes.append(gradient)
-                    expected = self.parameter_gradients(trainer, batch, plain, beta=beta, active_mask=groups[group])
-                    what_pass = (
-                        f"{what}: the {group} pass's parameter gradient against autograd on {loss_method}'s own "
-                        f"loss with the {'high' if group == 'low' else 'low'} tokens' log-probabilities detached"
-                    )
-                    difference = close(gradient, expected, self.tolerance, what_pass)
-                    worst["isolation"] = max(worst["isolation"], difference)
-            with self.failure(failures, "passes"):
-                if len(passes) != 2:
-                    raise Relation("the isolation relation did not run to the end")
-                try:
-                    difference = close(passes[0] + passes[1], whole, self.tolerance, f"{what}: low + high pass")
-                except Relation as error:
-                    raise Relation(
-                        f"{error}, against {loss_method}'s own update: part of its gradient does not go through the "
-                        "log-probabilities and entropies that self._get_per_token_logps_and_entropies returned (a "
-                        "term computed from the logits or hidden states directly, or a forward of its own), so Lopti "
-                        "cannot isolate that part and AR cannot reweight it. Compute every term of the loss from "
-                        "that forward's output"
-                    ) from None
-                worst["passes"] = max(worst["passes"], difference)
-            with self.failure(failures, "ar"):
-                unweighted = self.gradients(trainer, forward_class, batch, plain, kl=False)
-                if not torch.count_nonzero(unweighted):
-                    raise Relation(f"{what}: {loss_method} has no gradient through the log-probabilities")
-                weighted = self.gradients(trainer, forward_class, batch, reweighted, kl=False)
-                exactly_zero(weighted[unweighted == 0], f"{what}: AR where {loss_method} has no gradient")
-                difference = close(weighted, weights * unweighted, self.tolerance, f"{what}: AR")
-                worst["ar"] = max(worst["ar"], difference)
+            if not torch.count_nonzero(whole):
+                raise Relation(f"{what}: {loss_method} has no gradient on any parameter")
+            passes = [
+                self.parameter_gradients(trainer, batch, lopti, pass_index, beta)
+                for pass_index in range(lopti.lopti_num_passes)
+            ]
+            try:
+                difference = close(passes[0] + passes[1], whole, self.tolerance, f"{what}: low + high pass")
+            except Relation as error:
+                raise Relation(
+                    f"{error}, against {loss_method}'s own update: part of its gradient does not go through the "
+                    "log-probabilities and entropies that self._get_per_token_logps_and_entropies returned (a term "
+                    "computed from the logits or hidden states directly, or a forward of its own), so Lopti cannot "
+                    "isolate that part and AR cannot reweight it. Compute every term of the loss from that forward's "
+                    "output"
+                ) from None
+            worst = max(worst, difference)
         if not checked:
-            failure = Relation(f"no configuration of {loss_method} could run (every one: an unknown loss type)")
-            return {"isolation": failure, "passes": failure, "ar": failure}
+            raise Relation(f"no configuration of {loss_method} could run (every one: an unknown loss type)")
         count = f"{checked} configurations of its loss" if checked > 1 else "its loss"
-        details = {
-            "isolation": f"{count}: each pass = autograd on {loss_method} with the other group detached, to "
-            f"{worst['isolation']:.2g}",
-            "passes": f"{count}: low + high pass = {loss_method}'s own update, on every parameter, to "
-            f"{worst['passes']:.2g}",
-            "ar": f"{count}: each token's gradient = w(t) x {loss_method}'s to {worst['ar']:.2g}",
-        }
-        return {relation: failures.get(relation, detail) for relation, detail in details.items()}
+        return f"{count}: low + high pass = {loss_method}'s own update, on every parameter, to {worst:.2g}"
 
     @staticmethod
-    def parameter_gradients(
-        trainer, batch: dict, args, pass_index: int = 0, beta: float = 0.0, active_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def parameter_gradients(trainer, batch: dict, args, pass_index: int = 0, beta: float = 0.0) -> torch.Tensor:
         """The gradient of the trainer's loss with `args`, in pass `pass_index`, w.r.t. every parameter (flat,
-        float64); with `active_mask`, the other tokens' log-probabilities and entropies detached at the log-prob
-        forward."""
+        float64)."""
         step = pass_index * args.lopti_pass_micro_steps
         trainer.current_gradient_accumulation_steps = 1
         trainer.model.train()
         trainer.model.zero_grad(set_to_none=True)
-        forward_class = log_prob_forward_class(type(trainer))
-        observed = observed_forwards(forward_class, active_mask)
-        with temporarily_set(trainer, args=args, _step=step, beta=beta), observed:
+        with temporarily_set(trainer, args=args, _step=step, beta=beta):
             trainer.compute_loss(trainer.model, dict(batch)).backward()
         parameters = list(trainer.model.parameters())
         gradients = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
@@ -597,13 +563,12 @@ def composition_of(trainer_class: Any, config_class: Any = None) -> Composition:
         )
     family = "grpo" if issubclass(trainer_class, LoptiGRPOTrainer) else "rloo"
     if config_class is None:
-        family_lopti_config, default = trainer_config_classes(trainer_class)
-        config_class = lopti_config_class(default, family_lopti_config)
+        config_class = lopti_config_class(default_config_class(trainer_class))
     elif not (isinstance(config_class, type) and issubclass(config_class, TRL_CONFIGS[family])):
         name = getattr(config_class, "__name__", repr(config_class))
         raise TypeError(f"{name} is not a config of {TRL_CONFIGS[family].__name__}'s family")
     else:
-        config_class = lopti_config_class(config_class, TRAINERS[family].config_class)
+        config_class = lopti_config_class(config_class)
     return Composition(trainer_class, config_class, family)
 
 
@@ -711,12 +676,13 @@ def check_trainer_class(
     report: Callable[[CheckResult], None] | None = None,
 ) -> list[CheckResult]:
     """
-    The relations of the contract on a user's own Lopti trainer class (`trl-lopti check --trainer_class`), on a
-    tiny model built here: a Lopti cycle with AR trains with every runtime check on (`train`); each pass's
-    parameter gradient is autograd's on the class's own loss with the other group's log-probabilities detached
-    (`isolation`); the two passes add up to the class's own update on every parameter (`passes`, which finds a
-    loss that bypasses the log-prob forward in part); each token's gradient under AR is `w(t)` times the plain
-    one (`ar`). Nothing is cached: the gate of an untested TRL keeps checking TRL's own trainers.
+    The relations of the contract that a user's own Lopti trainer class can break (`trl-lopti check
+    --trainer_class`), on a tiny model built here: a Lopti cycle with AR trains with every runtime check on, both
+    passes, and moves the parameters (`train`); at equal parameters the low and the high pass add up to the class's
+    own update on every parameter (`passes`, which finds a loss that bypasses the log-prob forward in part). That
+    each pass isolates its tokens and that AR scales each token's gradient is the library's own mechanism, proven
+    on TRL's trainers by `trl-lopti check`. Nothing is cached: the gate of an untested TRL keeps checking TRL's own
+    trainers.
 
     Call it from a test suite, with a class defined anywhere (a script too):
     `assert all(result.passed for result in check_trainer_class(LoptiGMPOTrainer))`.
@@ -739,32 +705,28 @@ def check_trainer_class(
     """
     composition = composition_of(trainer_class, config_class)
     name = trainer_class.__name__
-    results = [CheckResult(f"{name} {check}", ()) for check in ("train", "isolation", "passes", "ar")]
-    contract = None
-    relations = {}
+    results = []
     with tempfile.TemporaryDirectory(prefix="trl-lopti-check-") as folder:
-        for result in results:
-            check = result.name.split()[-1]
+        contract = None
+        for check in ("train", "passes"):
+            result = CheckResult(f"{name} {check}", ())
             start = time.perf_counter()
-            try:
-                with temporarily_set(trl_contract, _verifying_contract=True), quiet():
-                    contract = contract or Contract(Path(folder), device, precision)
-                    if check == "train":
-                        outcome = contract.composition_train(composition)
-                    else:
-                        # Run once for the three relations; an error that stops it stands for each.
-                        if not relations:
-                            try:
-                                relations = contract.composition_relations(composition)
-                            except Exception as error:  # noqa: BLE001 - a verdict for every relation
-                                relations = dict.fromkeys(("isolation", "passes", "ar"), error)
-                        outcome = relations[check]
-                if isinstance(outcome, Exception):
-                    raise outcome
-                result.detail = outcome
-            except Exception as error:  # noqa: BLE001 - a verdict for every relation, whatever breaks
-                record_failure(result, error)
+            # A relation after one that failed is not run: its failure would only repeat the first.
+            if results and not results[-1].passed:
+                result.status = "SKIP"
+                result.detail = f"it needs the {results[-1].name.split()[-1]} relation"
+            else:
+                try:
+                    with temporarily_set(trl_contract, _verifying_contract=True), quiet():
+                        contract = contract or Contract(Path(folder), device, precision)
+                        if check == "train":
+                            result.detail = contract.composition_train(composition)
+                        else:
+                            result.detail = contract.composition_passes(composition)
+                except Exception as error:  # noqa: BLE001 - a verdict for every relation, whatever breaks
+                    record_failure(result, error)
             result.seconds = time.perf_counter() - start
+            results.append(result)
             if report is not None:
                 report(result)
     return results
@@ -928,9 +890,13 @@ def main_trainer_class(trainer_path: str | None, config_path: str | None, device
         print("interrupted")
         return 130
     seconds = time.perf_counter() - start
-    failed = [result for result in results if not result.passed]
-    if failed:
-        print(f"FAILED: {len(failed)} of {len(results)} relations of {trainer_class.__name__} in {seconds:.0f} s")
+    failed = [result for result in results if result.status in ("FAIL", "ERROR")]
+    skipped = [result for result in results if result.status == "SKIP"]
+    if failed or skipped:
+        not_run = f" ({len(skipped)} not run)" if skipped else ""
+        print(
+            f"FAILED: {len(failed)} of {len(results)} relations of {trainer_class.__name__}{not_run} in {seconds:.0f} s"
+        )
         return 1
     print(f"passed: {len(results)} of {len(results)} relations of {trainer_class.__name__} in {seconds:.0f} s")
     return 0

@@ -7,7 +7,6 @@ import inspect
 import math
 import numbers
 import sys
-import typing
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,27 +60,12 @@ def fields_taken_from_a_later_base(config_class: type) -> dict[str, type]:
     return taken_from_a_later_base
 
 
-def declared_type(declaring_class: type, name: str) -> Any:
-    """The type of the field `name` as `declaring_class` declares it, resolved in its own module (a string
-    annotation, as under `from __future__ import annotations`, would otherwise be read in another)."""
-    try:
-        return typing.get_type_hints(declaring_class)[name]
-    except (NameError, TypeError):
-        return declaring_class.__dataclass_fields__[name].type
+class DefaultThreshold(float):
+    """The default of `lopti_threshold`, 0.5, told apart from a 0.5 that a user gives (a float of its own), so that a
+    `lopti_threshold` given beside `lopti_quantile` is an error whatever its value."""
 
 
-def copy_field(declared: dataclasses.Field) -> dataclasses.Field:
-    """A new dataclass field with the default, factory, options and help of `declared`."""
-    return dataclasses.field(
-        default=declared.default,
-        default_factory=declared.default_factory,
-        init=declared.init,
-        repr=declared.repr,
-        hash=declared.hash,
-        compare=declared.compare,
-        metadata=declared.metadata,
-        kw_only=declared.kw_only,
-    )
+DEFAULT_LOPTI_THRESHOLD = DefaultThreshold(0.5)
 
 
 @dataclass
@@ -110,8 +94,8 @@ class LoptiArguments:
             The authors' other split rule (`seperate_portion`): eta of each generation batch is the quantile
             at level q in (0, 1) of pi_old over all its completion tokens (every process; linear
             interpolation), so a share q of the tokens is low however the policy's confidence drifts. It
-            replaces the fixed eta (`lopti_threshold` becomes `None`; another value than its default beside
-            it is an error).
+            replaces the fixed eta (`lopti_threshold` becomes `None`; any `lopti_threshold` given beside it, 0.5
+            included, is an error).
         lopti_order (`str`, *optional*, defaults to `"low_first"`):
             Which token group is updated first: `"low_first"` (the method) or `"high_first"` (the paper's
             ablation, which collapses training; offered for reproducing it).
@@ -125,7 +109,7 @@ class LoptiArguments:
         },
     )
     lopti_threshold: float | None = field(
-        default=0.5,
+        default=DEFAULT_LOPTI_THRESHOLD,
         metadata={
             "help": "Lopti probability threshold eta in (0, 1): tokens with pi_old < eta are updated in a separate "
             "pass before the others. None (and no lopti_quantile) disables Lopti."
@@ -148,43 +132,47 @@ class LoptiArguments:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        # A config with several config bases (`class LoptiGMPOConfig(LoptiGRPOConfig, GMPOConfig)`): dataclasses
-        # takes each field from the last base in reverse MRO order that has it, so the GRPOConfig fields that
-        # LoptiGRPOConfig inherited would win over GMPOConfig's own. Each such field is declared again here, as
-        # the first class in the MRO that declares it itself has it, before `@dataclass` reads the class.
+        # A config with several config bases: dataclasses takes each field from the last base in reverse MRO order
+        # that has it, so in `class C(LoptiGRPOConfig, GMPOConfig)` the GRPOConfig fields that LoptiGRPOConfig
+        # inherited would silently win over GMPOConfig's own defaults.
         taken_from_a_later_base = fields_taken_from_a_later_base(cls)
-        if not taken_from_a_later_base:
-            return
-        annotations = inspect.get_annotations(cls)
-        for name, declaring_class in taken_from_a_later_base.items():
-            annotations[name] = declared_type(declaring_class, name)
-            setattr(cls, name, copy_field(declaring_class.__dataclass_fields__[name]))
-        cls.__annotations__ = annotations
+        if taken_from_a_later_base:
+            names = ", ".join(sorted(taken_from_a_later_base))
+            others = [base.__name__ for base in cls.__bases__ if not issubclass(base, LoptiArguments)]
+            spelling = f"@dataclass class {cls.__name__}(LoptiArguments, {', '.join(others) or '...'})"
+            raise TypeError(
+                f"{cls.__name__} would take the defaults of TRL's config over those its other bases declare ({names}): "
+                f"compose trl_lopti's fields alone with your config, `{spelling}` (from trl_lopti import LoptiArguments)"
+            )
+
+    def __new__(cls, *args, **kwargs):
+        # Without @dataclass, a class of several config bases would be built by the __init__ of one of them and
+        # lose the fields of the others.
+        config_bases = [base for base in cls.__bases__ if dataclasses.is_dataclass(base)]
+        if len(config_bases) > 1 and "__dataclass_fields__" not in vars(cls):
+            names = ", ".join(base.__name__ for base in cls.__bases__)
+            raise TypeError(
+                f"{cls.__name__} composes several configs ({names}) without @dataclass: write `@dataclass class "
+                f"{cls.__name__}({names})`"
+            )
+        return super().__new__(cls)
 
     def __post_init__(self):
-        # The fields __init_subclass__ declared again are dataclass fields only once `@dataclass` has run.
-        undecorated = [name for name, value in vars(type(self)).items() if isinstance(value, dataclasses.Field)]
-        if undecorated:
-            raise TypeError(
-                f"{type(self).__name__} combines config classes that declare the same fields differently "
-                f"({', '.join(undecorated)}) and has no @dataclass decorator, so each of them would take the default "
-                f"of TRL's base config rather than of the first class that declares it: put @dataclass on "
-                f"{type(self).__name__}"
-            )
         _check_fraction(self, "advantage_reweighting_alpha", closed=True, allows_none=False, meaning="0 disables AR")
-        _check_fraction(self, "lopti_threshold", closed=False, allows_none=True, meaning="None disables Lopti")
         _check_fraction(
             self, "lopti_quantile", closed=False, allows_none=True, meaning="None splits at lopti_threshold"
         )
         if self.lopti_quantile is not None:
-            # Its default gives way.
-            if self.lopti_threshold not in (None, LoptiArguments.lopti_threshold):
+            # Its default gives way; a value given beside the quantile, even 0.5, does not.
+            if self.lopti_threshold is not None and self.lopti_threshold is not DEFAULT_LOPTI_THRESHOLD:
                 raise ValueError(
-                    f"lopti_threshold={self.lopti_threshold:g} and lopti_quantile={self.lopti_quantile:g} are two "
-                    "Lopti split rules (a fixed eta, or eta at a quantile of each generation batch): set only one"
+                    f"lopti_threshold={self.lopti_threshold!r} and lopti_quantile={self.lopti_quantile:g} are two "
+                    "Lopti split rules (a fixed eta, or eta at a quantile of each generation batch): set only one, "
+                    "lopti_threshold=None beside lopti_quantile"
                 )
             # The quantile replaces the fixed eta.
             self.lopti_threshold = None
+        _check_fraction(self, "lopti_threshold", closed=False, allows_none=True, meaning="None disables Lopti")
         if self.lopti_order not in LOPTI_PASS_ORDERS:
             raise ValueError(f"lopti_order must be one of {sorted(LOPTI_PASS_ORDERS)}, got {self.lopti_order!r}")
         # TRL's: derives steps_per_generation, which the schedule check needs.
@@ -198,7 +186,7 @@ class LoptiArguments:
     def __reduce_ex__(self, protocol):
         # A class composed by `lopti_config_class` exists once composed: unpickling composes it again.
         if type(self) in COMPOSED_CONFIGS:
-            return (composed_config, COMPOSED_CONFIGS[type(self)], dict(vars(self)))
+            return (composed_config, (COMPOSED_CONFIGS[type(self)],), dict(vars(self)))
         return super().__reduce_ex__(protocol)
 
     @property
@@ -243,8 +231,8 @@ class LoptiGRPOConfig(LoptiArguments, GRPOConfig):
     Reweighting (`advantage_reweighting_alpha`) and Lopti (`lopti_threshold`, `lopti_quantile`,
     `lopti_order`); this class adds the paper's second base algorithm, REINFORCE++. With
     `advantage_reweighting_alpha=0.0`, `lopti_threshold=None` and `advantage_estimator="grpo"` the trainer is
-    exactly TRL's `GRPOTrainer`. With `lopti_quantile`, where TRL computes no pi_old itself, eta costs one
-    no-grad forward per generation batch.
+    exactly TRL's `GRPOTrainer`. Under Lopti a generation batch spans both passes' optimizer steps, so TRL
+    computes pi_old at generation: one no-grad forward per generation batch where GRPO on-policy has none.
 
     Parameters:
         advantage_estimator (`str`, *optional*, defaults to `"grpo"`):
@@ -308,25 +296,22 @@ LOPTI_CONFIGS: dict[type, type] = {GRPOConfig: LoptiGRPOConfig, RLOOConfig: Lopt
 """TRL's config of each trainer and its Lopti config."""
 
 
-def trl_config_of(family_lopti_config: type) -> type:
+def trl_config_of(lopti_config: type) -> type:
     """TRL's config (`GRPOConfig`, `RLOOConfig`) that a Lopti config of `LOPTI_CONFIGS` extends."""
-    return next(trl_config for trl_config, lopti in LOPTI_CONFIGS.items() if lopti is family_lopti_config)
+    return next(trl_config for trl_config, lopti in LOPTI_CONFIGS.items() if lopti is lopti_config)
 
 
 @functools.cache
-def lopti_config_class(config_class: type, family_lopti_config: type) -> type:
+def lopti_config_class(config_class: type) -> type:
     """
-    The Lopti config of a config class of TRL's or a user's: `config_class` itself where it is one, else
-    `@dataclass class Lopti<Name>(family_lopti_config, config_class)`, composed once and kept.
-
-    Every field keeps the default and help of `config_class` (`GMPOConfig`'s `epsilon` stays 0.4), and the
-    Lopti fields are added.
+    The Lopti config of a config class of TRL's or a user's: `config_class` itself where it is one; TRL's own
+    Lopti config of `GRPOConfig` and `RLOOConfig`; else `@dataclass class Lopti<Name>(LoptiArguments,
+    config_class)`, composed once and kept, every field with the default and help of `config_class`
+    (`GMPOConfig`'s `epsilon` stays 0.4) and the Lopti fields added.
 
     Args:
         config_class (`type`):
-            A subclass of TRL's `GRPOConfig` or `RLOOConfig`, or of a Lopti config.
-        family_lopti_config (`type`):
-            [`LoptiGRPOConfig`] or [`LoptiRLOOConfig`]: the Lopti config of that TRL config.
+            A subclass of TRL's `GRPOConfig` or `RLOOConfig`, or a Lopti config.
     """
     if issubclass(config_class, LoptiArguments):
         return config_class
@@ -338,47 +323,49 @@ def lopti_config_class(config_class: type, family_lopti_config: type) -> type:
         "__qualname__": name,
         "__doc__": f"`{config_class.__name__}` with the fields of Advantage Reweighting and Lopti.",
     }
-    composed = dataclass(type(name, (family_lopti_config, config_class), namespace))
-    COMPOSED_CONFIGS[composed] = (config_class, family_lopti_config)
+    composed = dataclass(type(name, (LoptiArguments, config_class), namespace))
+    COMPOSED_CONFIGS[composed] = config_class
     return composed
 
 
-COMPOSED_CONFIGS: dict[type, tuple[type, type]] = {}
-"""Each config class composed by `lopti_config_class`, with the arguments that compose it again (on unpickling)."""
+COMPOSED_CONFIGS: dict[type, type] = {}
+"""Each config class composed by `lopti_config_class`, with the config class it composes again (on unpickling)."""
 
 
-def composed_config(config_class: type, family_lopti_config: type) -> LoptiArguments:
-    """An empty instance of `lopti_config_class(config_class, family_lopti_config)`, for unpickling."""
-    composed = lopti_config_class(config_class, family_lopti_config)
+def composed_config(config_class: type) -> LoptiArguments:
+    """An empty instance of `lopti_config_class(config_class)`, for unpickling."""
+    composed = lopti_config_class(config_class)
     return composed.__new__(composed)
 
 
-def trainer_config_classes(trainer_class: type) -> tuple[type, type]:
-    """
-    The config classes of a Lopti trainer class: the Lopti config of its family ([`LoptiGRPOConfig`] or
-    [`LoptiRLOOConfig`]) and the config whose defaults it trains with when given none.
+def family_lopti_config(trainer_class: type) -> type:
+    """The Lopti config of a Lopti trainer class's family: [`LoptiGRPOConfig`] or [`LoptiRLOOConfig`]."""
+    return next(
+        vars(klass)["config_class"]
+        for klass in trainer_class.__mro__
+        if is_trl_lopti_class(klass) and "config_class" in vars(klass)
+    )
 
-    The latter is the `config_class` a user's class sets, else the config of the trainer it extends by TRL's
-    naming (`GMPOTrainer`: `GMPOConfig` in its module), else TRL's config of the family.
+
+def default_config_class(trainer_class: type) -> type:
+    """
+    The config whose defaults a Lopti trainer class trains with when given none: the `config_class` a user's class
+    sets, else the config of the trainer it extends by TRL's naming (`GMPOTrainer`: `GMPOConfig` in its module),
+    else TRL's config of the family.
 
     Args:
         trainer_class (`type`):
             A subclass of [`~trl_lopti.lopti_mixin.LoptiTrainerMixin`].
     """
-    family_lopti_config = next(
-        vars(klass)["config_class"]
-        for klass in trainer_class.__mro__
-        if is_trl_lopti_class(klass) and "config_class" in vars(klass)
-    )
-    family_config = trl_config_of(family_lopti_config)
+    family_config = trl_config_of(family_lopti_config(trainer_class))
     for klass in trainer_class.__mro__:
         if "config_class" in vars(klass) and not is_trl_lopti_class(klass):
-            return family_lopti_config, vars(klass)["config_class"]
+            return vars(klass)["config_class"]
     base = base_trainer_class(trainer_class, trainer_class.trl_trainer_class)
     named = vars(sys.modules[base.__module__]).get(base.__name__.removesuffix("Trainer") + "Config")
     if isinstance(named, type) and issubclass(named, family_config):
-        return family_lopti_config, named
-    return family_lopti_config, family_config
+        return named
+    return family_config
 
 
 def as_lopti_config(args: Any, model: Any, trainer_class: type) -> LoptiArguments:
@@ -400,43 +387,46 @@ def as_lopti_config(args: Any, model: Any, trainer_class: type) -> LoptiArgument
     Returns:
         [`LoptiArguments`]: the config to train with.
     """
-    family_lopti_config, default_config = trainer_config_classes(trainer_class)
-    family_config = trl_config_of(family_lopti_config)
+    lopti_config = family_lopti_config(trainer_class)
+    default_config = default_config_class(trainer_class)
+    family_config = trl_config_of(lopti_config)
     base = base_trainer_class(trainer_class, trainer_class.trl_trainer_class)
     # "GRPO", "GMPO": the trainer, and the folder name.
     base_name = base.__name__.removesuffix("Trainer")
     if args is None:
         model_name = model if isinstance(model, str) else get_config_model_id(model.config)
-        config_class = lopti_config_class(default_config, family_lopti_config)
+        config_class = lopti_config_class(default_config)
         return config_class(output_dir=f"{str(model_name).split('/')[-1]}-Lopti-{base_name}")
     if not isinstance(args, family_config):
         raise TypeError(
-            f"args must be a {family_lopti_config.__name__} or a {family_config.__name__} (or a subclass), got "
+            f"args must be a {lopti_config.__name__} or a {family_config.__name__} (or a subclass), got "
             f"{type(args).__name__}"
         )
-    warn_if_defaults_differ(args, default_config, family_lopti_config, trainer_class.__name__)
+    warn_if_defaults_differ(args, default_config, trainer_class.__name__)
     if isinstance(args, LoptiArguments):
         return args
-    config_class = lopti_config_class(type(args), family_lopti_config)
+    config_class = lopti_config_class(type(args))
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
     # TRL derived it from steps_per_generation; both set is an error.
     values["generation_batch_size"] = None
     upgrade = f"{trainer_class.__name__} got a plain {type(args).__name__} and turns on the paper's defaults for it"
+    # The config with trl_lopti's fields that keeps this config's own.
+    fitting = lopti_config_spelling(type(args))
     # Lopti's schedule is checked below, with advice for a plain config, which has no lopti_threshold to set.
     try:
         config = config_class(**values, lopti_threshold=None)
     except ValueError as error:
-        raise ValueError(f"{upgrade}: {error} (in a trl_lopti.{family_lopti_config.__name__})") from None
+        raise ValueError(f"{upgrade}: {error} (in a {fitting})") from None
     config.lopti_threshold = LoptiArguments.lopti_threshold
     if config.lopti_pass_micro_steps % config.gradient_accumulation_steps:
-        without = f"pass a trl_lopti.{family_lopti_config.__name__}(..., lopti_threshold=None) to train without Lopti"
+        without = f"pass a {fitting} with lopti_threshold=None to train without Lopti"
         raise ValueError(f"{upgrade}: {lopti_schedule_error(config, without)}")
     warnings.warn(
         f"{upgrade}: Advantage Reweighting (advantage_reweighting_alpha={config.advantage_reweighting_alpha}) and "
         f"Lopti (lopti_threshold={config.lopti_threshold}, lopti_order={config.lopti_order!r}). Lopti trains each "
         f"generation batch twice, so it makes two optimizer steps where {base_name} makes one: max_steps, the "
         "learning-rate schedule, save_steps and logging_steps now count twice per generation batch, and max_steps "
-        f"buys half the rollouts. Pass a trl_lopti.{family_lopti_config.__name__} to choose these values "
+        f"buys half the rollouts. Pass a {fitting} to choose these values "
         f"(lopti_threshold=None and advantage_reweighting_alpha=0 give plain {base_name}).",
         UserWarning,
         stacklevel=3,
@@ -445,7 +435,16 @@ def as_lopti_config(args: Any, model: Any, trainer_class: type) -> LoptiArgument
     return config
 
 
-def warn_if_defaults_differ(args: Any, default_config: type, family_lopti_config: type, trainer_name: str) -> None:
+def lopti_config_spelling(config_class: type) -> str:
+    """How a user writes the Lopti config that keeps every field of `config_class`: TRL's own configs have one in
+    trl_lopti (`trl_lopti.LoptiGRPOConfig`), any other is composed with [`LoptiArguments`]."""
+    if config_class in LOPTI_CONFIGS:
+        return f"trl_lopti.{LOPTI_CONFIGS[config_class].__name__}"
+    name = config_class.__name__
+    return f"config of `@dataclass class Lopti{name}(trl_lopti.LoptiArguments, {name})`"
+
+
+def warn_if_defaults_differ(args: Any, default_config: type, trainer_name: str) -> None:
     """
     Warns where `args` is not a `default_config` (the config of the trainer's base, e.g. `GMPOConfig`) and keeps
     a default of its own class where `default_config`'s differs, naming those fields.
@@ -455,8 +454,6 @@ def warn_if_defaults_differ(args: Any, default_config: type, family_lopti_config
             The config given to the trainer.
         default_config (`type`):
             The config of the trainer's base.
-        family_lopti_config (`type`):
-            [`LoptiGRPOConfig`] or [`LoptiRLOOConfig`].
         trainer_name (`str`):
             The trainer's class name, for the warning.
     """
@@ -475,9 +472,7 @@ def warn_if_defaults_differ(args: Any, default_config: type, family_lopti_config
         warnings.warn(
             f"{trainer_name} got a {type(args).__name__}, which is not a {default_config.__name__}: it trains with "
             f"the defaults of {type(args).__name__} where they differ from {default_config.__name__}'s: "
-            f"{', '.join(differ)}. Pass a config of {default_config.__name__} (with trl_lopti's fields: `@dataclass "
-            f"class Lopti{default_config.__name__}({family_lopti_config.__name__}, {default_config.__name__}): ...`), "
-            "or args=None",
+            f"{', '.join(differ)}. Pass a {lopti_config_spelling(default_config)}, or args=None",
             UserWarning,
             stacklevel=4,
         )
@@ -544,4 +539,6 @@ def _check_fraction(config: LoptiArguments, name: str, closed: bool, allows_none
     # NaN fails both comparisons.
     if not (real and ((0.0 <= value <= 1.0) if closed else (0.0 < value < 1.0))):
         raise ValueError(f"{name} must be a number in {interval} ({meaning}), got {value!r}")
-    setattr(config, name, float(value))
+    # The default eta stays itself: a config rebuilt from this one's values (`dataclasses.replace`) keeps it a default.
+    if value is not DEFAULT_LOPTI_THRESHOLD:
+        setattr(config, name, float(value))

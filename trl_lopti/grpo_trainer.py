@@ -4,11 +4,13 @@ The math is in `trl_lopti/core_algos.py`, the mechanism shared with RLOO (schedu
 metrics, checkpoints, the runtime checks) in `trl_lopti/lopti_mixin.py`; this file is GRPO's plumbing. TRL
 computes every loss, KL, clipping, importance-sampling and normalisation term itself.
 
-- pi_old: TRL's `old_per_token_logps` where TRL computes it at generation (off-policy schedules, vLLM
-  importance sampling: fact G2), else the first pass's own forward (on-policy: no extra forward).
+- pi_old: TRL's `old_per_token_logps`, which TRL computes at generation whenever a generation batch spans
+  several optimizer steps (fact G2): always under Lopti, whose passes do. On-policy, AR alone takes it from the
+  loss forward's own detached output (no extra forward), except with a KL term in TRL's own loss, where it costs
+  one no-grad forward per generation batch.
 - AR in TRL's own loss where each token has its own importance ratio (`importance_sampling_level="token"`):
-  token-level advantages `A'(i, t) = w(i, t) * A(i)` (B, T) in place of TRL's (B,) ones, which TRL's loss
-  accepts and reads after its policy forward (fact G1); the KL and entropy terms are untouched. Where the
+  token-level advantages `A'(i, t) = w(i, t) * A(i)` (B, T) in place of TRL's (B,) ones, handed to the loss
+  in its inputs, which it accepts (fact G1); the KL and entropy terms are untouched. Where the
   tokens of a sequence share one ratio (`"sequence"`: GSPO, and LUSPO as TRL recommends it), the ratio would
   average the weights of a sequence's tokens, and a subclass's loss (GMPO's, a user's) may read the
   advantages as (B,): there AR takes its general form ([`~trl_lopti.core_algos.reweight_token_gradients`]):
@@ -20,17 +22,20 @@ The TRL facts it relies on besides the shared ones are G1-G3, stated in `trl_lop
 
 from typing import Any
 
+import torch
+
 # Checks the TRL version before TRL is imported.
-from .trl_contract import GRPO_LOSS
+from .trl_contract import GRPO_GENERATION, broken_fact
 
 
 # isort: split
 from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
 
 from .config import LoptiArguments, LoptiGRPOConfig
 from .lopti_mixin import LoptiTrainerMixin
 from .reinforce_plus_plus import ReinforcePlusPlusMixin
-from .utils import defining_class
+from .utils import defining_class, trl_completion_logps
 
 
 class LoptiGRPOTrainer(LoptiTrainerMixin, ReinforcePlusPlusMixin, GRPOTrainer):
@@ -66,35 +71,56 @@ class LoptiGRPOTrainer(LoptiTrainerMixin, ReinforcePlusPlusMixin, GRPOTrainer):
     trl_trainer_class = GRPOTrainer
     contract_name = "grpo"
     loss_is_scaled_for_accumulation = True
-    placement_fact = GRPO_LOSS
 
     def advantage_reweighting_form(self, args: LoptiArguments) -> str:
-        # Token-level advantages only in TRL's own token-level loss, which reads them per token (fact G1). A loss
-        # of a subclass (GMPOTrainer's, a user's) may read them as (B,), and where B equals T a (B, T) tensor
-        # would broadcast there silently.
+        # Token-level advantages only in TRL's own token-level loss, which weights each token by its own (fact
+        # G1). A loss of a subclass (GMPOTrainer's, a user's) may read them as (B,), and where B equals T a (B, T)
+        # tensor would broadcast there silently.
         loss_class = defining_class(type(self), "_compute_loss")
         compute_class = defining_class(type(self), "compute_loss")
         own_loss = loss_class is GRPOTrainer and compute_class is GRPOTrainer
         if own_loss and args.importance_sampling_level == "token":
             return "advantages"
-        # The general form scales the gradient through every term of the loss that reads the log-probabilities.
-        if not own_loss and args.advantage_reweighting_enabled and args.beta != 0.0:
+        # The general form scales the gradient through every term of the loss that reads the log-probabilities: a
+        # KL term too, in a loss of a subclass as in TRL's own at sequence level.
+        if args.advantage_reweighting_enabled and args.beta != 0.0:
             owner = loss_class if loss_class is not GRPOTrainer else compute_class
             method = "_compute_loss" if owner is loss_class else "compute_loss"
+            where = f"{owner.__name__}.{method} (in {owner.__module__}) is not TRL's token-level GRPO loss"
+            fix = "Set beta=0.0, or advantage_reweighting_alpha=0.0 (Lopti alone is exact with any beta)"
+            if own_loss:
+                where = "importance_sampling_level='sequence' gives the tokens of a sequence one importance ratio"
+                fix = "Set beta=0.0, importance_sampling_level='token', or advantage_reweighting_alpha=0.0"
             raise ValueError(
                 f"{type(self).__name__}: advantage_reweighting_alpha={args.advantage_reweighting_alpha:g} with "
-                f"beta={args.beta:g}. {owner.__name__}.{method} (in {owner.__module__}) is not TRL's token-level "
-                "GRPO loss, so Advantage Reweighting takes its general form there: it scales the gradient through "
-                "each token's log-probability, and so would scale the gradient of the KL term that beta adds too, "
-                "which AR leaves alone. Set beta=0.0, or advantage_reweighting_alpha=0.0 (Lopti alone is exact with "
-                "any beta)"
+                f"beta={args.beta:g}. {where}, so Advantage Reweighting takes its general form there: it scales the "
+                "gradient through each token's log-probability, and so would scale the gradient of the KL term that "
+                f"beta adds too, which AR leaves alone. {fix}"
             )
         return "gradients"
 
-    def old_per_token_logps_at_generation(self, batch: dict[str, Any], generation_logps: list) -> Any:
-        # Fact G2: TRL's own pi_old where it needs one. On-policy, the first pass's forward gives it: no
-        # extra forward.
-        return batch.get("old_per_token_logps")
+    def old_per_token_logps_at_generation(
+        self, batch: dict[str, Any], scoring_logps: list[torch.Tensor]
+    ) -> torch.Tensor | None:
+        old_per_token_logps = batch.get("old_per_token_logps")
+        # Fact G2: TRL computes pi_old where the generation batch spans several optimizer steps, as each of
+        # Lopti's does (`self.num_iterations` counts its passes).
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if old_per_token_logps is None and self.args.gradient_accumulation_steps % generate_every:
+            saw = (
+                f"no old_per_token_logps for a generation batch trained over {generate_every} micro-steps, "
+                f"{self.args.gradient_accumulation_steps} per optimizer step"
+            )
+            raise broken_fact(GRPO_GENERATION, saw, type(self))
+        # On-policy, AR's token-level advantages need pi_old before the loss runs: one no-grad forward, as TRL's.
+        placed_before_the_loss = self._lopti.advantage_reweighting_form == "advantages" and self.beta != 0.0
+        reweighted = self.model.training and self.args.advantage_reweighting_enabled
+        if old_per_token_logps is None and reweighted and placed_before_the_loss:
+            batch_size = self.args.per_device_train_batch_size
+            checkpointing = self.args.gradient_checkpointing_kwargs
+            with torch.no_grad(), disable_gradient_checkpointing(self.model, checkpointing):
+                old_per_token_logps = trl_completion_logps(self, batch, batch_size=batch_size)[0]
+        return old_per_token_logps
 
 
 __all__ = ["LoptiGRPOTrainer"]

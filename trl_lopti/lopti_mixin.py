@@ -1,42 +1,34 @@
 """The Lopti mechanism, written once for both trainers: the two-pass schedule, the split, token isolation,
-the pass metrics, checkpoints inside a generation batch, and the runtime checks of the TRL facts.
+the pass metrics, checkpoints inside a generation batch, and the runtime checks of the TRL facts it relies on.
 
 [`LoptiTrainerMixin`] sits in front of a TRL trainer (`GRPOTrainer` or `RLOOTrainer`, which TRL keeps in
-parity). Each Lopti trainer adds only what differs: where pi_old comes from, how AR enters its loss, and the
-TRL facts it relies on (`trl_lopti/grpo_trainer.py` for GRPO, `trl_lopti/rloo_trainer.py` for RLOO). The math
-is in `trl_lopti/core_algos.py`.
+parity). Each Lopti trainer adds only what differs: where pi_old comes from and how AR enters its loss
+(`trl_lopti/grpo_trainer.py` for GRPO, `trl_lopti/rloo_trainer.py` for RLOO). The math is in
+`trl_lopti/core_algos.py`.
 
-- Schedule. TRL runs the passes itself (docs/trainers/grpo.md, "The Lopti schedule"): `self.num_iterations`,
-  TRL's count of the times a generation batch is trained, is the user's `num_iterations` times the passes, so
-  TRL's sampler serves each generation batch once per pass and its `_prepare_inputs` replays the buffered
-  micro-batches in each (fact S1); TRL sees the user's value at generation, where it decides whether pi_old
-  is needed (G2). Every optimizer step is an ordinary Trainer step; the pass of a micro-step follows from
-  TRL's counter `_step`.
-- Split. A generation batch is split once by pi_old (`lopti_low_mask`, with AR its weights
-  `lopti_ar_weights`): at generation where pi_old is known there (TRL's, RLOO's, or the quantile rule's
-  forward), which logs its metrics on the row of TRL's generation metrics; else (on-policy) each micro-batch
-  at its first loss forward, whose detached output is pi_old: no extra forward, and the whole first iteration
-  then fits in one optimizer step. Each generation batch gets its eta at generation (`lopti_batch_eta`): the
-  quantile rule needs the whole batch's pi_old first.
-- Isolation. In a pass, gradient flows only through the active tokens' log-probabilities and entropies; every
-  value of the loss is the base trainer's.
-- Checks. Every TRL fact the mechanism relies on (S1-S4, in `trl_lopti/trl_contract.py`) is checked while
-  training by the functions at the end of this module, and stops the run before the update it would make
-  wrong.
+The method enters TRL in three places:
 
-The mixin's own state is one [`LoptiState`] (`self._lopti`). Of TRL's attributes it changes one,
-`num_iterations`: the user's value times the passes, and the user's value around generation.
+- Generation (`_generate_and_score_completions`): pi_old of the whole generation batch (TRL's, or RLOO's
+  per-token values), its eta, the low mask and AR's weights, fixed once and stored as tensors in the batch TRL
+  buffers, so that TRL's own shuffle and split carry them to every micro-batch of both passes.
+- The loss (`_compute_loss`): the pass of the micro-step, from TRL's counter `_step`; TRL's inputs (AR's
+  token-level advantages where the loss reads them per token); and a [`LossScope`] that lives for the call.
+- The log-prob forward (`_get_per_token_logps_and_entropies`): inside that scope, a forward of the model the
+  loss received, with gradient, gets AR's general form and the pass's isolation. Every other forward (another
+  model's, one without gradient, one over other rows) is returned as TRL computed it.
 
-The overrides, and why each stays: `training_step` (marks the micro-step in flight; checks S2-S4),
-`compute_loss` (the pass's token group; checks S1 and the values AR placed),
-`_get_per_token_logps_and_entropies` (the one place TRL's loss hands out the policy's log-probabilities:
-split, AR, isolation), `_generate_and_score_completions` (pi_old, eta and the split of a new batch; TRL's
-pi_old decision at the user's `num_iterations`), `_save_checkpoint` and `_load_optimizer_and_scheduler` (a
-batch's schedule across a checkpoint).
+The schedule is TRL's own: `self.num_iterations`, TRL's count of the times a generation batch is trained, is
+the user's `num_iterations` times the passes, so TRL's sampler serves each generation batch once per pass, its
+`_prepare_inputs` replays the buffered micro-batches in each (fact S1), and TRL computes pi_old at generation,
+since the batch then spans several optimizer steps (fact G2). Every optimizer step is an ordinary Trainer step:
+gradient sync, clipping, the scheduler, DeepSpeed and FSDP run as they do for the base trainer.
+
+Evaluation gets the base trainer's loss: no pass, no isolation, no reweighting. Each TRL fact the mechanism
+relies on (`trl_lopti/trl_contract.py`) is checked where it is used, and stops the run before the update it
+would make wrong.
 """
 
 import dataclasses
-import functools
 import glob
 import inspect
 import os
@@ -45,6 +37,7 @@ import warnings
 from typing import Any, ClassVar
 
 import torch
+from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
@@ -53,8 +46,6 @@ from . import trl_contract
 
 
 # isort: split
-from trl.models.utils import disable_gradient_checkpointing
-
 from .config import LoptiArguments, as_lopti_config
 from .core_algos import (
     advantage_reweighting_weights,
@@ -66,19 +57,17 @@ from .core_algos import (
     token_group_mask,
     token_level_advantages,
 )
-from .utils import base_trainer_class, is_trl_lopti_class, temporarily_set, trl_completion_logps
+from .utils import base_trainer_class, is_trl_lopti_class
 
 
 logger = logging.get_logger(__name__)
 
-# The keys the trainers add to TRL's batches: the low mask (B, T) of a split batch (pi_old < eta); with AR,
-# the weights alpha * pi_old + 1 - alpha (B, T); under Lopti, the generation batch's eta (0-dim float64 on
-# the CPU); the micro-step of its cycle at which a micro-batch was first trained.
+# The keys the trainers add to TRL's generation batches: the low mask (B, T) (pi_old < eta); with AR, the weights
+# alpha * pi_old + 1 - alpha (B, T); under Lopti, the generation batch's eta (0-dim float64 on the CPU).
 LOW_MASK_KEY = "lopti_low_mask"
 AR_WEIGHTS_KEY = "lopti_ar_weights"
 ETA_KEY = "lopti_batch_eta"
-FIRST_TRAINED_KEY = "lopti_first_trained_at"
-LOPTI_BATCH_KEYS = (LOW_MASK_KEY, AR_WEIGHTS_KEY, ETA_KEY, FIRST_TRAINED_KEY)
+LOPTI_BATCH_KEYS = (LOW_MASK_KEY, AR_WEIGHTS_KEY, ETA_KEY)
 
 GENERATION_BATCH_FILE = "lopti_generation_batch_rank{}.pt"
 """The file of each process in a checkpoint taken inside a generation batch."""
@@ -112,86 +101,53 @@ def lopti_paper(base_trainer: type) -> dict[str, str]:
     }
 
 
-class ReadRecorder(dict):
-    """A dict that records every value read from it by key (`reads`): what TRL's loss read (fact G1)."""
+@dataclasses.dataclass
+class TokenSplit:
+    """
+    A batch split by its pi_old.
 
-    def __init__(self, values: dict[str, Any]):
-        super().__init__(values)
-        self.reads: dict[str, list[Any]] = {}
+    Args:
+        low_mask (`torch.Tensor`):
+            The low tokens (B, T): completion tokens with `pi_old < eta`.
+        ar_weights (`torch.Tensor` or `None`):
+            AR's weights `alpha * pi_old + 1 - alpha` (B, T); `None` without AR.
+    """
 
-    def __getitem__(self, key: str) -> Any:
-        value = super().__getitem__(key)
-        self.reads.setdefault(key, []).append(value)
-        return value
-
-    def get(self, key: str, default: Any = None) -> Any:
-        # dict.get would not go through __getitem__
-        if key in self:
-            return self[key]
-        return default
+    low_mask: torch.Tensor
+    ar_weights: torch.Tensor | None
 
 
 @dataclasses.dataclass
-class MicroStep:
+class LossScope:
     """
-    The training micro-step in flight (TRL's `_step`), as `training_step` marks it for the hooks it runs.
+    One training call of `_compute_loss`, as the log-prob forwards run inside it see it.
 
     Args:
-        position (`int`):
-            Its position in its generation batch's cycle.
-        first_visit (`bool`):
-            Whether its micro-batch is trained for the first time (first pass, first iteration).
-        backward_reached_logps (`bool`):
-            Whether its backward reached the log-probabilities handed to TRL's loss (fact S2).
-    """
-
-    position: int
-    first_visit: bool
-    backward_reached_logps: bool = False
-
-
-@dataclasses.dataclass
-class LossCall:
-    """
-    What one `compute_loss` call shares with the policy forward TRL runs inside it.
-
-    Args:
+        model (`torch.nn.Module`):
+            The model `_compute_loss` received (wrapped under DDP, FSDP or DeepSpeed): only its forwards with
+            gradient are reweighted and isolated.
         batch (`dict`):
-            The micro-batch (TRL's buffered dict, which keeps TRL's advantages) and its split.
-        loss_inputs (`ReadRecorder`):
-            What TRL's `_compute_loss` reads: a copy of the micro-batch, which records its reads.
+            The micro-batch, as TRL buffered it.
         token_group (`str` or `None`):
             The tokens that carry gradient in this pass: `"low"`, `"high"`, or `None` for all.
         trains_aux_loss (`bool`):
             Whether a MoE router's auxiliary loss keeps its gradient (the first pass only).
-        micro_step (`MicroStep` or `None`):
-            The training micro-step it belongs to; `None` for a call outside training.
-        placed (`dict`):
-            The values a trainer placed in `loss_inputs` during the forward, which TRL's loss must read
-            (fact G1).
+        reweights_gradients (`bool`):
+            Whether AR takes its general form in the forward.
+        split (`TokenSplit` or `None`):
+            The batch's split; `None` until known, where the batch came without pi_old (on-policy, AR alone): the
+            first forward of the call carrying the method then gives pi_old, its detached output.
+        policy_forwards (`int`):
+            The forwards of the call reweighted and isolated so far.
     """
 
+    model: Any
     batch: dict[str, Any]
-    loss_inputs: ReadRecorder
     token_group: str | None
     trains_aux_loss: bool
-    micro_step: MicroStep | None
-    placed: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class SplitTotals:
-    """The split of some completion tokens: how many are low, the sum of their AR weights, how many in
-    all."""
-
-    low_tokens: torch.Tensor
-    ar_weight_sum: torch.Tensor
-    tokens: torch.Tensor
-
-    def __add__(self, other: "SplitTotals") -> "SplitTotals":
-        return SplitTotals(
-            self.low_tokens + other.low_tokens, self.ar_weight_sum + other.ar_weight_sum, self.tokens + other.tokens
-        )
+    reweights_gradients: bool
+    split: TokenSplit | None
+    policy_forwards: int = 0
 
 
 @dataclasses.dataclass
@@ -202,25 +158,21 @@ class LoptiState:
     Args:
         advantage_reweighting_form (`str`):
             How AR enters the loss (`LoptiTrainerMixin.advantage_reweighting_form`), decided at construction.
-        micro_step (`MicroStep` or `None`):
-            The training micro-step in flight, between `training_step`'s start and end.
-        loss_call (`LossCall` or `None`):
-            The `compute_loss` call in flight.
-        generation_logps (`list[torch.Tensor]` or `None`):
-            While TRL scores a generation batch: the log-probabilities of each forward it runs, in order.
-        split_totals (`SplitTotals` or `None`):
-            The split of the micro-batches of the generation batch in training that were split so far
-            (on-policy).
+        loss_scope (`LossScope` or `None`):
+            The training `_compute_loss` call in flight.
+        scoring_logps (`list[torch.Tensor]` or `None`):
+            While TRL scores a generation batch: the log-probabilities of each forward it runs, in order (RLOO's
+            pi_old is the first).
         cycle_prompts (`list` or `None`):
-            The prompts the dataloader served at this cycle's first micro-step.
+            The prompts the dataloader served at this cycle's first micro-step (fact S1).
         resumed_ignoring_data_skip (`bool`):
             Whether the run resumed from a checkpoint with `ignore_data_skip=True`: its dataloader may then serve
             other prompts inside a cycle.
         warned_prompts (`bool`):
             Whether the dataloader was found serving other prompts inside a cycle, and said so.
-        gradient_outside_the_mask (`torch.Tensor` or `float`):
-            The gradient that reached tokens outside the loss mask in this optimizer step, summed on the device
-            (fact S4).
+        gradient_outside_the_mask (`torch.Tensor` or `None`):
+            The gradient that reached tokens outside the loss mask since the last optimizer step, summed on the device
+            in the backward and read before the next optimizer step (fact S4).
         empty_groups (`list`):
             The token group each of the first generation batches left empty (`None`: neither).
         warned_empty_group (`bool`):
@@ -228,16 +180,25 @@ class LoptiState:
     """
 
     advantage_reweighting_form: str = "gradients"
-    micro_step: MicroStep | None = None
-    loss_call: LossCall | None = None
-    generation_logps: list[torch.Tensor] | None = None
-    split_totals: SplitTotals | None = None
+    loss_scope: LossScope | None = None
+    scoring_logps: list[torch.Tensor] | None = None
     cycle_prompts: list[Any] | None = None
     resumed_ignoring_data_skip: bool = False
     warned_prompts: bool = False
-    gradient_outside_the_mask: torch.Tensor | float = 0.0
+    gradient_outside_the_mask: torch.Tensor | None = None
     empty_groups: list[str | None] = dataclasses.field(default_factory=list)
     warned_empty_group: bool = False
+
+
+class LossMaskCheck(TrainerCallback):
+    """Reads fact S4 before every optimizer step, on every process (the Trainer calls `on_pre_optimizer_step` there
+    whatever the launcher)."""
+
+    def __init__(self, trainer: "LoptiTrainerMixin"):
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._check_loss_mask_before_the_optimizer_step()
 
 
 class LoptiTrainerMixin:
@@ -245,14 +206,14 @@ class LoptiTrainerMixin:
     Advantage Reweighting and Lopti for a TRL trainer whose schedule, loss hooks and checkpoint hooks are
     `GRPOTrainer`'s (facts S1-S4): the base of [`LoptiGRPOTrainer`] and [`LoptiRLOOTrainer`].
 
-    A Lopti trainer sets the class attributes below, and implements where pi_old comes from
+    A Lopti trainer sets the class attributes below, implements where pi_old comes from
     (`old_per_token_logps_at_generation`) and, where its loss reads token-level advantages, says so
     (`advantage_reweighting_form`).
 
     It composes with any subclass of the TRL trainer, the Lopti class first (`class
     LoptiGMPOTrainer(LoptiGRPOTrainer, GMPOTrainer)`): the trainer it extends names the run, gives the default
-    config, and its loss gets the log-probabilities of `_get_per_token_logps_and_entropies` split, reweighted and
-    isolated (docs/trainers/own.md).
+    config, and its loss gets the log-probabilities of `_get_per_token_logps_and_entropies` reweighted and
+    isolated (the documentation's page "Your own trainer").
     """
 
     # The trainer's Lopti config (a `LoptiArguments`), the TRL trainer it extends, and its name in
@@ -262,21 +223,32 @@ class LoptiTrainerMixin:
     contract_name: ClassVar[str]
     # Whether TRL's loss of a micro-step is divided by the gradient accumulation steps.
     loss_is_scaled_for_accumulation: ClassVar[bool]
-    # The fact by which TRL's loss reads what AR places in its inputs.
-    placement_fact: ClassVar[trl_contract.TRLFact] = trl_contract.LOSS_FORWARD
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        # A trainer of the family placed before the Lopti class (`class X(GMPOTrainer, LoptiGRPOTrainer)`) would run
-        # its own hooks first, and may skip Lopti's.
-        mro = cls.__mro__
-        before = mro[: mro.index(LoptiTrainerMixin)]
         trl_trainer_class = getattr(cls, "trl_trainer_class", None)
         if trl_trainer_class is None:
             return
+        from transformers import Trainer
+
+        mro = cls.__mro__
+        lopti = next(k for k in mro if is_trl_lopti_class(k) and "trl_trainer_class" in vars(k))
+        for klass in mro:
+            # A trainer of the other family (`class X(LoptiGRPOTrainer, RLOOTrainer)`): its hooks are not those the
+            # Lopti class extends.
+            unrelated = not issubclass(klass, trl_trainer_class) and not issubclass(trl_trainer_class, klass)
+            if isinstance(klass, type) and issubclass(klass, Trainer) and unrelated:
+                raise TypeError(
+                    f"{cls.__name__} composes {lopti.__name__}, which extends {trl_trainer_class.__name__}, with "
+                    f"{klass.__name__}, which is not a {trl_trainer_class.__name__}: compose a Lopti class with a "
+                    f"trainer of its own family (LoptiGRPOTrainer with a GRPOTrainer subclass, LoptiRLOOTrainer with "
+                    "an RLOOTrainer subclass)"
+                )
+        # A trainer of the family placed before the Lopti class (`class X(GMPOTrainer, LoptiGRPOTrainer)`) would run
+        # its own hooks first, and may skip Lopti's.
+        before = mro[: mro.index(LoptiTrainerMixin)]
         for klass in before:
             if issubclass(klass, trl_trainer_class) and not issubclass(klass, LoptiTrainerMixin):
-                lopti = next(k for k in mro if is_trl_lopti_class(k) and "trl_trainer_class" in vars(k))
                 raise TypeError(
                     f"{cls.__name__} puts {klass.__name__} before {lopti.__name__} in its bases, so {klass.__name__}'s "
                     f"methods would run before Lopti's, and could skip them: put the Lopti class first, `class "
@@ -306,9 +278,10 @@ class LoptiTrainerMixin:
             kwargs[name] = value
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         # Fact S1: TRL trains each generation batch `self.num_iterations` times, once per pass here. It is the one
-        # attribute of TRL's the mixin changes, and TRL sees the user's value where it decides whether it needs
-        # pi_old (`_generate_and_score_completions`).
+        # attribute of TRL's the mixin changes; TRL reads it where it builds the sampler, where it generates, and
+        # where it decides whether it needs pi_old (fact G2).
         self.num_iterations = args.num_iterations * args.lopti_num_passes
+        self.add_callback(LossMaskCheck(self))
         if args.lopti_enabled:
             steps = args.lopti_cycle_micro_steps // args.gradient_accumulation_steps
             logger.info(
@@ -320,7 +293,7 @@ class LoptiTrainerMixin:
 
     # ------------------------------------------------------------------------------------------------ what differs
     def old_per_token_logps_at_generation(
-        self, batch: dict[str, Any], generation_logps: list[torch.Tensor]
+        self, batch: dict[str, Any], scoring_logps: list[torch.Tensor]
     ) -> torch.Tensor | None:
         """
         Where pi_old comes from: pi_old of a generation batch as TRL computed it while scoring it.
@@ -328,21 +301,21 @@ class LoptiTrainerMixin:
         Args:
             batch (`dict`):
                 This process's part of the generation batch, as TRL returned it.
-            generation_logps (`list[torch.Tensor]`):
+            scoring_logps (`list[torch.Tensor]`):
                 The log-probabilities of the forwards TRL ran while scoring it, in order.
 
         Returns:
-            `torch.Tensor` or `None`: pi_old (B, T), or `None` where TRL computed none (on-policy: the first loss
-            forward of each micro-batch then gives it).
+            `torch.Tensor` or `None`: pi_old (B, T), or `None` where TRL computed none and AR's general form
+            takes it from the loss forward (on-policy, AR alone).
         """
         raise NotImplementedError
 
     def advantage_reweighting_form(self, args: LoptiArguments) -> str:
         """
-        How AR enters this trainer's loss: `"advantages"`, token-level advantages `w(i, t) * A(i)` (B, T) placed
-        where the loss reads them (the paper's form, exact only in a loss that reads them per token), or
-        `"gradients"`, its general form: the gradient through each token's log-probability scaled by `w(i, t)`,
-        every value of the loss unchanged ([`~trl_lopti.core_algos.reweight_token_gradients`]).
+        How AR enters this trainer's loss: `"advantages"`, token-level advantages `w(i, t) * A(i)` (B, T) in the
+        loss's inputs (the paper's form, exact only in a loss that reads them per token), or `"gradients"`, its
+        general form: the gradient through each token's log-probability scaled by `w(i, t)`, every value of the
+        loss unchanged ([`~trl_lopti.core_algos.reweight_token_gradients`]).
 
         Args:
             args (`LoptiArguments`):
@@ -353,44 +326,104 @@ class LoptiTrainerMixin:
         """
         return "gradients"
 
-    def apply_advantage_reweighting(self, call: LossCall, per_token_logps: torch.Tensor) -> torch.Tensor:
+    # ------------------------------------------------------------------------------------------------ generation batch
+    def _generate_and_score_completions(self, inputs):
+        if self.model.training:
+            check_generation_step(type(self), self._step, self.args.lopti_cycle_micro_steps)
+        self._lopti.scoring_logps = []
+        try:
+            output = super()._generate_and_score_completions(inputs)
+            old_per_token_logps = self.old_per_token_logps_at_generation(output, self._lopti.scoring_logps)
+        finally:
+            self._lopti.scoring_logps = None
+        # On-policy AR alone: the loss forward gives pi_old.
+        if old_per_token_logps is None:
+            return output
+        # The whole batch is split now, once for both passes; TRL's split and shuffle carry the tensors.
+        eta = self.lopti_eta(output)
+        split = self.split_tokens(output, old_per_token_logps, eta)
+        output[LOW_MASK_KEY] = split.low_mask
+        if split.ar_weights is not None:
+            output[AR_WEIGHTS_KEY] = split.ar_weights
+        if self.args.lopti_enabled:
+            # A 0-dim float64 tensor on the CPU (MPS has no float64), copied to each micro-batch.
+            output[ETA_KEY] = torch.tensor(eta, dtype=torch.float64)
+        self._log_split(split, loss_token_mask(output), eta)
+        return output
+
+    def lopti_eta(self, batch: dict[str, Any]) -> float:
         """
-        Makes the loss reweight each token by its AR weight (`call.batch[AR_WEIGHTS_KEY]`), in the form
-        [`advantage_reweighting_form`] chose.
+        eta of a generation batch: `lopti_threshold`, or the `lopti_quantile` quantile of pi_old over the whole
+        batch (every process, which all call this together); 0.5 without Lopti (for `lopti/low_token_share` only).
+        Override it to split otherwise.
 
         Args:
-            call (`LossCall`):
-                The loss call in flight.
-            per_token_logps (`torch.Tensor`):
-                The policy's log-probabilities (B, T) of this forward.
+            batch (`dict`):
+                This process's part of the generation batch, with its pi_old (`old_per_token_logps`).
 
         Returns:
-            `torch.Tensor`: the log-probabilities the loss reads.
+            `float`: eta in [0, 1].
         """
-        weights = call.batch[AR_WEIGHTS_KEY]
-        if self._lopti.advantage_reweighting_form == "gradients":
-            return reweight_token_gradients(per_token_logps, weights)
-        # A'(i, t) = w(i, t) * A(i) in what the loss reads, which it reads after this forward (fact G1).
-        advantages = token_level_advantages(call.batch["advantages"], weights.size(1)) * weights
-        self.place_loss_input(call, "advantages", advantages)
-        return per_token_logps
+        args = self.args
+        if not args.lopti_enabled:
+            return UNSPLIT_REPORTING_THRESHOLD
+        if args.lopti_quantile is None:
+            return args.lopti_threshold
+        local = batch["old_per_token_logps"][loss_token_mask(batch).bool()]
+        logps = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0))
+        counted = self.accelerator.gather(self.accelerator.pad_across_processes(torch.ones_like(local), dim=0))
+        return lopti_batch_threshold(logps, counted, args.lopti_quantile)
 
-    def place_loss_input(self, call: LossCall, key: str, value: Any) -> None:
-        """Puts `value` under `key` in what TRL's loss reads, during its forward; the loss must then read it
-        (checked after the loss under `placement_fact`)."""
-        call.loss_inputs[key] = value
-        call.placed[key] = value
+    def split_tokens(self, batch: dict[str, Any], old_per_token_logps: torch.Tensor, eta: float) -> TokenSplit:
+        """
+        Splits a batch by its pi_old: the low tokens and, with AR, AR's weights.
+
+        Args:
+            batch (`dict`):
+                A generation batch or a micro-batch, with its masks.
+            old_per_token_logps (`torch.Tensor`):
+                Its pi_old (B, T).
+            eta (`float`):
+                The threshold: a completion token is low where `pi_old < eta`.
+        """
+        low_mask = low_probability_token_mask(old_per_token_logps, loss_token_mask(batch), eta)
+        ar_weights = None
+        if self.args.advantage_reweighting_enabled:
+            ar_weights = advantage_reweighting_weights(old_per_token_logps, self.args.advantage_reweighting_alpha)
+        return TokenSplit(low_mask, ar_weights)
+
+    def batch_split(self, batch: dict[str, Any]) -> TokenSplit | None:
+        """The split of a micro-batch: the one its generation stored, else from its own pi_old at its eta (a
+        batch made elsewhere, at the eta it carries or as a generation batch), else `None` (no pi_old: the loss
+        forward gives it)."""
+        if LOW_MASK_KEY in batch:
+            return TokenSplit(batch[LOW_MASK_KEY], batch.get(AR_WEIGHTS_KEY))
+        old_per_token_logps = batch.get("old_per_token_logps")
+        if old_per_token_logps is None:
+            return None
+        eta = float(batch[ETA_KEY]) if ETA_KEY in batch else self.lopti_eta(batch)
+        return self.split_tokens(batch, old_per_token_logps, eta)
 
     # ------------------------------------------------------------------------------------------------ schedule
-    def lopti_pass_index(self) -> int:
-        """The pass over its generation batch of the current training micro-step (0 without Lopti)."""
-        return (self._step % self.args.lopti_cycle_micro_steps) // self.args.lopti_pass_micro_steps
+    def lopti_token_group(self) -> str | None:
+        """The token group active in the training micro-step in flight: `"low"` or `"high"`, `None` without
+        Lopti."""
+        position = self._step % self.args.lopti_cycle_micro_steps
+        return self.args.lopti_pass_order[position // self.args.lopti_pass_micro_steps]
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def _prepare_inputs(self, generation_batch):
+        if self.model.training:
+            self._check_schedule(generation_batch)
+        return super()._prepare_inputs(generation_batch)
+
+    def _check_schedule(self, generation_batch: Any) -> None:
+        """Facts S1 and S3 at a training micro-step: the dataloader serves a cycle's prompts until it ends, and
+        TRL's counter `_step` lies where the optimizer steps put it."""
         step = self._step
         cycle = self.args.lopti_cycle_micro_steps
         accumulation = self.args.gradient_accumulation_steps
-        prompts = prompts_of(inputs)
+        check_step_counter(type(self), step, self.state.global_step, accumulation, cycle)
+        prompts = prompts_of(generation_batch)
         if step % cycle == 0 or self._lopti.cycle_prompts is None:
             self._lopti.cycle_prompts = prompts
         elif prompts != self._lopti.cycle_prompts and not self._lopti.warned_prompts:
@@ -399,93 +432,54 @@ class LoptiTrainerMixin:
                 check_prompts(type(self), step % cycle, cycle, prompts)
             self._lopti.warned_prompts = True
             warn_prompts_changed(step % cycle)
-        check_step_counter(type(self), step, self.state.global_step, accumulation, cycle)
-        micro_step = MicroStep(position=step % cycle, first_visit=step % cycle < self.args.steps_per_generation)
-        self._lopti.micro_step = micro_step
-        try:
-            output = super().training_step(model, inputs, num_items_in_batch)
-        finally:
-            self._lopti.micro_step = None
-        check_backward_reached(type(self), micro_step.backward_reached_logps)
-        # Fact S4 is read at the last micro-step of each optimizer step, before the optimizer steps: not at every
-        # micro-step, as reading a value of the device waits for it.
-        if (step + 1) % accumulation == 0:
-            outside = self._lopti.gradient_outside_the_mask
-            self._lopti.gradient_outside_the_mask = 0.0
-            check_loss_mask(type(self), float(outside))
-        return output
-
-    def _mark_backward(self, micro_step: MicroStep, loss_mask: torch.Tensor, gradient: torch.Tensor) -> None:
-        """A tensor hook on the log-probabilities handed to TRL's loss: its backward reached them (fact S2), and
-        what reached the tokens outside the loss mask is added up, on the device (fact S4)."""
-        micro_step.backward_reached_logps = True
-        outside = gradient.abs() * (1 - loss_mask.to(gradient.dtype))
-        self._lopti.gradient_outside_the_mask = self._lopti.gradient_outside_the_mask + outside.sum()
-
-    # ------------------------------------------------------------------------------------------------ generation batch
-    def _generate_and_score_completions(self, inputs):
-        self._lopti.generation_logps = []
-        try:
-            # Fact G2: TRL decides whether it needs pi_old by the user's num_iterations.
-            with temporarily_set(self, num_iterations=self.args.num_iterations):
-                output = super()._generate_and_score_completions(inputs)
-            old_per_token_logps = self.old_per_token_logps_at_generation(output, self._lopti.generation_logps)
-        finally:
-            self._lopti.generation_logps = None
-        if old_per_token_logps is not None:
-            output["old_per_token_logps"] = old_per_token_logps
-        if self.args.lopti_enabled:
-            # A 0-dim float64 tensor on the CPU (MPS has no float64), copied to each micro-batch.
-            output[ETA_KEY] = torch.tensor(self.lopti_eta(output), dtype=torch.float64)
-        # Where pi_old is known, the whole batch is split now.
-        if output.get("old_per_token_logps") is not None:
-            totals, eta = self._split(output, output["old_per_token_logps"])
-            self._log_split(totals, eta)
-        return output
-
-    def lopti_eta(self, batch: dict[str, Any]) -> float:
-        """
-        eta of a generation batch: `lopti_threshold`, or the `lopti_quantile` quantile of pi_old over the
-        whole batch (every process). Override it to split otherwise.
-
-        Args:
-            batch (`dict`):
-                This process's part of the generation batch, as TRL generated it.
-
-        Returns:
-            `float`: eta in [0, 1].
-        """
-        args = self.args
-        if args.lopti_quantile is None:
-            return args.lopti_threshold
-        # Where TRL did not need pi_old: one no-grad forward, as TRL's own.
-        if batch.get("old_per_token_logps") is None:
-            batch_size = args.per_device_train_batch_size if self.model.training else args.per_device_eval_batch_size
-            with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
-                batch["old_per_token_logps"] = trl_completion_logps(self, batch, batch_size=batch_size)[0]
-        local = batch["old_per_token_logps"][loss_token_mask(batch).bool()]
-        logps = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0))
-        counted = self.accelerator.gather(self.accelerator.pad_across_processes(torch.ones_like(local), dim=0))
-        return lopti_batch_threshold(logps, counted, args.lopti_quantile)
 
     # ------------------------------------------------------------------------------------------------ loss
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        training = self.model.training
-        pass_index = self.lopti_pass_index() if training else 0
-        token_group = self.args.lopti_pass_order[pass_index] if training else None
-        micro_step = self._lopti.micro_step if training else None
-        if micro_step is not None:
-            first_position = micro_step.position % self.args.steps_per_generation
-            expected = None if micro_step.first_visit else first_position
-            check_micro_batch(type(self), micro_step.position, expected, inputs.get(FIRST_TRAINED_KEY))
-            inputs[FIRST_TRAINED_KEY] = first_position
-        call = LossCall(inputs, ReadRecorder(inputs), token_group, pass_index == 0, micro_step)
-        self._lopti.loss_call = call
+    def _compute_loss(self, model, inputs):
+        # Evaluation: the base trainer's loss.
+        if not self.model.training:
+            return super()._compute_loss(model, inputs)
+        args = self.args
+        token_group = self.lopti_token_group()
+        split = self.batch_split(inputs)
+        # Under Lopti every micro-batch carries its generation's split: its pi_old is not the policy of this pass.
+        if token_group is not None:
+            check_split_carried(type(self), split is not None)
+        loss_inputs = inputs
+        reweights_gradients = args.advantage_reweighting_enabled
+        if reweights_gradients and self._lopti.advantage_reweighting_form == "advantages":
+            if split is not None:
+                # A'(i, t) = w(i, t) * A(i): token-level advantages, which TRL's own loss accepts (fact G1).
+                loss_inputs = dict(inputs)
+                advantages = token_level_advantages(inputs["advantages"], split.ar_weights.size(1))
+                loss_inputs["advantages"] = advantages * split.ar_weights
+                reweights_gradients = False
+            elif self.beta != 0.0:
+                raise ValueError(
+                    f"{type(self).__name__}: a batch without old_per_token_logps reached the loss with "
+                    f"advantage_reweighting_alpha={args.advantage_reweighting_alpha:g} and beta={self.beta:g}: AR's "
+                    "token-level advantages need pi_old before the loss runs, and its general form would reweight the "
+                    "KL term. Train through trainer.train(), or put old_per_token_logps in the batch"
+                )
+        scope = LossScope(
+            model=model,
+            batch=inputs,
+            token_group=token_group,
+            trains_aux_loss=token_group in (None, args.lopti_pass_order[0]),
+            reweights_gradients=reweights_gradients,
+            split=split,
+        )
+        # A loss call inside another (a user's loss that calls TRL's) gets its own scope, then gives the outer one back.
+        outer_scope = self._lopti.loss_scope
+        self._lopti.loss_scope = scope
         try:
-            loss = super().compute_loss(model, call.loss_inputs, return_outputs, num_items_in_batch)
+            loss = super()._compute_loss(model, loss_inputs)
         finally:
-            self._lopti.loss_call = None
-        check_loss_read(type(self), call.placed, call.loss_inputs.reads, self.placement_fact)
+            self._lopti.loss_scope = outer_scope
+        check_policy_forward(type(self), scope.policy_forwards)
+        # On-policy AR alone: the split of this call's pi_old, the loss forward's, is this micro-batch's share of
+        # the metrics.
+        if split is None and scope.split is not None and not args.lopti_enabled:
+            self._log_split(scope.split, loss_token_mask(inputs), UNSPLIT_REPORTING_THRESHOLD)
         if token_group is not None:
             self._log_pass_loss(token_group, loss.detach())
         return loss
@@ -494,94 +488,68 @@ class LoptiTrainerMixin:
         output = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
+        if self._lopti.scoring_logps is not None:
+            self._lopti.scoring_logps.append(output[0])
+            return output
+        scope = self._lopti.loss_scope
+        # Only the policy forward of a training loss, over the loss's rows, carries the method.
+        if scope is None or model is not scope.model or not torch.is_grad_enabled():
+            return output
+        if input_ids.size(0) != scope.batch["completion_ids"].size(0):
+            return output
         check_forward_output(type(self), output)
         per_token_logps, entropies, aux_loss = output
-        call = self._lopti.loss_call
-        # A forward outside the loss: pi_old, or the reference model's log-probabilities.
-        if call is None:
-            if self._lopti.generation_logps is not None:
-                self._lopti.generation_logps.append(per_token_logps)
-            return per_token_logps, entropies, aux_loss
-        # Where pi_old was not known at generation, this forward's output is pi_old.
-        if LOW_MASK_KEY not in call.batch:
-            self._split_at_first_forward(call, per_token_logps.detach())
-        if self.args.advantage_reweighting_enabled:
-            per_token_logps = self.apply_advantage_reweighting(call, per_token_logps)
+        scope.policy_forwards += 1
+        if scope.split is None and scope.reweights_gradients:
+            # On-policy AR alone: this forward's detached output is pi_old, for this call only.
+            batch = dict(scope.batch)
+            batch["old_per_token_logps"] = per_token_logps.detach()
+            scope.split = self.batch_split(batch)
+        if scope.reweights_gradients:
+            per_token_logps = reweight_token_gradients(per_token_logps, scope.split.ar_weights)
         # Lopti: gradient only through the pass's active tokens.
-        if call.token_group is not None:
-            active_mask = token_group_mask(call.batch[LOW_MASK_KEY], loss_token_mask(call.batch), call.token_group)
+        if scope.token_group is not None:
+            active_mask = token_group_mask(scope.split.low_mask, loss_token_mask(scope.batch), scope.token_group)
             per_token_logps = isolate_token_gradients(per_token_logps, active_mask)
             if entropies is not None:
                 entropies = isolate_token_gradients(entropies, active_mask)
-            if aux_loss is not None and not call.trains_aux_loss:
+            if aux_loss is not None and not scope.trains_aux_loss:
                 aux_loss = aux_loss.detach()
-        # Facts S2 and S4 are checked in the backward.
-        if call.micro_step is not None and per_token_logps.requires_grad:
-            mark = functools.partial(self._mark_backward, call.micro_step, loss_token_mask(call.batch))
-            per_token_logps.register_hook(mark)
+        # Fact S4: what reaches tokens outside the loss mask, added up in the backward, read before the optimizer step.
+        if per_token_logps.requires_grad:
+            loss_mask = loss_token_mask(scope.batch)
+            per_token_logps.register_hook(lambda gradient: self._add_gradient_outside_the_mask(loss_mask, gradient))
         return per_token_logps, entropies, aux_loss
 
-    # ------------------------------------------------------------------------------------------------ split
-    def _split_eta(self, batch: dict[str, Any]) -> float:
-        """The eta `batch` is split at: its generation's (`ETA_KEY`), else the fixed eta; 0.5 for reporting
-        only."""
-        if not self.args.lopti_enabled:
-            return UNSPLIT_REPORTING_THRESHOLD
-        if ETA_KEY not in batch and self.args.lopti_quantile is not None:
-            raise RuntimeError(f"lopti_quantile: this batch has no eta from its generation ({ETA_KEY})")
-        return float(batch.get(ETA_KEY, self.args.lopti_threshold))
+    def _add_gradient_outside_the_mask(self, loss_mask: torch.Tensor, gradient: torch.Tensor) -> None:
+        """A tensor hook on the log-probabilities handed to the loss: adds up, on the device, the gradient that
+        reached tokens outside the loss mask (fact S4)."""
+        outside = (gradient.abs() * (1 - loss_mask.to(gradient.dtype))).sum()
+        if self._lopti.gradient_outside_the_mask is not None:
+            outside = outside + self._lopti.gradient_outside_the_mask
+        self._lopti.gradient_outside_the_mask = outside
 
-    def _split(self, batch: dict[str, Any], old_per_token_logps: torch.Tensor) -> tuple[SplitTotals, float]:
-        """Splits `batch` (a generation batch or a micro-batch) by its pi_old: its low mask and, with AR, its
-        AR weights; returns its totals and the eta it was split at."""
-        eta = self._split_eta(batch)
-        mask = loss_token_mask(batch)
-        low_mask = low_probability_token_mask(old_per_token_logps, mask, eta)
-        batch[LOW_MASK_KEY] = low_mask
-        weights = advantage_reweighting_weights(old_per_token_logps, self.args.advantage_reweighting_alpha)
-        if self.args.advantage_reweighting_enabled:
-            batch[AR_WEIGHTS_KEY] = weights
-        mask = mask.float()
-        totals = SplitTotals((low_mask.float() * mask).sum(), (weights.float() * mask).sum(), mask.sum())
-        return totals, eta
-
-    def _split_at_first_forward(self, call: LossCall, forward_logps: torch.Tensor) -> None:
-        """Splits a micro-batch at its first loss forward, where pi_old is the batch's or, on-policy, that
-        forward's detached output; logs the split once the generation batch's last micro-batch is split."""
-        batch = call.batch
-        old_per_token_logps = batch.get("old_per_token_logps")
-        # On-policy, pi_old is this forward's output; a later pass's ratio is against it.
-        if old_per_token_logps is None:
-            if call.micro_step is not None:
-                check_on_policy(
-                    type(self), self._step, call.micro_step.position, self.args.gradient_accumulation_steps
-                )
-            old_per_token_logps = forward_logps
-            if self.args.lopti_enabled:
-                batch["old_per_token_logps"] = old_per_token_logps
-        totals, eta = self._split(batch, old_per_token_logps)
-        # An evaluation batch is its own generation batch.
-        if not self.model.training:
-            self._log_split(totals, eta)
-            return
-        position = self._step % self.args.steps_per_generation
-        if position == 0 or self._lopti.split_totals is None:
-            self._lopti.split_totals = totals
-        else:
-            self._lopti.split_totals = self._lopti.split_totals + totals
-        if position == self.args.steps_per_generation - 1:
-            self._log_split(self._lopti.split_totals, eta)
-            self._lopti.split_totals = None
+    def _check_loss_mask_before_the_optimizer_step(self) -> None:
+        """Fact S4, on every process before every optimizer step ([`LossMaskCheck`]): no gradient reached tokens
+        outside the loss mask on any process since the last step. Every process stops together."""
+        outside = self._lopti.gradient_outside_the_mask
+        if outside is None:
+            outside = torch.zeros((), device=self.accelerator.device)
+        self._lopti.gradient_outside_the_mask = None
+        check_loss_mask(type(self), float(self.accelerator.reduce(outside.float(), reduction="sum")))
 
     # ------------------------------------------------------------------------------------------------ metrics
-    def _log_split(self, totals: SplitTotals, eta: float) -> None:
-        """Logs the split of a whole generation batch, from the `totals` of this process."""
+    def _log_split(self, split: TokenSplit, loss_mask: torch.Tensor, eta: float) -> None:
+        """Logs the split of a whole generation batch, from this process's part of it; on-policy with AR alone, that
+        of a micro-batch (its pi_old is known only at its loss)."""
         mode = "train" if self.model.training else "eval"
-        stacked = torch.stack([totals.low_tokens, totals.ar_weight_sum, totals.tokens])
-        reduced = self.accelerator.reduce(stacked, reduction="sum")
-        low_tokens = reduced[0]
-        ar_weight_sum = reduced[1]
-        tokens = reduced[2]
+        mask = loss_mask.float()
+        weights = split.ar_weights if split.ar_weights is not None else torch.ones_like(mask)
+        low_tokens = (split.low_mask.float() * mask).sum()
+        ar_weight_sum = (weights.float() * mask).sum()
+        low_tokens = self.accelerator.reduce(low_tokens, reduction="sum")
+        ar_weight_sum = self.accelerator.reduce(ar_weight_sum, reduction="sum")
+        tokens = self.accelerator.reduce(mask.sum(), reduction="sum")
         # No completion token anywhere: nothing to report.
         if tokens == 0:
             return
@@ -678,8 +646,11 @@ class LoptiTrainerMixin:
         device = self.accelerator.device
         # The run resumes inside the batch's schedule, at the micro-step it stopped at.
         self._buffered_inputs = [
-            {key: value.to(device) if torch.is_tensor(value) and key != ETA_KEY else value for key, value in b.items()}
-            for b in stored["micro_batches"]
+            {
+                key: value.to(device) if torch.is_tensor(value) and key != ETA_KEY else value
+                for key, value in batch.items()
+            }
+            for batch in stored["micro_batches"]
         ]
         self._step = self.state.global_step * self.args.gradient_accumulation_steps
 
@@ -752,49 +723,45 @@ def check_resumed_state(trainer_class: type, global_step: int) -> None:
         raise trl_contract.broken_fact(trl_contract.CHECKPOINTS, saw, trainer_class)
 
 
-def check_micro_batch(trainer_class: type, position: int, first_position: int | None, trained_at: int | None) -> None:
-    """Fact S1: the micro-batch served at micro-step `position` of its cycle, first trained at `trained_at`
-    (`None`: never), is the one this cycle first trained at `first_position` (`None`: it is new)."""
-    if trained_at != first_position:
-        saw = f"micro-step {position} of a cycle got a micro-batch first trained at {trained_at}, not {first_position}"
+def check_generation_step(trainer_class: type, step: int, cycle: int) -> None:
+    """Fact S1: TRL generates a training batch only at a cycle's first micro-step (`step` a multiple of the
+    `cycle` micro-steps a generation batch is trained for), so that both passes train the batch that was split."""
+    if step % cycle:
+        saw = (
+            f"TRL generated a new batch at micro-step {step % cycle} of a Lopti cycle ({cycle} micro-steps per "
+            "generation batch), so a pass would train other completions than the batch that was split"
+        )
         raise trl_contract.broken_fact(trl_contract.SCHEDULE, saw, trainer_class)
 
 
-def check_loss_read(
-    trainer_class: type, placed: dict[str, Any], reads: dict[str, list[Any]], fact: trl_contract.TRLFact
-) -> None:
-    """Fact `fact` (G1), after a loss: it read every value placed in its inputs during its forward (`placed`,
-    by key), and nothing else under those keys (`reads`: what it read, by key)."""
-    for key, value in placed.items():
-        if not reads.get(key) or any(read is not value for read in reads[key]):
-            raise trl_contract.broken_fact(
-                fact, f"TRL's loss did not read the {key} placed during its forward", trainer_class
-            )
+def check_split_carried(trainer_class: type, carried: bool) -> None:
+    """Fact S1, at a training loss under Lopti: the micro-batch carries the split (or the pi_old) of its generation
+    batch, as every tensor of that batch is split into TRL's buffered micro-batches."""
+    if not carried:
+        saw = (
+            "a micro-batch reached the loss without the split its generation stored (lopti_low_mask) or pi_old "
+            "(old_per_token_logps), so its pass would split against a policy that has already moved"
+        )
+        raise trl_contract.broken_fact(trl_contract.SCHEDULE, saw, trainer_class)
 
 
-def check_backward_reached(trainer_class: type, reached: bool) -> None:
-    """Fact S2, after a training micro-step: its backward reached the log-probabilities handed to TRL's
-    loss."""
-    if not reached:
-        saw = "the backward of a training step never reached the loss's log-probabilities"
+def check_policy_forward(trainer_class: type, policy_forwards: int) -> None:
+    """Fact S2, after a training loss: it ran the log-prob forward of the model it received, with gradient
+    (`policy_forwards` times)."""
+    if policy_forwards == 0:
+        saw = (
+            "the loss never ran self._get_per_token_logps_and_entropies on the model it received with gradient, so its "
+            "gradient bypasses the log-probabilities that AR and Lopti act on"
+        )
         raise trl_contract.broken_fact(trl_contract.LOSS_FORWARD, saw, trainer_class)
 
 
 def check_loss_mask(trainer_class: type, gradient_outside_the_mask: float) -> None:
-    """Fact S4, before an optimizer step: the gradient that reached tokens outside the loss mask, summed, is
-    zero."""
+    """Fact S4, before an optimizer step: the gradient that reached tokens outside the loss mask (which belong to
+    neither Lopti group), summed over every process, is zero."""
     if gradient_outside_the_mask != 0:
         saw = f"a gradient of {gradient_outside_the_mask:.3g} reached tokens outside the loss mask"
         raise trl_contract.broken_fact(trl_contract.LOSS_MASK, saw, trainer_class)
-
-
-def check_on_policy(trainer_class: type, step: int, position: int, accumulation: int) -> None:
-    """Fact G2: a micro-batch without pi_old, first trained at micro-step `step` (`position` of its cycle,
-    generated at the cycle's first), saw no optimizer step (every `accumulation` micro-steps) since its
-    generation."""
-    if (step - position) // accumulation != step // accumulation:
-        saw = f"no pi_old came with a micro-batch first trained after an optimizer step (micro-step {position})"
-        raise trl_contract.broken_fact(trl_contract.GRPO_GENERATION, saw, trainer_class)
 
 
 def resume_error(checkpoint: str, saved: dict[str, Any], current: dict[str, Any]) -> ValueError:

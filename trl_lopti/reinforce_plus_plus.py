@@ -8,7 +8,9 @@ the config value) changes nothing else.
 
 It relies on fact G3 (`_calculate_rewards`, stated in `trl_lopti/trl_contract.py`), checked here at every
 generation batch. It shows its advantages in TRL's completions table, in place of GRPO's
-(`self._logs["advantages"]`), and warns where a TRL release keeps that table otherwise.
+(`self._logs["advantages"]`), and warns where a TRL release keeps that table otherwise. TRL offers no public way to
+set that column: a reward function's `log_extra` adds a column beside it, which would leave the table showing
+advantages that were not trained on.
 """
 
 import warnings
@@ -34,7 +36,8 @@ class ReinforcePlusPlusMixin:
     def _generate_and_score_completions(self, inputs):
         self._rewards_of_scored_batch = None
         output = super()._generate_and_score_completions(inputs)
-        if self.args.advantage_estimator == "reinforce_plus_plus":
+        # A config composed of trl_lopti's fields alone (`LoptiArguments`) has no estimator field: GRPO's.
+        if getattr(self.args, "advantage_estimator", "grpo") == "reinforce_plus_plus":
             rewards = self._rewards_of_scored_batch
             local = len(output["completion_mask"])
             if rewards is None or len(rewards) != local * self.accelerator.num_processes:

@@ -64,12 +64,14 @@ class LoptiRLOOTrainer(LoptiTrainerMixin, RLOOTrainer):
     contract_name = "rloo"
     loss_is_scaled_for_accumulation = False
 
-    def old_per_token_logps_at_generation(self, batch: dict[str, Any], generation_logps: list) -> torch.Tensor:
+    def old_per_token_logps_at_generation(
+        self, batch: dict[str, Any], scoring_logps: list[torch.Tensor]
+    ) -> torch.Tensor:
         # Fact R1: the first forward of the generation is pi_old, and `old_logps` is its masked sum. Summed
         # in another order, T terms differ by at most (T - 1) * eps * sum |terms| (the bound of recursive
         # summation): the tolerance. Any other forward's log-probabilities (the reference model's, once the
         # policy moved) lie beyond.
-        old_per_token_logps = generation_logps[0] if generation_logps else None
+        old_per_token_logps = scoring_logps[0] if scoring_logps else None
         if old_per_token_logps is None:
             raise broken_fact(
                 RLOO_GENERATION, "RLOOTrainer ran no log-prob forward while scoring the batch", type(self)
@@ -92,6 +94,8 @@ class LoptiRLOOTrainer(LoptiTrainerMixin, RLOOTrainer):
                 "RLOOTrainer returned a tool_mask, which its loss ignores and the split would read",
                 type(self),
             )
+        # Kept per token beside RLOO's sum, which its loss reads: a batch split again (`trl-lopti check`) needs it.
+        batch["old_per_token_logps"] = old_per_token_logps
         return old_per_token_logps
 
 

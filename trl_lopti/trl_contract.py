@@ -61,6 +61,8 @@ class TRLFact:
         methods (`tuple[str, ...]`):
             The trainer methods whose behaviour it states: where one of them is a user's override, the user's
             class broke it, not TRL.
+        checked_while_training (`bool`):
+            Whether a runtime check stops a training run that breaks it; else only `trl-lopti check` finds it.
     """
 
     code: str
@@ -69,27 +71,30 @@ class TRLFact:
     prevents: str
     checked_by: str
     methods: tuple[str, ...]
+    checked_while_training: bool = True
 
 
 SCHEDULE = TRLFact(
     "S1",
     "Schedule",
-    "`_prepare_inputs` generates when `self._step % (steps_per_generation * self.num_iterations) == 0` (or with "
-    "nothing buffered), buffers the batch split into micro-batches in `self._buffered_inputs` and serves slice "
-    "`self._step % steps_per_generation`, the same dicts until the next generation; its train sampler repeats each "
-    "generation batch `self.num_iterations * steps_per_generation` times",
-    "a pass over another generation batch than the first pass trained, or over a copy without its split and pi_old, "
-    "or a run that leaves the prompts served inside a cycle untrained",
-    "`lopti_mixin.check_micro_batch`, at every loss; `lopti_mixin.check_prompts`, at every micro-step",
+    "`_prepare_inputs` generates only when `self._step % (steps_per_generation * self.num_iterations) == 0` (or with "
+    "nothing buffered), buffers the batch split into micro-batches in `self._buffered_inputs` (every tensor of the batch "
+    "split by rows, a 0-dim one copied) and serves slice `self._step % steps_per_generation` until the next generation; "
+    "its train sampler repeats each generation batch `self.num_iterations * steps_per_generation` times",
+    "a pass over other completions than the generation batch that was split, or a run that leaves the prompts served "
+    "inside a cycle untrained",
+    "`lopti_mixin.check_generation_step`, at every generation; `lopti_mixin.check_split_carried`, at every loss; "
+    "`lopti_mixin.check_prompts`, at every micro-step",
     ("_prepare_inputs", "_get_train_sampler", "get_train_dataloader", "training_step"),
 )
 LOSS_FORWARD = TRLFact(
     "S2",
     "Loss forward",
-    "`_compute_loss(model, inputs)` calls `self._get_per_token_logps_and_entropies` for the policy, which returns "
-    "(log-probabilities, entropies, auxiliary loss), and is differentiated through those log-probabilities",
+    "`_compute_loss(model, inputs)` calls `self._get_per_token_logps_and_entropies` on the model it received, with "
+    "gradient, which returns (log-probabilities, entropies, auxiliary loss), and is differentiated through those "
+    "log-probabilities",
     "an update whose gradient bypasses the log-probabilities that AR and Lopti act on",
-    "`lopti_mixin.check_forward_output`, `lopti_mixin.check_backward_reached`, at every loss",
+    "`lopti_mixin.check_forward_output`, `lopti_mixin.check_policy_forward`, at every training loss",
     ("compute_loss", "_compute_loss", "_get_per_token_logps_and_entropies"),
 )
 CHECKPOINTS = TRLFact(
@@ -98,7 +103,7 @@ CHECKPOINTS = TRLFact(
     "`_save_checkpoint` and `_load_optimizer_and_scheduler` are the extension points for trainer state, and "
     "transformers calls the latter on resume after `self.state` is loaded",
     "a resumed run that trains the wrong pass of its generation batch, or a new batch in the middle of a cycle",
-    "`lopti_mixin.check_resumed_state`, `lopti_mixin.check_step_counter`, on resume and at every optimizer step",
+    "`lopti_mixin.check_resumed_state`, `lopti_mixin.check_step_counter`, on resume and at every micro-step",
     ("_save_checkpoint", "_load_optimizer_and_scheduler"),
 )
 LOSS_MASK = TRLFact(
@@ -107,24 +112,28 @@ LOSS_MASK = TRLFact(
     "every loss sums its per-token terms over `completion_mask` (times `tool_mask` where the batch has one)",
     "gradient through tokens that belong to neither Lopti group (padding, tool output), so that the two passes do not "
     "add up to the whole update",
-    "`lopti_mixin.check_loss_mask`, before every optimizer step",
+    "`lopti_mixin.check_loss_mask`, before every optimizer step, summed over every process",
     ("compute_loss", "_compute_loss"),
 )
 GRPO_LOSS = TRLFact(
     "G1",
     "GRPO loss",
-    "`_compute_loss` reads `inputs['advantages']` (token-level (B, T) accepted) only after its policy forward",
-    "an update with the plain advantages where AR placed reweighted ones",
-    "`lopti_mixin.check_loss_read` of `grpo_trainer.LoptiGRPOTrainer.placement_fact`, at every loss",
+    "`_compute_loss` accepts token-level advantages (B, T) in `inputs['advantages']` and weights each token's term by "
+    "its own",
+    "an update with other advantages than AR's token-level ones (with a KL term in TRL's own loss)",
+    "`check.Contract.losses`, the AR relation of `trl-lopti check` (the gate of an untested release): a loss that "
+    "reads the advantages otherwise keeps every shape a check while training could see",
     ("compute_loss", "_compute_loss"),
+    checked_while_training=False,
 )
 GRPO_GENERATION = TRLFact(
     "G2",
     "GRPO generation",
-    "`_generate_and_score_completions` returns `old_per_token_logps` whenever the policy moves between the batch's "
-    "generation and its training, or vLLM importance sampling needs it",
+    "`_generate_and_score_completions` returns `old_per_token_logps` whenever `gradient_accumulation_steps % "
+    "(steps_per_generation * self.num_iterations) != 0`: the policy moves between the batch's generation and its "
+    "training, as it always does under Lopti, whose passes `self.num_iterations` counts",
     "a split, AR weights and second-pass ratios against a policy that already moved, taken for pi_old",
-    "`lopti_mixin.check_on_policy`, at every split without pi_old",
+    "`grpo_trainer.LoptiGRPOTrainer.old_per_token_logps_at_generation`, at every generation batch",
     ("_generate_and_score_completions",),
 )
 GRPO_REWARDS = TRLFact(
@@ -249,10 +258,11 @@ def verdict_key(trainer: str, device_type: str, precision: str) -> dict[str, str
     import torch
 
     key = {package: version(package) for package in ("trl", "transformers", "torch", "accelerate", "trl_lopti")}
-    # trl_lopti's modules of the trainers and the check: an edited checkout is another stack.
+    # Every module of trl_lopti, its subpackages' included: an edited checkout is another stack.
+    package = Path(__file__).parent
     source = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        source.update(path.name.encode() + path.read_bytes())
+    for path in sorted(package.rglob("*.py")):
+        source.update(str(path.relative_to(package)).encode() + path.read_bytes())
     key["trl_lopti_source"] = source.hexdigest()[:16]
     key["trainer"] = trainer
     key["device"] = device_type

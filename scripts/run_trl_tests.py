@@ -1,10 +1,14 @@
-"""Runs TRL's own RLOO tests (`tests/test_rloo_trainer.py`) against `LoptiRLOOTrainer`, offline: a manual check.
+"""Runs TRL's own tests of a trainer against its Lopti trainer, offline: a manual check.
 
-    python scripts/run_trl_rloo_tests.py TRL_REPO [--mode lopti|plain|trl] [--epochs E] [--work DIR] [-- PYTEST_ARGS]
+    python scripts/run_trl_tests.py TRL_REPO [--trainer rloo|grpo|gmpo] [--mode lopti|plain|trl] [--epochs E]
+        [--work DIR] [-- PYTEST_ARGS]
 
-TRL_REPO is a TRL checkout or bare mirror (read at HEAD). Its test files are copied into the work folder (no TRL code is
-kept here), with the trainer import swapped: `lopti` gives `LoptiRLOOConfig`/`LoptiRLOOTrainer` with their defaults (AR
-alpha 0.3, Lopti eta 0.5), `plain` the same with both methods off, `trl` TRL's own `RLOOTrainer` (the baseline).
+`--trainer` picks TRL's test file: `rloo` (`tests/test_rloo_trainer.py`, against `LoptiRLOOTrainer`), `grpo`
+(`tests/test_grpo_trainer.py`, against `LoptiGRPOTrainer`) or `gmpo` (`tests/experimental/test_gmpo_trainer.py`, against
+`class GMPOTrainer(LoptiGRPOTrainer, GMPOTrainer)` with `@dataclass class GMPOConfig(LoptiArguments, GMPOConfig)`, as a
+user composes them). TRL_REPO is a TRL checkout or bare mirror (read at HEAD). Its test files are copied into the work
+folder (no TRL code is kept here), with the trainer import swapped: `lopti` gives the Lopti config and trainer with their
+defaults (AR alpha 0.3, Lopti eta 0.5), `plain` the same with both methods off, `trl` TRL's own trainer (the baseline).
 Nothing is fetched: the tiny models the tests name are random models of the same families with offline-built
 tokenizers, in a Hugging Face cache read with `HF_HUB_OFFLINE=1`; the datasets are made by TRL's own
 `scripts/generate_zen*_dataset.py` and saved to disk. A training left at TRL's default length (3 epochs) lasts
@@ -14,6 +18,7 @@ tokenizers, in a Hugging Face cache read with `HF_HUB_OFFLINE=1`; the datasets a
 import argparse
 import codecs
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -26,17 +31,65 @@ import pytest
 
 
 ORG = "trl-internal-testing"
-TEST_FILES = ("__init__.py", "conftest.py", "testing_utils.py", "testing_constants.py", "test_rloo_trainer.py")
+TEST_FILES = ("__init__.py", "conftest.py", "testing_utils.py", "testing_constants.py")
 DATASETS = {"zen": "generate_zen_dataset.py", "zen-image": "generate_zen_image_dataset.py"}
 DATASETS["zen-multi-image"] = "generate_zen_multi_image_dataset.py"
-TRL_IMPORT = "from trl import RLOOConfig, RLOOTrainer\n"
-SWAPS = {
-    "lopti": "from trl_lopti import LoptiRLOOConfig as RLOOConfig, LoptiRLOOTrainer as RLOOTrainer\n",
-    "plain": "from dataclasses import dataclass\n\nfrom trl_lopti import LoptiRLOOConfig, LoptiRLOOTrainer as RLOOTrainer\n"
-    "\n\n@dataclass\nclass RLOOConfig(LoptiRLOOConfig):  # both methods off\n    advantage_reweighting_alpha: float = 0.0\n"
-    "    lopti_threshold: float | None = None\n",
-    "trl": TRL_IMPORT,
+OFF = "    advantage_reweighting_alpha: float = 0.0\n    lopti_threshold: float | None = None\n"
+LOPTI_GMPO = (
+    "from dataclasses import dataclass\n\nfrom trl.experimental.gmpo import GMPOConfig as TRLGMPOConfig\n"
+    "from trl.experimental.gmpo import GMPOTrainer as TRLGMPOTrainer\n\nfrom trl_lopti import LoptiArguments, "
+    "LoptiGRPOTrainer\n\n\n@dataclass\nclass GMPOConfig(LoptiArguments, TRLGMPOConfig):\n{fields}\n\nclass "
+    "GMPOTrainer(LoptiGRPOTrainer, TRLGMPOTrainer): ...\n"
+)
+
+
+@dataclasses.dataclass
+class TrainerTests:
+    """TRL's test file of a trainer (`path`), the import of the trainer its tests make (`trl_import`), the import
+    that replaces it in each mode (`swaps`), and TRL's config class whose defaults a test's training length comes
+    from (`config`, as `trl` names it)."""
+
+    path: str
+    trl_import: str
+    swaps: dict[str, str]
+    config: str
+
+
+TRAINERS = {
+    "rloo": TrainerTests(
+        "tests/test_rloo_trainer.py",
+        "from trl import RLOOConfig, RLOOTrainer\n",
+        {
+            "lopti": "from trl_lopti import LoptiRLOOConfig as RLOOConfig, LoptiRLOOTrainer as RLOOTrainer\n",
+            "plain": "from dataclasses import dataclass\n\nfrom trl_lopti import LoptiRLOOConfig, LoptiRLOOTrainer as "
+            "RLOOTrainer\n\n\n@dataclass\nclass RLOOConfig(LoptiRLOOConfig):  # both methods off\n" + OFF,
+            "trl": "from trl import RLOOConfig, RLOOTrainer\n",
+        },
+        "RLOOConfig",
+    ),
+    "grpo": TrainerTests(
+        "tests/test_grpo_trainer.py",
+        "from trl import GRPOConfig, GRPOTrainer\n",
+        {
+            "lopti": "from trl_lopti import LoptiGRPOConfig as GRPOConfig, LoptiGRPOTrainer as GRPOTrainer\n",
+            "plain": "from dataclasses import dataclass\n\nfrom trl_lopti import LoptiGRPOConfig, LoptiGRPOTrainer as "
+            "GRPOTrainer\n\n\n@dataclass\nclass GRPOConfig(LoptiGRPOConfig):  # both methods off\n" + OFF,
+            "trl": "from trl import GRPOConfig, GRPOTrainer\n",
+        },
+        "GRPOConfig",
+    ),
+    "gmpo": TrainerTests(
+        "tests/experimental/test_gmpo_trainer.py",
+        "from trl.experimental.gmpo import GMPOConfig, GMPOTrainer\n",
+        {
+            "lopti": LOPTI_GMPO.format(fields="    pass\n"),
+            "plain": LOPTI_GMPO.format(fields="    # both methods off\n" + OFF),
+            "trl": "from trl.experimental.gmpo import GMPOConfig, GMPOTrainer\n",
+        },
+        "GRPOConfig",
+    ),
 }
+"""What each `--trainer` runs."""
 # Tokenizers with the special tokens of the tested ones where a test depends on them (ids hard-coded in a test, a named
 # pad token, a processor's image tokens): byte-level BPE merged on the Zen of Python, then filler up to the size.
 QWEN = dict(size=151643, eos="<|im_end|>", pad="<|endoftext|>", specials="<|endoftext|> <|im_start|> <|im_end|>")
@@ -197,9 +250,10 @@ def pytest_configure(config):  # the plugin side, in the pytest process: the sta
 @pytest.fixture(autouse=True)
 def shorter_training(request, monkeypatch):
     """A training left to TRL's default length (3 epochs, no `max_steps`) lasts `--epochs` epochs (CPU time)."""
-    from trl import RLOOConfig
+    import trl
 
-    epochs, original = float(os.environ["STANDIN_EPOCHS"]), RLOOConfig.__post_init__
+    config_class = getattr(trl, os.environ["STANDIN_CONFIG"])
+    epochs, original = float(os.environ["STANDIN_EPOCHS"]), config_class.__post_init__
 
     def post_init(self):
         if self.num_train_epochs == 3.0 and self.max_steps == -1:
@@ -207,7 +261,7 @@ def shorter_training(request, monkeypatch):
         original(self)
 
     if request.node.name not in KEEP_EPOCHS:
-        monkeypatch.setattr(RLOOConfig, "__post_init__", post_init)
+        monkeypatch.setattr(config_class, "__post_init__", post_init)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -220,27 +274,29 @@ def pytest_collection_modifyitems(config, items):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trl", type=Path, help="TRL repository: a checkout or a bare mirror")
-    parser.add_argument("--mode", choices=sorted(SWAPS), default="lopti")
+    parser.add_argument("--trainer", choices=sorted(TRAINERS), default="rloo")
+    parser.add_argument("--mode", choices=["lopti", "plain", "trl"], default="lopti")
     parser.add_argument("--epochs", type=float, default=1.0, help="for trainings of TRL's default length")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/trl-rloo-tests"), help="work folder (reused)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/trl-tests"), help="work folder (reused)")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     args, pytest_args = parser.parse_args(argv[:split]), argv[split + 1 :]
-    work, tests = args.work.resolve(), args.work.resolve() / args.mode / "tests"
-    tests.mkdir(parents=True, exist_ok=True)
+    trainer = TRAINERS[args.trainer]
+    work, tests = args.work.resolve(), args.work.resolve() / args.trainer / args.mode / "tests"
+    (tests / "experimental").mkdir(parents=True, exist_ok=True)
     for name in TEST_FILES:
-        text = trl_file(args.trl, f"tests/{name}")
-        if name == "test_rloo_trainer.py":
-            if text.count(TRL_IMPORT) != 1:
-                raise SystemExit(f"{name}: the import to swap ({TRL_IMPORT.strip()}) is not there once")
-            text = text.replace(TRL_IMPORT, SWAPS[args.mode])
-        (tests / name).write_text(text)
+        (tests / name).write_text(trl_file(args.trl, f"tests/{name}"))
+    (tests / "experimental" / "__init__.py").write_text(trl_file(args.trl, "tests/experimental/__init__.py"))
+    text = trl_file(args.trl, trainer.path)
+    if text.count(trainer.trl_import) != 1:
+        raise SystemExit(f"{trainer.path}: the import to swap ({trainer.trl_import.strip()}) is not there once")
+    (tests.parent / trainer.path).write_text(text.replace(trainer.trl_import, trainer.swaps[args.mode]))
     build_standins(args.trl, work)
     env = dict(os.environ, HF_HUB_CACHE=str(work / "hub"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    env.update(STANDIN_DATASETS=str(work / "datasets"), STANDIN_EPOCHS=str(args.epochs))
+    env.update(STANDIN_DATASETS=str(work / "datasets"), STANDIN_EPOCHS=str(args.epochs), STANDIN_CONFIG=trainer.config)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent)  # this file is the pytest plugin
-    command = [sys.executable, "-m", "pytest", "-p", "run_trl_rloo_tests", "-p", "no:cacheprovider", "-rfEs"]
-    command += [f"--rootdir={tests.parent}", "tests/test_rloo_trainer.py", *pytest_args]
+    command = [sys.executable, "-m", "pytest", "-p", "run_trl_tests", "-p", "no:cacheprovider", "-rfEs"]
+    command += [f"--rootdir={tests.parent}", trainer.path, *pytest_args]
     return subprocess.run(command, check=False, cwd=tests.parent, env=env).returncode
 
 
