@@ -672,6 +672,28 @@ def test_the_command_says_in_one_line_why_it_cannot_check_a_class(
     assert len(lines) == 1 and lines[0].startswith("trl-lopti check: ") and expected in lines[0], lines
 
 
+@pytest.mark.parametrize(
+    "config_class, expected",
+    [
+        ("trl_lopti.LoptiGRPOConfig", "LoptiGRPOConfig does not fit LoptiGMPOTrainer, which trains with a GMPOConfig"),
+        ("trl.RLOOConfig", "RLOOConfig is not a config of GRPOConfig's family"),
+    ],
+)
+def test_a_config_class_that_does_not_fit_the_trainer_is_refused_in_one_line(
+    tmp_path, monkeypatch, capsys, config_class, expected
+):
+    # A module name of this test's own: another test imports a my_trainers of its own in this process.
+    (tmp_path / "gmpo_trainers.py").write_text(
+        "from trl.experimental.gmpo import GMPOTrainer\nfrom trl_lopti import LoptiGRPOTrainer\n\n\n"
+        "class LoptiGMPOTrainer(LoptiGRPOTrainer, GMPOTrainer): ...\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["--trainer_class", "gmpo_trainers.LoptiGMPOTrainer", "--config_class", config_class]) == 2
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trl-lopti check: ") and expected in lines[0], lines
+
+
 def test_a_module_that_fails_to_import_gives_one_line_and_no_traceback(tmp_path):
     (tmp_path / "broken_trainers.py").write_text("import torch\nraise RuntimeError('a bug in my module')\n")
     completed = subprocess.run(

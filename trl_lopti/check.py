@@ -562,14 +562,20 @@ def composition_of(trainer_class: Any, config_class: Any = None) -> Composition:
             f"({lopti}, {name})`, and check that class"
         )
     family = "grpo" if issubclass(trainer_class, LoptiGRPOTrainer) else "rloo"
+    default_config = default_config_class(trainer_class)
     if config_class is None:
-        config_class = lopti_config_class(default_config_class(trainer_class))
-    elif not (isinstance(config_class, type) and issubclass(config_class, TRL_CONFIGS[family])):
-        name = getattr(config_class, "__name__", repr(config_class))
+        return Composition(trainer_class, lopti_config_class(default_config), family)
+    name = getattr(config_class, "__name__", repr(config_class))
+    if not (isinstance(config_class, type) and issubclass(config_class, TRL_CONFIGS[family])):
         raise TypeError(f"{name} is not a config of {TRL_CONFIGS[family].__name__}'s family")
-    else:
-        config_class = lopti_config_class(config_class)
-    return Composition(trainer_class, config_class, family)
+    # The trainer's own config (GMPOConfig for a GMPO trainer): another one trains with other defaults.
+    if not issubclass(config_class, default_config):
+        raise TypeError(
+            f"{name} does not fit {trainer_class.__name__}, which trains with a {default_config.__name__}: give a "
+            f"subclass of {default_config.__name__} (`@dataclass class Lopti{default_config.__name__}(LoptiArguments, "
+            f"{default_config.__name__})`), or no --config_class"
+        )
+    return Composition(trainer_class, lopti_config_class(config_class), family)
 
 
 def generation_batch_off_policy(trainer) -> tuple[dict[str, Any], float]:

@@ -164,7 +164,8 @@ class LoptiArguments:
         )
         if self.lopti_quantile is not None:
             # Its default gives way; a value given beside the quantile, even 0.5, does not.
-            if self.lopti_threshold is not None and self.lopti_threshold is not DEFAULT_LOPTI_THRESHOLD:
+            threshold_given = self.lopti_threshold is not DEFAULT_LOPTI_THRESHOLD
+            if self.lopti_threshold is not None and threshold_given:
                 raise ValueError(
                     f"lopti_threshold={self.lopti_threshold!r} and lopti_quantile={self.lopti_quantile:g} are two "
                     "Lopti split rules (a fixed eta, or eta at a quantile of each generation batch): set only one, "

@@ -20,9 +20,11 @@ masked tool output).
 import torch
 
 
+# The paper's method updates the low tokens first; the other order is its ablation (training collapses), never the
+# default.
 LOPTI_PASS_ORDERS: dict[str, tuple[str, ...]] = {
-    "low_first": ("low", "high"),  # the paper's method
-    "high_first": ("high", "low"),  # the paper's ablation (training collapses); never the default
+    "low_first": ("low", "high"),
+    "high_first": ("high", "low"),
 }
 
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("grpo", "reinforce_plus_plus")
