@@ -682,7 +682,7 @@ def test_the_command_says_in_one_line_why_it_cannot_check_a_class(
 def test_a_config_class_that_does_not_fit_the_trainer_is_refused_in_one_line(
     tmp_path, monkeypatch, capsys, config_class, expected
 ):
-    # A module name of this test's own: another test imports a my_trainers of its own in this process.
+    # A module name of this test's own: the my_trainers another test imports in this process holds no Lopti trainer.
     (tmp_path / "gmpo_trainers.py").write_text(
         "from trl.experimental.gmpo import GMPOTrainer\nfrom trl_lopti import LoptiGRPOTrainer\n\n\n"
         "class LoptiGMPOTrainer(LoptiGRPOTrainer, GMPOTrainer): ...\n"
