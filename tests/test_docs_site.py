@@ -141,6 +141,18 @@ def test_the_stylesheet_breaks_no_code_inside_a_word():
     assert re.search(r"table:not\(\[class\]\) code\s*\{[^}]*overflow-wrap:\s*normal", css)
 
 
+def test_no_rule_lets_a_code_block_wrap():
+    """A code block that wraps splits identifiers (`LoptiGRPOTra|iner`) and restarts Python's continuation lines at
+    column 0 on a phone: every line stays as written, and a long one scrolls sideways in its box."""
+    css = (ROOT / "docs" / "stylesheets" / "extra.css").read_text()
+    rules = re.findall(r"([^{}]+)\{([^{}]*)\}", re.sub(r"/\*.*?\*/", "", css, flags=re.DOTALL))
+    code_blocks = [body for selector, body in rules if re.search(r"\bpre\b", selector)]
+    assert code_blocks
+    for body in code_blocks:
+        assert not re.search(r"white-space:\s*pre-(wrap|line)|overflow-wrap:\s*anywhere|word-break:\s*break-all", body)
+    assert any(re.search(r"white-space:\s*pre;", body) and "overflow-x: auto" in body for body in code_blocks)
+
+
 # ------------------------------------------------------------------------------------------------- the built site
 @pytest.mark.slow
 def test_the_built_site_shows_every_api_type_as_the_source_writes_it(tmp_path):
