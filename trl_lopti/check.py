@@ -36,7 +36,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging
 
-from .config import default_config_class, lopti_config_class
+from .config import default_config_class, lopti_config_class, lopti_config_spelling
 from .grpo_trainer import LoptiGRPOTrainer
 from .lopti_mixin import LOPTI_BATCH_KEYS, LoptiTrainerMixin
 from .models import PEAKED_TINY_MODEL, build_tiny_model
@@ -572,8 +572,7 @@ def composition_of(trainer_class: Any, config_class: Any = None) -> Composition:
     if not issubclass(config_class, default_config):
         raise TypeError(
             f"{name} does not fit {trainer_class.__name__}, which trains with a {default_config.__name__}: give a "
-            f"subclass of {default_config.__name__} (`@dataclass class Lopti{default_config.__name__}(LoptiArguments, "
-            f"{default_config.__name__})`), or no --config_class"
+            f"{lopti_config_spelling(default_config)}, or no --config_class"
         )
     return Composition(trainer_class, lopti_config_class(config_class), family)
 

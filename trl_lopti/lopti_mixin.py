@@ -478,7 +478,7 @@ class LoptiTrainerMixin:
         check_policy_forward(type(self), scope.policy_forwards)
         # On-policy AR alone: the split of this call's pi_old, the loss forward's, is this micro-batch's share of
         # the metrics.
-        if split is None and scope.split is not None and not args.lopti_enabled:
+        if split is None and scope.split is not None:
             self._log_split(scope.split, loss_token_mask(inputs), UNSPLIT_REPORTING_THRESHOLD)
         if token_group is not None:
             self._log_pass_loss(token_group, loss.detach())
@@ -500,16 +500,17 @@ class LoptiTrainerMixin:
         check_forward_output(type(self), output)
         per_token_logps, entropies, aux_loss = output
         scope.policy_forwards += 1
+        loss_mask = loss_token_mask(scope.batch)
         if scope.split is None and scope.reweights_gradients:
-            # On-policy AR alone: this forward's detached output is pi_old, for this call only.
-            batch = dict(scope.batch)
-            batch["old_per_token_logps"] = per_token_logps.detach()
-            scope.split = self.batch_split(batch)
+            # On-policy AR alone (under Lopti every batch carries its split): this forward's detached output is
+            # pi_old, for this call only; eta only reports the low-token share.
+            old_per_token_logps = per_token_logps.detach()
+            scope.split = self.split_tokens(scope.batch, old_per_token_logps, UNSPLIT_REPORTING_THRESHOLD)
         if scope.reweights_gradients:
             per_token_logps = reweight_token_gradients(per_token_logps, scope.split.ar_weights)
         # Lopti: gradient only through the pass's active tokens.
         if scope.token_group is not None:
-            active_mask = token_group_mask(scope.split.low_mask, loss_token_mask(scope.batch), scope.token_group)
+            active_mask = token_group_mask(scope.split.low_mask, loss_mask, scope.token_group)
             per_token_logps = isolate_token_gradients(per_token_logps, active_mask)
             if entropies is not None:
                 entropies = isolate_token_gradients(entropies, active_mask)
@@ -517,7 +518,6 @@ class LoptiTrainerMixin:
                 aux_loss = aux_loss.detach()
         # Fact S4: what reaches tokens outside the loss mask, added up in the backward, read before the optimizer step.
         if per_token_logps.requires_grad:
-            loss_mask = loss_token_mask(scope.batch)
             per_token_logps.register_hook(lambda gradient: self._add_gradient_outside_the_mask(loss_mask, gradient))
         return per_token_logps, entropies, aux_loss
 
