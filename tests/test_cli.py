@@ -245,7 +245,18 @@ def test_dry_run_prints_every_field_once_by_where_it_came_from_and_loads_nothing
     assert code == 0, err
     resolved = json.loads(out)
     groups = ("config_file", "flags", "this_machine", "defaults")
-    assert list(resolved) == ["command", "device", "completions", "reward_funcs", "lopti", *groups]
+    assert list(resolved) == [
+        "command",
+        "trainer",
+        "config",
+        "device",
+        "completions",
+        "reward_funcs",
+        "lopti",
+        *groups,
+    ]
+    assert resolved["trainer"] == "trl_lopti.grpo_trainer.LoptiGRPOTrainer"
+    assert resolved["config"] == "trl_lopti.config.LoptiGRPOConfig"
     names = [name for group in groups for name in resolved[group]]
     everything = [
         f.name for cls in (LoptiScriptArguments, LoptiGRPOConfig, ModelConfig) for f in dataclasses.fields(cls)

@@ -11,12 +11,9 @@ fact: the verdict is then inconclusive, and not cached.
 import argparse
 import contextlib
 import dataclasses
-import importlib
 import io
 import json
-import os
 import re
-import sys
 import tempfile
 import time
 import warnings
@@ -36,7 +33,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging
 
-from .config import default_config_class, lopti_config_class, lopti_config_spelling
+from .cli.base import CliError, import_class
+from .config import check_config_fits, default_config_class, lopti_config_class
 from .grpo_trainer import LoptiGRPOTrainer
 from .lopti_mixin import LOPTI_BATCH_KEYS, LoptiTrainerMixin
 from .models import PEAKED_TINY_MODEL, build_tiny_model
@@ -565,15 +563,7 @@ def composition_of(trainer_class: Any, config_class: Any = None) -> Composition:
     default_config = default_config_class(trainer_class)
     if config_class is None:
         return Composition(trainer_class, lopti_config_class(default_config), family)
-    name = getattr(config_class, "__name__", repr(config_class))
-    if not (isinstance(config_class, type) and issubclass(config_class, TRL_CONFIGS[family])):
-        raise TypeError(f"{name} is not a config of {TRL_CONFIGS[family].__name__}'s family")
-    # The trainer's own config (GMPOConfig for a GMPO trainer): another one trains with other defaults.
-    if not issubclass(config_class, default_config):
-        raise TypeError(
-            f"{name} does not fit {trainer_class.__name__}, which trains with a {default_config.__name__}: give a "
-            f"{lopti_config_spelling(default_config)}, or no --config_class"
-        )
+    check_config_fits(trainer_class, config_class)
     return Composition(trainer_class, lopti_config_class(config_class), family)
 
 
@@ -851,37 +841,16 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def import_class(dotted: str, option: str) -> type:
-    """The class at `dotted` (`MODULE.CLASS`), imported with the current folder on the path; a `ValueError` or
-    `TypeError` in one line where it cannot be."""
-    module_name, _, class_name = dotted.rpartition(".")
-    if not module_name:
-        raise ValueError(f"{option} {dotted}: give MODULE.CLASS, e.g. my_trainers.LoptiGMPOTrainer")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # noqa: BLE001 - whatever the user's module raises, one line
-        said = (str(error).splitlines() or [""])[0]
-        raise ValueError(
-            f"{option} {dotted}: importing {module_name} failed: {type(error).__name__}: {said}"
-        ) from None
-    found = getattr(module, class_name, None)
-    if not isinstance(found, type):
-        raise TypeError(f"{option} {dotted}: {module_name} has no class {class_name}")
-    return found
-
-
 def main_trainer_class(trainer_path: str | None, config_path: str | None, device: str, precision: str) -> int:
     """`trl-lopti check --trainer_class MODULE.CLASS [--config_class MODULE.CLASS]`: each relation, printed as it
     ends, then the summary. Exit code 0: passed; 1: a relation failed; 2: the class could not be checked."""
     try:
         if trainer_path is None:
-            raise ValueError("--config_class needs --trainer_class, the trainer it configures")
+            raise CliError("--config_class needs --trainer_class, the trainer it configures")
         trainer_class = import_class(trainer_path, "--trainer_class")
         config_class = None if config_path is None else import_class(config_path, "--config_class")
         composition_of(trainer_class, config_class)
-    except (ValueError, TypeError) as error:
+    except (CliError, TypeError) as error:
         print(f"trl-lopti check: {error}")
         return 2
     print(

@@ -369,6 +369,34 @@ def default_config_class(trainer_class: type) -> type:
     return family_config
 
 
+def check_config_fits(trainer_class: type, config_class: Any) -> None:
+    """
+    Raises a `TypeError` in one line where `config_class` does not fit `trainer_class`: it must be a config of the
+    trainer's family (TRL's `GRPOConfig` or `RLOOConfig`) and a subclass of the config the trainer trains with
+    ([`default_config_class`]: a `GMPOConfig` for a composition with `GMPOTrainer`), whose defaults it keeps.
+
+    Args:
+        trainer_class (`type`):
+            A subclass of [`~trl_lopti.lopti_mixin.LoptiTrainerMixin`].
+        config_class (`type`):
+            The config class a user gave it.
+    """
+    name = getattr(config_class, "__name__", repr(config_class))
+    family_config = trl_config_of(family_lopti_config(trainer_class))
+    if not (isinstance(config_class, type) and issubclass(config_class, family_config)):
+        raise TypeError(f"{name} is not a config of {family_config.__name__}'s family")
+    default_config = default_config_class(trainer_class)
+    # The trainer's own config (GMPOConfig for a GMPO trainer): another one trains with other defaults.
+    if not issubclass(config_class, default_config):
+        fitting = f"a {default_config.__name__} or a subclass of it"
+        if not issubclass(default_config, LoptiArguments):
+            fitting = f"a {lopti_config_spelling(default_config)}"
+        raise TypeError(
+            f"{name} does not fit {trainer_class.__name__}, which trains with a {default_config.__name__}: give "
+            f"{fitting}"
+        )
+
+
 def as_lopti_config(args: Any, model: Any, trainer_class: type) -> LoptiArguments:
     """
     Returns the Lopti config to train `trainer_class` with: `args` itself where it is one; for a plain config

@@ -72,12 +72,13 @@ class LoptiGRPOTrainer(LoptiTrainerMixin, ReinforcePlusPlusMixin, GRPOTrainer):
     contract_name = "grpo"
     loss_is_scaled_for_accumulation = True
 
-    def advantage_reweighting_form(self, args: LoptiArguments) -> str:
+    @classmethod
+    def advantage_reweighting_form(cls, args: LoptiArguments) -> str:
         # Token-level advantages only in TRL's own token-level loss, which weights each token by its own (fact
         # G1). A loss of a subclass (GMPOTrainer's, a user's) may read them as (B,), and where B equals T a (B, T)
         # tensor would broadcast there silently.
-        loss_class = defining_class(type(self), "_compute_loss")
-        compute_class = defining_class(type(self), "compute_loss")
+        loss_class = defining_class(cls, "_compute_loss")
+        compute_class = defining_class(cls, "compute_loss")
         own_loss = loss_class is GRPOTrainer and compute_class is GRPOTrainer
         if own_loss and args.importance_sampling_level == "token":
             return "advantages"
@@ -92,7 +93,7 @@ class LoptiGRPOTrainer(LoptiTrainerMixin, ReinforcePlusPlusMixin, GRPOTrainer):
                 where = "importance_sampling_level='sequence' gives the tokens of a sequence one importance ratio"
                 fix = "Set beta=0.0, importance_sampling_level='token', or advantage_reweighting_alpha=0.0"
             raise ValueError(
-                f"{type(self).__name__}: advantage_reweighting_alpha={args.advantage_reweighting_alpha:g} with "
+                f"{cls.__name__}: advantage_reweighting_alpha={args.advantage_reweighting_alpha:g} with "
                 f"beta={args.beta:g}. {where}, so Advantage Reweighting takes its general form there: it scales the "
                 "gradient through each token's log-probability, and so would scale the gradient of the KL term that "
                 f"beta adds too, which AR leaves alone. {fix}"

@@ -2,6 +2,9 @@
 imports nothing of `trl_lopti.cli`: the package's imports flow one way, from `main` through each command to here."""
 
 import difflib
+import importlib
+import os
+import sys
 from collections.abc import Sequence
 
 
@@ -42,3 +45,27 @@ def nearest(name: str, names: Sequence[str]) -> str:
     """
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.7)
     return f"; did you mean {close[0]}?" if close else ""
+
+
+def import_class(dotted: str, option: str) -> type:
+    """The class at `dotted` (`MODULE.CLASS`), imported with the current folder on the path, as `trl grpo` imports a
+    reward function; a [`CliError`] in one line where it cannot be.
+
+    Args:
+        dotted (`str`): `MODULE.CLASS`, e.g. `my_trainers.LoptiGMPOTrainer`.
+        option (`str`): the option that names it, for the error (`--trainer_class`).
+    """
+    module_name, _, class_name = dotted.rpartition(".")
+    if not module_name:
+        raise CliError(f"{option} {dotted}: give MODULE.CLASS, e.g. my_trainers.LoptiGMPOTrainer")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # noqa: BLE001 - whatever the user's module raises, one line
+        said = (str(error).splitlines() or [""])[0]
+        raise CliError(f"{option} {dotted}: importing {module_name} failed: {type(error).__name__}: {said}") from None
+    found = getattr(module, class_name, None)
+    if not isinstance(found, type):
+        raise CliError(f"{option} {dotted}: {module_name} has no class {class_name}")
+    return found

@@ -28,24 +28,33 @@ from huggingface_hub.errors import (
 from transformers.utils import is_peft_available
 from trl import TrlParser
 
-from .. import LoptiGRPOConfig, LoptiRLOOConfig
+from .. import LoptiArguments
 from .base import COMMANDS, CliError, nearest
+from .classes import CONFIGS
 from .preset_files import preset_path
 
-
-CONFIGS = {"grpo": LoptiGRPOConfig, "rloo": LoptiRLOOConfig}
-"""The training commands (`trl-lopti grpo`, `trl-lopti rloo`) and the config whose fields each reads."""
 
 CONFIG_HELP = "A YAML file of `field: value` lines, or a preset's name (trl-lopti presets). Flags override it."
 
 
-def own_fields(config_class: type) -> list[str]:
-    """The fields that trl_lopti's classes declare in `config_class` (not TRL's or transformers' classes)."""
+def declaring_modules(config_class: type) -> dict[str, str]:
+    """The module of the class that declares each field of `config_class`: the first class of its MRO to annotate the
+    name (`trl_lopti.config` for `lopti_threshold`, TRL's for `epsilon`, a user's module for a field of their own)."""
     declared_by = {}
-    # The first class of the MRO to annotate a name declares it.
     for cls in reversed(config_class.__mro__):
         declared_by |= dict.fromkeys(vars(cls).get("__annotations__", {}), cls.__module__)
-    return [f.name for f in fields(config_class) if f.init and declared_by[f.name].startswith("trl_lopti")]
+    return {f.name: declared_by[f.name] for f in fields(config_class) if f.init}
+
+
+def own_fields(config_class: type) -> list[str]:
+    """The fields that trl_lopti's classes declare in `config_class` (not TRL's or transformers' classes)."""
+    return [name for name, module in declaring_modules(config_class).items() if module.startswith("trl_lopti")]
+
+
+def users_fields(config_class: type) -> list[str]:
+    """The fields that a user's classes declare in `config_class` (neither trl_lopti's, TRL's nor transformers')."""
+    libraries = ("trl_lopti", "trl.", "transformers.")
+    return [name for name, module in declaring_modules(config_class).items() if not module.startswith(libraries)]
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -61,15 +70,23 @@ class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsH
 
 
 class LoptiParser(TrlParser):
-    """TRL's parser of `dataclass_types` for `trl-lopti COMMAND`, which trains with `CONFIGS[trainer]`: `--help` fits a
+    """TRL's parser of `dataclass_types` for `trl-lopti COMMAND`, which trains with the trainer of the family `trainer`
+    and the Lopti config among `dataclass_types` (`CONFIGS[trainer]`, or a user's `--config_class`): `--help` fits a
     screen, `--help_all` lists every option, [`parse`] reads `--config FILE|PRESET` and the flags."""
 
-    def __init__(self, dataclass_types: Sequence[type], command: str, trainer: str = "grpo"):
-        super().__init__(dataclass_types, prog=f"trl-lopti {command}", description=COMMANDS[command][1])
+    def __init__(
+        self, dataclass_types: Sequence[type], command: str, trainer: str = "grpo", description: str | None = None
+    ):
+        description = description or COMMANDS[command][1]
+        super().__init__(dataclass_types, prog=f"trl-lopti {command}", description=description)
         self.allow_abbrev = False
         self.trainer = trainer
+        self.config_class = next(cls for cls in dataclass_types if issubclass(cls, LoptiArguments))
         self.sources = {}
         self.config = None
+        # The config file's values at a default of the command's own config that a user's config lacks (a preset's
+        # `advantage_estimator: grpo` under a `GMPOConfig`): left out, and said.
+        self.left_out = {}
         # transformers' parser gives the `--no_FIELD` flag of a bool field that defaults to True the field's help, which
         # it contradicts, and a default of its own (False), which is not the field's: it gets its own help, no default.
         for action in self._actions:
@@ -85,22 +102,28 @@ class LoptiParser(TrlParser):
         formatter = Formatter(self.prog, max_help_position=34, width=119)
         formatter.add_usage(f"{self.prog} [--config FILE|PRESET] [--FIELD VALUE ...]", [], [])
         formatter.add_text(self.description)
-        config = CONFIGS[self.trainer]
+        config = self.config_class
         lopti = own_fields(config)
+        users = users_fields(config)
         own = [name for cls in self.dataclass_types if cls is not config for name in own_fields(cls)]
         # Each field's flags: a bool field that defaults to True has two, `--FIELD` and `--no_FIELD`.
         own_actions = [action for name in own for action in self._actions if action.dest == name]
         formatter.start_section("options")
         formatter.add_arguments([*OPTIONS, self._option_string_actions["-h"], *own_actions])
         formatter.end_section()
+        if users:
+            formatter.start_section(f"{config.__name__}'s own fields (in {config.__module__})")
+            formatter.add_arguments([action for name in users for action in self._actions if action.dest == name])
+            formatter.end_section()
         formatter.start_section(f"Advantage Reweighting and Lopti ({config.__name__})")
         formatter.add_arguments([action for name in lopti for action in self._actions if action.dest == name])
         formatter.end_section()
         lines = [f"and the fields of TRL's classes, as `trl {self.trainer}` reads them (--help_all):"]
-        # By the TRL class each extends: ScriptArguments, GRPOConfig, ModelConfig.
+        libraries = ("trl.", "transformers.")
+        # By the TRL class each extends: ScriptArguments, GRPOConfig (GMPOConfig), ModelConfig.
         for cls in self.dataclass_types:
-            names = [f.name for f in fields(cls) if f.init and f.name not in own + lopti]
-            base = next(k for k in cls.__mro__ if not k.__module__.startswith("trl_lopti")).__name__
+            names = [f.name for f in fields(cls) if f.init and f.name not in own + lopti + users]
+            base = next(k for k in cls.__mro__ if k.__module__.startswith(libraries)).__name__
             lines += [f"  {base} ({len(names)}): --{', --'.join(names[:4])}, ..."] if names else []
         formatter.add_text("\n".join(lines))
         return formatter.format_help()
@@ -133,6 +156,12 @@ class LoptiParser(TrlParser):
             del values["trainer"]
         options = self._option_string_actions
         names = [action.dest for action in self._actions]
+        stock_config = CONFIGS.get(self.trainer)
+        if stock_config is not None and self.config_class is not stock_config:
+            stock_defaults = {f.name: f.default for f in fields(stock_config) if f.init}
+            for name in [name for name in values if name not in names and name in stock_defaults]:
+                if values[name] == stock_defaults[name]:
+                    self.left_out[name] = values.pop(name)
         flags = [arg.split("=")[0] for arg in args if arg.startswith("--")]
         for name, known in [*((key, names) for key in values), *((flag, list(options)) for flag in flags)]:
             if name not in known:
@@ -146,7 +175,8 @@ class LoptiParser(TrlParser):
         self.set_defaults_with_config(**values)
         try:
             return tuple(self.parse_args_into_dataclasses(args))
-        except ValueError as error:
+        # TypeError: a user's config refused when it is built (several configs composed without @dataclass).
+        except (TypeError, ValueError) as error:
             message = str(error)
             # Transformers' bf16 check, on a CPU.
             if "use_cpu" in message and not torch.accelerator.is_available():
@@ -170,6 +200,13 @@ class LoptiParser(TrlParser):
         """The error for a flag or key `name` that none of the command's `known` names is."""
         field = name.removeprefix("--")
         origin, kind = ("a flag", "option") if field != name else (f"the config file {self.config}", "field")
+        stock_config = CONFIGS.get(self.trainer)
+        if stock_config is not None and field in stock_config.__dataclass_fields__:
+            return CliError(
+                f"{name} ({origin}): a field of {stock_config.__name__}, which {self.config_class.__name__} does not "
+                f"have; it is set here to other than {stock_config.__name__}'s default, so the run would not be the one "
+                "the file describes"
+            )
         others = {t: c.__name__ for t, c in CONFIGS.items() if t != self.trainer and field in c.__dataclass_fields__}
         if field == "trainer" or others:
             what = "".join(f"a field of {c}, which `trl-lopti {t}` reads; " for t, c in others.items())

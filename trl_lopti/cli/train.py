@@ -20,11 +20,12 @@ from accelerate import PartialState
 from datasets.exceptions import DatasetGenerationError
 from transformers import AutoTokenizer
 from transformers.trainer_utils import get_last_checkpoint
-from trl import ModelConfig, ScriptArguments, get_peft_config, get_quantization_config
+from trl import ModelConfig, RLOOConfig, ScriptArguments, get_peft_config, get_quantization_config
 
-from .. import LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer, tasks
+from .. import tasks
 from .base import CliError
-from .parsing import CONFIGS, LoptiParser, check_model_args, check_model_reachable, cpu_settings, own_fields
+from .classes import CONFIGS, TRAINERS, config_class_of, given_class_path, trainer_class_of
+from .parsing import LoptiParser, check_model_args, check_model_reachable, cpu_settings, own_fields
 
 
 REWARD_FUNCS = {
@@ -88,6 +89,10 @@ class LoptiScriptArguments(ScriptArguments):
     kk_prefill_think: bool = field(default=True, metadata={"help": "End K&K prompts with an assistant '<think>'."})
     kk_data_dir: str | None = field(default=None, metadata={"help": "kk_source 'paper': a local copy of its data."})
     math_data_file: str | None = field(default=None, metadata={"help": "A paper math set: a local copy of its file."})
+    trainer_class: str | None = field(
+        default=None, metadata={"help": "MODULE.CLASS of your own Lopti trainer, from the current folder."}
+    )
+    config_class: str | None = field(default=None, metadata={"help": "MODULE.CLASS of its config."})
     dry_run: bool = field(default=False, metadata={"help": "Print the resolved configuration; load no model."})
     rehearse: bool = field(default=False, metadata={"help": "Rehearse offline: tiny model, one Lopti cycle, resume."})
 
@@ -130,9 +135,18 @@ class LoptiScriptArguments(ScriptArguments):
             )
 
 
-def train_parser(trainer: str) -> LoptiParser:
-    """The parser of `trl-lopti grpo` or `trl-lopti rloo` (`trainer`)."""
-    return LoptiParser((LoptiScriptArguments, CONFIGS[trainer], ModelConfig), trainer, trainer)
+def train_parser(trainer: str, argv: Sequence[str] = ()) -> LoptiParser:
+    """The parser of `trl-lopti grpo` or `trl-lopti rloo` (`trainer`): the fields of the config of the trainer class
+    that `argv` names (`--trainer_class`, `--config_class`), else of the command's own."""
+    trainer_class = trainer_class_of(trainer, given_class_path(argv, "trainer_class"))
+    config_class = config_class_of(trainer_class, given_class_path(argv, "config_class"))
+    description = None
+    if trainer_class is not TRAINERS[trainer]:
+        description = (
+            f"train {trainer_class.__module__}.{trainer_class.__qualname__} with {config_class.__name__}, from a "
+            "preset, a YAML file and flags"
+        )
+    return LoptiParser((LoptiScriptArguments, config_class, ModelConfig), trainer, trainer, description)
 
 
 def parse_train_args(argv: Sequence[str], trainer: str = "grpo", added: dict | None = None, parser=None) -> tuple:
@@ -140,7 +154,17 @@ def parse_train_args(argv: Sequence[str], trainer: str = "grpo", added: dict | N
     `added` for this machine (default: a dry run's CPU settings where there is no accelerator)."""
     if added is None and "--dry_run" in argv and not torch.accelerator.is_available():
         added = cpu_settings(argv, f"trl-lopti {trainer} --dry_run")
-    return (parser or train_parser(trainer)).parse(argv, added)
+    return (parser or train_parser(trainer, argv)).parse(argv, added)
+
+
+def command_of(training_args) -> str:
+    """The command whose family `training_args` configures: `trl-lopti grpo` or `trl-lopti rloo`."""
+    return f"trl-lopti {'rloo' if isinstance(training_args, RLOOConfig) else 'grpo'}"
+
+
+def run_trainer_class(script_args: "LoptiScriptArguments", training_args) -> type:
+    """The trainer class a run trains: its `trainer_class`, else the command's own ([`trainer_class_of`])."""
+    return trainer_class_of(command_of(training_args).split()[1], script_args.trainer_class)
 
 
 def resolve_reward_funcs(script_args: LoptiScriptArguments) -> dict[str, Callable]:
@@ -171,8 +195,11 @@ def resolved_config(parser: LoptiParser, script_args, training_args, model_args)
     per_process = dict(zip(("micro_step", "optimizer_step", "generation_batch"), steps, strict=True))
     per_process = {name: args.per_device_train_batch_size * count for name, count in per_process.items()}
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+    trainer_class = run_trainer_class(script_args, training_args)
     return {
         "command": parser.prog,
+        "trainer": f"{trainer_class.__module__}.{trainer_class.__qualname__}",
+        "config": f"{type(args).__module__}.{type(args).__qualname__}",
         "device": f"{args.device}, {args.world_size} process(es), mixed precision: {precision}",
         "completions": {
             "per_process": per_process,
@@ -338,16 +365,23 @@ def build_trainer(script_args, training_args, model_args, num_train_prompts: int
         )
         train_dataset = tasks.render_prompts_as_text(train_dataset, tokenizer)
         eval_dataset = tasks.render_prompts_as_text(eval_dataset, tokenizer) if eval_dataset is not None else None
-    trainer_class = LoptiRLOOTrainer if isinstance(training_args, LoptiRLOOConfig) else LoptiGRPOTrainer
-    return trainer_class(
-        model=model_args.model_name_or_path,
-        reward_funcs=list(resolve_reward_funcs(script_args).values()),
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        quantization_config=get_quantization_config(model_args),
-        peft_config=get_peft_config(model_args),
-    )
+    trainer_class = run_trainer_class(script_args, training_args)
+    try:
+        return trainer_class(
+            model=model_args.model_name_or_path,
+            reward_funcs=list(resolve_reward_funcs(script_args).values()),
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            quantization_config=get_quantization_config(model_args),
+            peft_config=get_peft_config(model_args),
+        )
+    except ValueError as error:
+        # A combination the trainer refuses (AR with a KL term in a loss that is not TRL's token-level one), in the
+        # trainer's own words.
+        if not str(error).startswith(f"{trainer_class.__name__}: "):
+            raise
+        raise CliError(str(error)) from None
 
 
 def launch_backend(training_args, num_processes: int) -> str:
@@ -380,9 +414,9 @@ def run_training(
         say_where (`bool`, *optional*, defaults to `True`):
             Whether the run's first line (the main process's, once) says its device and number of processes.
     """
-    command = f"trl-lopti {'rloo' if isinstance(training_args, LoptiRLOOConfig) else 'grpo'}"
+    command = command_of(training_args)
     # Before anything loads: `training on cpu, 1 process`, `training on cuda (NVIDIA H100 80GB HBM3), 4 processes
-    # (FSDP)`.
+    # (FSDP)`; `training my_trainers.LoptiGMPOTrainer on cpu, 1 process` for a user's trainer class.
     state = PartialState()
     if say_where and state.is_main_process:
         device = training_args.device
@@ -390,7 +424,8 @@ def run_training(
         backend = launch_backend(training_args, count)
         where = f"{device.type} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else device.type
         where += f", {count} process{'es' * (count > 1)}" + (f" ({backend})" if backend else "")
-        print(f"{command}: training on {where}", flush=True)
+        trained = "" if script_args.trainer_class is None else f" {script_args.trainer_class}"
+        print(f"{command}: training{trained} on {where}", flush=True)
     trainer = build_trainer(script_args, training_args, model_args)
     accelerator = trainer.accelerator
     if prepare is not None:
@@ -414,14 +449,56 @@ def run_training(
     return trainer
 
 
+def config_file_over_defaults(parser: LoptiParser, training_args) -> str | None:
+    """What a config file or preset sets over the defaults of a user's config class (a preset is written for the
+    command's own config): how many of its values differ from the class's defaults, and each one that replaces a
+    default the class chose itself (`epsilon 0.4 -> 0.2` over `GMPOConfig`'s), or `None` for the command's own config.
+
+    Args:
+        parser (`LoptiParser`): the parser that read the file.
+        training_args: the config it built.
+    """
+    config_class = type(training_args)
+    stock_config = CONFIGS[parser.trainer]
+    if parser.config is None or config_class is stock_config:
+        return None
+    defaults = {f.name: f.default for f in dataclasses.fields(config_class) if f.init}
+    stock_defaults = {f.name: f.default for f in dataclasses.fields(stock_config) if f.init}
+    from_file = [name for name, source in parser.sources.items() if source == "config_file" and name in defaults]
+    differ = [name for name in from_file if getattr(training_args, name) != defaults[name]]
+    own = [name for name in differ if defaults[name] != stock_defaults.get(name, dataclasses.MISSING)]
+    changes = ", ".join(f"{name} {defaults[name]!r} -> {getattr(training_args, name)!r}" for name in own)
+    replaced = f"its own defaults replaced: {changes}" if own else "no default of its own replaced"
+    left_out = ""
+    if parser.left_out:
+        values = ", ".join(f"{name} {value!r}" for name, value in parser.left_out.items())
+        left_out = f"; left out, at {stock_config.__name__}'s defaults, which {config_class.__name__} lacks: {values}"
+    return (
+        f"{parser.prog}: {parser.config} sets {len(differ)} fields over {config_class.__name__}'s defaults "
+        f"({', '.join(differ)}); {replaced}{left_out}"
+    )
+
+
 def checked_args(argv: Sequence[str], trainer: str, added: dict[str, Any] | None = None) -> tuple:
     """`(script_args, training_args, model_args, what --dry_run prints)` for `trl-lopti TRAINER ARGV`, checked before
     anything loads ([`parse_train_args`])."""
-    parser = train_parser(trainer)
+    parser = train_parser(trainer, argv)
     script_args, training_args, model_args = parse_train_args(argv, trainer, added, parser)
+    # Once under a launcher.
+    if os.environ.get("RANK", "0") == "0":
+        said = config_file_over_defaults(parser, training_args)
+        if said:
+            print(said, file=sys.stderr)
     try:
         check_model_args(model_args)
         resolve_checkpoint(training_args)
+        # A combination the trainer class refuses when it is built (AR with a KL term in a loss that is not TRL's
+        # token-level one), in its own words, before anything loads.
+        trainer_class = run_trainer_class(script_args, training_args)
+        try:
+            trainer_class.advantage_reweighting_form(training_args)
+        except ValueError as error:
+            raise CliError(str(error)) from None
         resolved = resolved_config(parser, script_args, training_args, model_args)
     except CliError as error:
         raise CliError(parser.where(str(error))) from error

@@ -1,0 +1,126 @@
+"""The classes a run of `trl-lopti grpo` or `trl-lopti rloo` trains with: [`LoptiGRPOTrainer`] and [`LoptiGRPOConfig`]
+(RLOO's for `rloo`), or a user's `--trainer_class MODULE.CLASS` and `--config_class MODULE.CLASS`, imported from the
+current folder in every process of a launch, before the flags are parsed (the config's fields are the flags)."""
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from .. import LoptiArguments, LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer
+from ..config import LOPTI_CONFIGS, check_config_fits, default_config_class, lopti_config_spelling
+from ..lopti_mixin import LoptiTrainerMixin
+from .base import CliError, import_class
+from .preset_files import preset_path
+
+
+TRAINERS = {"grpo": LoptiGRPOTrainer, "rloo": LoptiRLOOTrainer}
+"""The trainer of each training command when no `--trainer_class` names another."""
+
+CONFIGS = {"grpo": LoptiGRPOConfig, "rloo": LoptiRLOOConfig}
+"""The training commands (`trl-lopti grpo`, `trl-lopti rloo`) and the config whose fields each reads by default."""
+
+
+def given_class_path(argv: Sequence[str], name: str) -> str | None:
+    """The value of the option `name` (`trainer_class` or `config_class`) in `argv`: its flag (`--name VALUE` or
+    `--name=VALUE`), else the key of the `--config` file. Read before parsing, since the config class decides which
+    flags there are; the parser reads the option again as a field of `LoptiScriptArguments`.
+
+    Args:
+        argv (`Sequence[str]`): the arguments after the command.
+        name (`str`): the option's name.
+    """
+    flag = f"--{name}"
+    for index, arg in enumerate(argv):
+        if arg == flag and index + 1 < len(argv):
+            return argv[index + 1]
+        if arg.startswith(f"{flag}="):
+            return arg.split("=", 1)[1]
+    config = config_file_values(argv)
+    value = config.get(name)
+    return None if value is None else str(value)
+
+
+def config_file_values(argv: Sequence[str]) -> dict:
+    """The mapping of the `--config` file or preset that `argv` names, or `{}` (the parser reports a bad file).
+
+    Args:
+        argv (`Sequence[str]`): the arguments after the command.
+    """
+    for index, arg in enumerate(argv):
+        name = None
+        if arg == "--config" and index + 1 < len(argv):
+            name = argv[index + 1]
+        elif arg.startswith("--config="):
+            name = arg.split("=", 1)[1]
+        if name is None:
+            continue
+        try:
+            values = yaml.safe_load(Path(preset_path(name)).read_text())
+        except (CliError, OSError, yaml.YAMLError):
+            return {}
+        return values if isinstance(values, dict) else {}
+    return {}
+
+
+def trainer_class_of(command: str, trainer_path: str | None) -> type:
+    """The trainer `trl-lopti COMMAND` trains: the command's own, or the Lopti trainer of its family at
+    `trainer_path` (`MODULE.CLASS`).
+
+    Args:
+        command (`str`): `grpo` or `rloo`.
+        trainer_path (`str`, *optional*): the value of `--trainer_class`.
+    """
+    if trainer_path is None:
+        return TRAINERS[command]
+    trainer_class = import_class(trainer_path, "--trainer_class")
+    name = trainer_class.__name__
+    if not issubclass(trainer_class, LoptiTrainerMixin):
+        lopti = TRAINERS[command].__name__
+        raise CliError(
+            f"--trainer_class {trainer_path}: {name} is not a Lopti trainer: compose it with one, Lopti class first, "
+            f"e.g. `class Lopti{name}({lopti}, {name})`, and give that class"
+        )
+    if not issubclass(trainer_class, TRAINERS[command]):
+        other = next(family for family, lopti in TRAINERS.items() if issubclass(trainer_class, lopti))
+        raise CliError(
+            f"--trainer_class {trainer_path}: {name} is a {TRAINERS[other].__name__}, which trains with "
+            f"trl-lopti {other}, not trl-lopti {command}"
+        )
+    return trainer_class
+
+
+def config_class_of(trainer_class: type, config_path: str | None) -> type:
+    """The config whose fields a run of `trainer_class` reads: the one at `config_path` (`MODULE.CLASS`), which must
+    fit the trainer and hold the Lopti fields; else the `config_class` the trainer declares, or its family's Lopti
+    config. A trainer whose base comes with a config of its own (`GMPOTrainer`: `GMPOConfig`) is never given the
+    family's silently: the run stops, naming the config to write.
+
+    Args:
+        trainer_class (`type`): the run's trainer.
+        config_path (`str`, *optional*): the value of `--config_class`.
+    """
+    if config_path is not None:
+        config_class = import_class(config_path, "--config_class")
+        try:
+            check_config_fits(trainer_class, config_class)
+        except TypeError as error:
+            raise CliError(f"--config_class {config_path}: {error}") from None
+        if not issubclass(config_class, LoptiArguments):
+            raise CliError(
+                f"--config_class {config_path}: {config_class.__name__} holds no field of Advantage Reweighting and "
+                f"Lopti: give a {lopti_config_spelling(config_class)}"
+            )
+        return config_class
+    default_config = default_config_class(trainer_class)
+    if issubclass(default_config, LoptiArguments):
+        return default_config
+    if default_config in LOPTI_CONFIGS:
+        return LOPTI_CONFIGS[default_config]
+    module = trainer_class.__module__
+    name = f"Lopti{default_config.__name__}"
+    raise CliError(
+        f"--trainer_class {module}.{trainer_class.__qualname__} trains with a {default_config.__name__}, which holds "
+        f"no field of Advantage Reweighting and Lopti: define `@dataclass class {name}(trl_lopti.LoptiArguments, "
+        f"{default_config.__name__})` in {module} and give --config_class {module}.{name}"
+    )
