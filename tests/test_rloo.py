@@ -555,3 +555,20 @@ def re_escape(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+def test_reward_funcs_is_required_where_trls_trainer_requires_it():
+    """The signature a user reads (and the API page shows) says what TRL's says: RLOOTrainer requires its reward
+    functions, GRPOTrainer's default to None."""
+    import inspect
+
+    from trl import GRPOTrainer, RLOOTrainer
+
+    from trl_lopti import LoptiGRPOTrainer, LoptiRLOOTrainer
+
+    for lopti_class, trl_class in ((LoptiRLOOTrainer, RLOOTrainer), (LoptiGRPOTrainer, GRPOTrainer)):
+        lopti_default = inspect.signature(lopti_class.__init__).parameters["reward_funcs"].default
+        trl_default = inspect.signature(trl_class.__init__).parameters["reward_funcs"].default
+        assert lopti_default == trl_default, (lopti_class.__name__, lopti_default, trl_default)
+    with pytest.raises(TypeError, match="reward_funcs"):
+        LoptiRLOOTrainer("a-model")

@@ -213,7 +213,7 @@ class LoptiTrainerMixin:
     It composes with any subclass of the TRL trainer, the Lopti class first (`class
     LoptiGMPOTrainer(LoptiGRPOTrainer, GMPOTrainer)`): the trainer it extends names the run, gives the default
     config, and its loss gets the log-probabilities of `_get_per_token_logps_and_entropies` reweighted and
-    isolated (the documentation's page "Your own trainer").
+    isolated ([Your own trainer][your-own-trainer]).
     """
 
     # The trainer's Lopti config (a `LoptiArguments`), the TRL trainer it extends, and its name in

@@ -64,6 +64,10 @@ class LoptiRLOOTrainer(LoptiTrainerMixin, RLOOTrainer):
     contract_name = "rloo"
     loss_is_scaled_for_accumulation = False
 
+    def __init__(self, model, reward_funcs, args=None, *extra_args, **kwargs):
+        # TRL's RLOOTrainer requires its reward functions, where GRPOTrainer's default to None: so does this one.
+        super().__init__(model, reward_funcs, args, *extra_args, **kwargs)
+
     def old_per_token_logps_at_generation(
         self, batch: dict[str, Any], scoring_logps: list[torch.Tensor]
     ) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """MkDocs hooks (`hooks:` in mkdocs.yml): what the site needs from outside `docs/`, without copies in the repository.
 
 - The home page is `README.md` itself: `docs/index.md` holds one marker line, replaced by the README, whose links to
-  `docs/...` are made relative to the site (they point into `docs/` on the repository's own page).
+  `docs/...` are made relative to the site (they point into `docs/` on the repository's own page). The README's first
+  commands need a clone (`make demo`, the tests): on the site they move to the section that installs from a clone, for
+  contributors, and a user of the wheel is led to `pip install` and the Quickstart first.
 - The committed plots of `benchmarks/results/` are served at `benchmarks/results/` beside the pages; a page links them
   as `../benchmarks/results/NAME.png`, which is right on the repository's page and is made right for the site here.
 - A config's API page lists, in its parameters table, every field the config adds to TRL's (`LoptiArguments'` among
@@ -24,6 +26,7 @@ from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parents[2]
 README_MARKER = "<!-- README.md -->"
+EXTRAS_MARKER = "<!-- --8<-- [start:extras] -->"
 PLOTS = "benchmarks/results"
 
 
@@ -35,9 +38,22 @@ def on_files(files: Files, config) -> Files:
 
 def on_page_markdown(markdown: str, page, config, files: Files) -> str:
     if page.file.src_uri == "index.md" and markdown.strip() == README_MARKER:
-        markdown = re.sub(r"\]\(docs/", "](", (ROOT / "README.md").read_text())
+        markdown = home_page(re.sub(r"\]\(docs/", "](", (ROOT / "README.md").read_text()))
     depth = page.file.src_uri.count("/")  # a page at the root of docs/ links the plots as ../benchmarks/results/
     return markdown.replace(f"]({'../' * (depth + 1)}{PLOTS}/", f"]({'../' * depth}{PLOTS}/")
+
+
+def home_page(readme: str) -> str:
+    """The README as the site's home page: in place of its first code block (the commands of a clone), `pip install`
+    and the Quickstart; that block, for contributors, at the end of the install section, after its own clone lines."""
+    clone_commands = re.search(r"^```bash\n.*?^```\n", readme, re.MULTILINE | re.DOTALL)[0]
+    for_users = (
+        "```bash\npip install trl_lopti\n```\n\nThen the [Quickstart](quickstart.md): a first run from Python and from "
+        "the command line, on one GPU and on several.\n"
+    )
+    readme = readme.replace(clone_commands, for_users, 1)
+    for_contributors = f"The offline demo and the tests, from a clone:\n\n{clone_commands}\n"
+    return readme.replace(EXTRAS_MARKER, for_contributors + EXTRAS_MARKER, 1)
 
 
 def on_page_content(html: str, page, config, files: Files) -> str:
