@@ -151,7 +151,8 @@ def test_a_preset_sets_its_values_over_the_users_config_and_the_run_says_which(u
             ["--trainer_class", "my_trainers.GMPOTrainer"],
             (
                 "--trainer_class my_trainers.GMPOTrainer: GMPOTrainer is not a Lopti trainer: compose it with one, Lopti "
-                "class first, e.g. `class LoptiGMPOTrainer(LoptiGRPOTrainer, GMPOTrainer)`, and give that class"
+                "class first, e.g. `class LoptiGMPOTrainer(LoptiGRPOTrainer, GMPOTrainer)`, and give that class to "
+                "trl-lopti grpo"
             ),
         ),
         (
@@ -193,7 +194,39 @@ def test_a_preset_sets_its_values_over_the_users_config_and_the_run_says_which(u
             ["--trainer_class", "my_trainers.LoptiGMPOTrainer", "--config_class", "trl.RLOOConfig"],
             "--config_class trl.RLOOConfig: RLOOConfig is not a config of GRPOConfig's family",
         ),
-        (["--trainer_class", "my_trainers.LoptiGMPOTrainer", "--entropy_coeff", "1"], "--entropy_coeff (a flag): no "),
+        (
+            ["--trainer_class", "my_trainers.LoptiGMPOTrainer", "--entropy_coeff", "1"],
+            "--entropy_coeff (a flag): no such option; did you mean --entropy_coef?",
+        ),
+        (
+            ["--trainer_class", "my_trainers.LoptiGMPOTrainer", "--advantage_estimator", "grpo"],
+            "--advantage_estimator (a flag): a field of LoptiGRPOConfig, which LoptiGMPOConfig does not have",
+        ),
+        (
+            ["--trainer_class", "trl.RLOOTrainer"],
+            (
+                "--trainer_class trl.RLOOTrainer: RLOOTrainer is not a Lopti trainer: compose it with one, Lopti class "
+                "first, e.g. `class LoptiRLOOTrainer(LoptiRLOOTrainer, RLOOTrainer)`, and give that class to trl-lopti rloo"
+            ),
+        ),
+        (
+            ["--trainer_class", "my_trainers.LoptiGMPOConfig"],
+            (
+                "--trainer_class my_trainers.LoptiGMPOConfig: LoptiGMPOConfig is not a trainer (no subclass of TRL's "
+                "GRPOTrainer or RLOOTrainer)"
+            ),
+        ),
+        (
+            ["--trainer_class", "trl_lopti.lopti_mixin.LoptiTrainerMixin"],
+            "--trainer_class trl_lopti.lopti_mixin.LoptiTrainerMixin: LoptiTrainerMixin is not a trainer",
+        ),
+        (
+            ["--config_class", "my_trainers.LoptiGMPOConfig"],
+            (
+                "--config_class my_trainers.LoptiGMPOConfig: LoptiGMPOConfig does not fit LoptiGRPOTrainer, which trains "
+                "with a LoptiGRPOConfig: give a LoptiGRPOConfig or a subclass of it"
+            ),
+        ),
     ],
 )
 def test_each_failure_is_one_line_with_exit_code_2(users_folder, train_flags, run_cli, flags, expected):
@@ -201,6 +234,50 @@ def test_each_failure_is_one_line_with_exit_code_2(users_folder, train_flags, ru
     lines = [line for line in err.splitlines() if "no accelerator on this machine" not in line]
     assert code == 2 and out == "" and lines == [f"trl-lopti grpo: error: {lines[0].split(': error: ', 1)[1]}"]
     assert lines[0].split(": error: ", 1)[1].startswith(expected), lines[0]
+
+
+def test_the_last_flag_wins_as_argparse_takes_it_and_equals_signs_work(users_folder, train_flags, run_cli):
+    """A repeated `--trainer_class` names the class argparse keeps (the last), so the config read and the class trained
+    are the same; `--trainer_class=X` and `--config=FILE` read as the spaced forms."""
+    import json
+
+    config = users_folder / "run.yaml"
+    config.write_text(yaml.safe_dump({"entropy_coef": 0.03}))
+    flags = [
+        "--trainer_class",
+        "trl_lopti.LoptiGRPOTrainer",
+        "--trainer_class=my_trainers.LoptiEntropyGMPOTrainer",
+        f"--config={config}",
+    ]
+    code, out, err = run_cli(["grpo", *flags, *train_flags, "--output_dir", "out", "--dry_run"])
+    assert code == 0, err
+    resolved = json.loads(out)
+    assert resolved["trainer"] == "my_trainers.LoptiEntropyGMPOTrainer"
+    assert resolved["config"] == "my_trainers.LoptiGMPOConfig"
+    assert resolved["config_file"]["entropy_coef"] == 0.03
+
+
+def test_the_help_of_demo_and_diagnose_still_lists_their_own_arguments(users_folder, run_cli):
+    for command in ("demo", "diagnose"):
+        code, out, _ = run_cli([command, "--help"])
+        assert code == 0 and f"usage: trl-lopti {command}" in out, command
+    code, _, err = run_cli(["diagnose", "--trainer_class", "my_trainers.LoptiGMPOTrainer", "--use_cpu", "true"])
+    assert code == 2 and "trainer_class, config_class: options of trl-lopti grpo" in err
+
+
+def test_a_rehearsal_of_a_preset_trains_the_users_class_and_says_what_the_preset_sets_over_its_defaults(
+    users_folder, run_cli, single_thread
+):
+    """`--config PRESET --trainer_class ... --rehearse`: one Lopti cycle of the user's class on a tiny model, a
+    checkpoint between the passes and a resume from it, ending where the uninterrupted run ends."""
+    flags = ["--trainer_class", "my_trainers.LoptiEntropyGMPOTrainer", "--entropy_coef", "0.01", "--beta", "0"]
+    argv = ["grpo", "--config", "kk/qwen2.5-3b-instruct_ar_lopti", *flags, "--output_dir", "out", "--rehearse"]
+    code, out, err = run_cli(argv)
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert "trl-lopti grpo: training my_trainers.LoptiEntropyGMPOTrainer on cpu, 1 process" in out
+    assert "over LoptiGMPOConfig's defaults" in out and "its own defaults replaced: epsilon 0.4 -> 0.2" in out
+    assert "rehearse: trainer: LoptiEntropyGMPOTrainer" in out and "rehearse: failures: []" in out
+    assert "rehearse: resume_max_abs_difference: 0.0" in out
 
 
 def test_rloo_takes_a_users_rloo_trainer(users_folder, train_flags, run_cli):
@@ -219,16 +296,18 @@ def test_a_users_loss_trains_through_the_command_line_and_its_field_changes_the_
     """Two optimizer steps (one Lopti cycle) of the documented loss of one's own: the run's first line names the class,
     the model moves, and the user's field changes the update (the loss is the user's, not GMPO's alone)."""
     trained = {}
-    for entropy_coef in ("0.0", "0.5"):
+    # The same run twice first: what the bonus changes is no run-to-run noise.
+    for run, entropy_coef in (("first", "0.0"), ("again", "0.0"), ("bonus", "0.5")):
         flags = ["--trainer_class", "my_trainers.LoptiEntropyGMPOTrainer", "--entropy_coef", entropy_coef]
-        output_dir = users_folder / f"out-{entropy_coef}"
+        output_dir = users_folder / f"out-{run}"
         code, out, err = run_cli(["grpo", *flags, *train_flags, "--output_dir", str(output_dir)])
         assert code == 0, err
         first = next(line for line in out.splitlines() if line.startswith("trl-lopti grpo:"))
         assert first == "trl-lopti grpo: training my_trainers.LoptiEntropyGMPOTrainer on cpu, 1 process"
-        trained[entropy_coef] = load_file(output_dir / "model.safetensors")
+        trained[run] = load_file(output_dir / "model.safetensors")
     initial = load_file(Path(peaked_model_path) / "model.safetensors")
-    moved = max(float((trained["0.0"][k] - initial[k]).abs().max()) for k in initial)
-    by_the_bonus = max(float((trained["0.5"][k] - trained["0.0"][k]).abs().max()) for k in initial)
-    assert moved > 1e-4 and by_the_bonus > 1e-6, (moved, by_the_bonus)
+    moved = max(float((trained["first"][k] - initial[k]).abs().max()) for k in initial)
+    by_chance = max(float((trained["again"][k] - trained["first"][k]).abs().max()) for k in initial)
+    by_the_bonus = max(float((trained["bonus"][k] - trained["first"][k]).abs().max()) for k in initial)
+    assert moved > 1e-4 and by_chance == 0.0 and by_the_bonus > 1e-6, (moved, by_chance, by_the_bonus)
     assert importlib.import_module("my_trainers").__file__ == str(users_folder / "my_trainers.py")

@@ -313,10 +313,11 @@ class LoptiTrainerMixin:
     @classmethod
     def advantage_reweighting_form(cls, args: LoptiArguments) -> str:
         """
-        How AR enters this trainer class's loss (a class method: `trl-lopti grpo --dry_run` asks it too): `"advantages"`, token-level advantages `w(i, t) * A(i)` (B, T) in the
-        loss's inputs (the paper's form, exact only in a loss that reads them per token), or `"gradients"`, its
-        general form: the gradient through each token's log-probability scaled by `w(i, t)`, every value of the
-        loss unchanged ([`~trl_lopti.core_algos.reweight_token_gradients`]).
+        How AR enters this trainer class's loss (a class method: `trl-lopti grpo --dry_run` asks it too):
+        `"advantages"`, token-level advantages `w(i, t) * A(i)` (B, T) in the loss's inputs (the paper's form,
+        exact only in a loss that reads them per token), or `"gradients"`, its general form: the gradient through
+        each token's log-probability scaled by `w(i, t)`, every value of the loss unchanged
+        ([`~trl_lopti.core_algos.reweight_token_gradients`]).
 
         Args:
             args (`LoptiArguments`):

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
+from trl import GRPOTrainer, RLOOTrainer
 
 from .. import LoptiArguments, LoptiGRPOConfig, LoptiGRPOTrainer, LoptiRLOOConfig, LoptiRLOOTrainer
 from ..config import LOPTI_CONFIGS, check_config_fits, default_config_class, lopti_config_spelling
@@ -17,28 +18,33 @@ from .preset_files import preset_path
 TRAINERS = {"grpo": LoptiGRPOTrainer, "rloo": LoptiRLOOTrainer}
 """The trainer of each training command when no `--trainer_class` names another."""
 
+TRL_TRAINERS = {"grpo": GRPOTrainer, "rloo": RLOOTrainer}
+"""The TRL trainer each training command's family extends."""
+
 CONFIGS = {"grpo": LoptiGRPOConfig, "rloo": LoptiRLOOConfig}
 """The training commands (`trl-lopti grpo`, `trl-lopti rloo`) and the config whose fields each reads by default."""
 
 
 def given_class_path(argv: Sequence[str], name: str) -> str | None:
-    """The value of the option `name` (`trainer_class` or `config_class`) in `argv`: its flag (`--name VALUE` or
-    `--name=VALUE`), else the key of the `--config` file. Read before parsing, since the config class decides which
-    flags there are; the parser reads the option again as a field of `LoptiScriptArguments`.
+    """The value of the option `name` (`trainer_class` or `config_class`) in `argv`: its last flag (`--name VALUE` or
+    `--name=VALUE`), as argparse takes it, else the key of the `--config` file. Read before parsing, since the config
+    class decides which flags there are; the parser reads the option again as a field of `LoptiScriptArguments`.
 
     Args:
         argv (`Sequence[str]`): the arguments after the command.
         name (`str`): the option's name.
     """
     flag = f"--{name}"
+    value = None
     for index, arg in enumerate(argv):
         if arg == flag and index + 1 < len(argv):
-            return argv[index + 1]
-        if arg.startswith(f"{flag}="):
-            return arg.split("=", 1)[1]
-    config = config_file_values(argv)
-    value = config.get(name)
-    return None if value is None else str(value)
+            value = argv[index + 1]
+        elif arg.startswith(f"{flag}="):
+            value = arg.split("=", 1)[1]
+    if value is not None:
+        return value
+    from_file = config_file_values(argv).get(name)
+    return None if from_file is None else str(from_file)
 
 
 def config_file_values(argv: Sequence[str]) -> dict:
@@ -75,17 +81,21 @@ def trainer_class_of(command: str, trainer_path: str | None) -> type:
         return TRAINERS[command]
     trainer_class = import_class(trainer_path, "--trainer_class")
     name = trainer_class.__name__
+    if not issubclass(trainer_class, TRL_TRAINERS["grpo"] | TRL_TRAINERS["rloo"]):
+        raise CliError(
+            f"--trainer_class {trainer_path}: {name} is not a trainer (no subclass of TRL's GRPOTrainer or RLOOTrainer)"
+        )
+    family = next(family for family, trl_trainer in TRL_TRAINERS.items() if issubclass(trainer_class, trl_trainer))
+    lopti = TRAINERS[family].__name__
     if not issubclass(trainer_class, LoptiTrainerMixin):
-        lopti = TRAINERS[command].__name__
         raise CliError(
             f"--trainer_class {trainer_path}: {name} is not a Lopti trainer: compose it with one, Lopti class first, "
-            f"e.g. `class Lopti{name}({lopti}, {name})`, and give that class"
+            f"e.g. `class Lopti{name}({lopti}, {name})`, and give that class to trl-lopti {family}"
         )
-    if not issubclass(trainer_class, TRAINERS[command]):
-        other = next(family for family, lopti in TRAINERS.items() if issubclass(trainer_class, lopti))
+    if family != command:
         raise CliError(
-            f"--trainer_class {trainer_path}: {name} is a {TRAINERS[other].__name__}, which trains with "
-            f"trl-lopti {other}, not trl-lopti {command}"
+            f"--trainer_class {trainer_path}: {name} is a {lopti}, which trains with trl-lopti {family}, not "
+            f"trl-lopti {command}"
         )
     return trainer_class
 
@@ -110,6 +120,14 @@ def config_class_of(trainer_class: type, config_path: str | None) -> type:
             raise CliError(
                 f"--config_class {config_path}: {config_class.__name__} holds no field of Advantage Reweighting and "
                 f"Lopti: give a {lopti_config_spelling(config_class)}"
+            )
+        # A trainer whose base has no config of its own trains with its family's Lopti config (`LoptiGRPOConfig`):
+        # another trainer's (`LoptiGMPOConfig`, whose epsilon is a log-space range) would train it with other defaults.
+        family_config = LOPTI_CONFIGS.get(default_config_class(trainer_class))
+        if family_config is not None and not issubclass(config_class, family_config):
+            raise CliError(
+                f"--config_class {config_path}: {config_class.__name__} does not fit {trainer_class.__name__}, which "
+                f"trains with a {family_config.__name__}: give a {family_config.__name__} or a subclass of it"
             )
         return config_class
     default_config = default_config_class(trainer_class)

@@ -56,6 +56,8 @@ def parse_args(argv: Sequence[str]) -> tuple:
     parser = LoptiParser((DiagnoseArguments, LoptiScriptArguments, LoptiGRPOConfig, ModelConfig), "diagnose")
     diagnose_args, script_args, training_args, model_args = parsed = parser.parse(argv, added)
     try:
+        if script_args.trainer_class or script_args.config_class:
+            raise CliError("trainer_class, config_class: options of trl-lopti grpo; diagnose probes LoptiGRPOTrainer")
         check_model_args(model_args)
         if script_args.dry_run or script_args.rehearse:
             raise CliError("dry_run, rehearse: options of trl-lopti grpo, not of diagnose")

@@ -37,9 +37,19 @@ from .preset_files import preset_path
 CONFIG_HELP = "A YAML file of `field: value` lines, or a preset's name (trl-lopti presets). Flags override it."
 
 
+def is_trl_lopti_module(module: str) -> bool:
+    """Whether `module` is trl_lopti or one of its modules (not a user's `trl_lopti_ext`)."""
+    return module == "trl_lopti" or module.startswith("trl_lopti.")
+
+
 def declaring_modules(config_class: type) -> dict[str, str]:
-    """The module of the class that declares each field of `config_class`: the first class of its MRO to annotate the
-    name (`trl_lopti.config` for `lopti_threshold`, TRL's for `epsilon`, a user's module for a field of their own)."""
+    """
+    The module of the class that declares each field of `config_class`: the first class of its MRO to annotate the
+    name (`trl_lopti.config` for `lopti_threshold`, TRL's for `epsilon`, a user's module for a field of their own).
+
+    Args:
+        config_class (`type`): a dataclass.
+    """
     declared_by = {}
     for cls in reversed(config_class.__mro__):
         declared_by |= dict.fromkeys(vars(cls).get("__annotations__", {}), cls.__module__)
@@ -48,13 +58,21 @@ def declaring_modules(config_class: type) -> dict[str, str]:
 
 def own_fields(config_class: type) -> list[str]:
     """The fields that trl_lopti's classes declare in `config_class` (not TRL's or transformers' classes)."""
-    return [name for name, module in declaring_modules(config_class).items() if module.startswith("trl_lopti")]
+    return [name for name, module in declaring_modules(config_class).items() if is_trl_lopti_module(module)]
 
 
 def users_fields(config_class: type) -> list[str]:
-    """The fields that a user's classes declare in `config_class` (neither trl_lopti's, TRL's nor transformers')."""
-    libraries = ("trl_lopti", "trl.", "transformers.")
-    return [name for name, module in declaring_modules(config_class).items() if not module.startswith(libraries)]
+    """
+    The fields that a user's classes declare in `config_class` (neither trl_lopti's, TRL's nor transformers').
+
+    Args:
+        config_class (`type`): a dataclass.
+    """
+    libraries = ("trl.", "transformers.")
+    modules = declaring_modules(config_class)
+    return [
+        name for name, module in modules.items() if not (is_trl_lopti_module(module) or module.startswith(libraries))
+    ]
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -70,9 +88,21 @@ class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsH
 
 
 class LoptiParser(TrlParser):
-    """TRL's parser of `dataclass_types` for `trl-lopti COMMAND`, which trains with the trainer of the family `trainer`
+    """
+    TRL's parser of `dataclass_types` for `trl-lopti COMMAND`, which trains with the trainer of the family `trainer`
     and the Lopti config among `dataclass_types` (`CONFIGS[trainer]`, or a user's `--config_class`): `--help` fits a
-    screen, `--help_all` lists every option, [`parse`] reads `--config FILE|PRESET` and the flags."""
+    screen, `--help_all` lists every option, [`parse`] reads `--config FILE|PRESET` and the flags.
+
+    After [`parse`]: `sources` says where each value that is not a default came from, `config` is the config file,
+    and `left_out` holds the config file's values that a user's config has no field for, each at the command's own
+    config's default, which the run leaves out and says.
+
+    Args:
+        dataclass_types (`Sequence[type]`): the dataclasses whose fields are the flags.
+        command (`str`): the command (`grpo`, `rloo`, `demo`, `diagnose`).
+        trainer (`str`, *optional*, defaults to `"grpo"`): the family of the trainer it trains.
+        description (`str`, *optional*): the help's description; default: the command's line of `COMMANDS`.
+    """
 
     def __init__(
         self, dataclass_types: Sequence[type], command: str, trainer: str = "grpo", description: str | None = None
@@ -84,8 +114,6 @@ class LoptiParser(TrlParser):
         self.config_class = next(cls for cls in dataclass_types if issubclass(cls, LoptiArguments))
         self.sources = {}
         self.config = None
-        # The config file's values at a default of the command's own config that a user's config lacks (a preset's
-        # `advantage_estimator: grpo` under a `GMPOConfig`): left out, and said.
         self.left_out = {}
         # transformers' parser gives the `--no_FIELD` flag of a bool field that defaults to True the field's help, which
         # it contradicts, and a default of its own (False), which is not the field's: it gets its own help, no default.
@@ -123,8 +151,10 @@ class LoptiParser(TrlParser):
         # By the TRL class each extends: ScriptArguments, GRPOConfig (GMPOConfig), ModelConfig.
         for cls in self.dataclass_types:
             names = [f.name for f in fields(cls) if f.init and f.name not in own + lopti + users]
-            base = next(k for k in cls.__mro__ if k.__module__.startswith(libraries)).__name__
-            lines += [f"  {base} ({len(names)}): --{', --'.join(names[:4])}, ..."] if names else []
+            # A class of trl_lopti's alone (the arguments of `demo` or `diagnose`) is listed above.
+            base = next((k.__name__ for k in cls.__mro__ if k.__module__.startswith(libraries)), None)
+            if names and base is not None:
+                lines.append(f"  {base} ({len(names)}): --{', --'.join(names[:4])}, ...")
         formatter.add_text("\n".join(lines))
         return formatter.format_help()
 
@@ -156,7 +186,10 @@ class LoptiParser(TrlParser):
             del values["trainer"]
         options = self._option_string_actions
         names = [action.dest for action in self._actions]
+        self.left_out = {}
         stock_config = CONFIGS.get(self.trainer)
+        # The config file's values at a default of the command's own config that a user's config lacks (a preset's
+        # `advantage_estimator: grpo` under a `GMPOConfig`): left out, and said.
         if stock_config is not None and self.config_class is not stock_config:
             stock_defaults = {f.name: f.default for f in fields(stock_config) if f.init}
             for name in [name for name in values if name not in names and name in stock_defaults]:
@@ -202,10 +235,12 @@ class LoptiParser(TrlParser):
         origin, kind = ("a flag", "option") if field != name else (f"the config file {self.config}", "field")
         stock_config = CONFIGS.get(self.trainer)
         if stock_config is not None and field in stock_config.__dataclass_fields__:
+            lacks = f"a field of {stock_config.__name__}, which {self.config_class.__name__} does not have"
+            if field != name:
+                return CliError(f"{name} ({origin}): {lacks}")
             return CliError(
-                f"{name} ({origin}): a field of {stock_config.__name__}, which {self.config_class.__name__} does not "
-                f"have; it is set here to other than {stock_config.__name__}'s default, so the run would not be the one "
-                "the file describes"
+                f"{name} ({origin}): {lacks}; the file sets it to other than {stock_config.__name__}'s default, so the "
+                "run would not be the one the file describes"
             )
         others = {t: c.__name__ for t, c in CONFIGS.items() if t != self.trainer and field in c.__dataclass_fields__}
         if field == "trainer" or others:

@@ -22,8 +22,8 @@ from ..cpu_backends import vllm_server
 from ..models import PEAKED_TINY_MODEL, build_tiny_model
 from ..tasks.math import make_math_prompt
 from .base import CliError
-from .parsing import cpu_settings
-from .train import DEFAULT_REWARD_FUNCS, parse_train_args, run_training
+from .parsing import LoptiParser, cpu_settings
+from .train import DEFAULT_REWARD_FUNCS, config_file_over_defaults, parse_train_args, run_training, train_parser
 
 
 REHEARSAL_SCALE = dict(rows_per_optimizer_step=8, per_device_train_batch_size=2, max_completion_length=16, prompts=32)
@@ -57,22 +57,26 @@ def main(argv: list[str], command: str) -> int:
     # the settings transformers, accelerate and DeepSpeed need to run the launcher on CPU processes
     added = cpu_settings(argv, f"trl-lopti {command} --rehearse", overrides) if overrides else {}
 
-    def parse(*flags: dict[str, Any]):
+    def parse(*flags: dict[str, Any], parser: LoptiParser | None = None):
         args = list(argv)
         for name, value in (item for values in flags for item in values.items()):
             args += [f"--{name}", *map(str, value)] if isinstance(value, list) else [f"--{name}={value}"]
-        script_args, training_args, model_args = parse_train_args(args, command, added)
+        script_args, training_args, model_args = parse_train_args(args, command, added, parser)
         # DeepSpeed's config checks bf16 against the launcher's mixed precision.
         if overrides and cpu_backends.launcher_uses("DEEPSPEED"):
             training_args.bf16 = training_args.mixed_precision == "bf16"
         return script_args, training_args, model_args
 
-    script_args, training_args, model_args = parse()
+    parser = train_parser(command, argv)
+    script_args, training_args, model_args = parse(parser=parser)
     # The tiny model is built whole on the main process, not under ZeRO-3's zero.Init.
     unset_hf_deepspeed_config()
     folder = Path(f"{training_args.output_dir}-rehearsal")
     # Said after the run's first line (where it trains).
     said = []
+    over_defaults = config_file_over_defaults(parser, training_args)
+    if over_defaults:
+        said.append(over_defaults)
     # The main process clears an earlier rehearsal's folder, then writes the model and data.
     with training_args.main_process_first(desc="rehearsal inputs"):
         if training_args.local_process_index == 0:

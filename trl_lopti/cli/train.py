@@ -4,6 +4,7 @@ TRL's `ModelConfig` and [`LoptiScriptArguments`], from `--config FILE|PRESET` an
 
 import dataclasses
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -136,8 +137,14 @@ class LoptiScriptArguments(ScriptArguments):
 
 
 def train_parser(trainer: str, argv: Sequence[str] = ()) -> LoptiParser:
-    """The parser of `trl-lopti grpo` or `trl-lopti rloo` (`trainer`): the fields of the config of the trainer class
-    that `argv` names (`--trainer_class`, `--config_class`), else of the command's own."""
+    """
+    The parser of `trl-lopti grpo` or `trl-lopti rloo`: the fields of the config of the trainer class that `argv`
+    names (`--trainer_class`, `--config_class`), else of the command's own.
+
+    Args:
+        trainer (`str`): the command, `grpo` or `rloo`.
+        argv (`Sequence[str]`, *optional*): the arguments after the command.
+    """
     trainer_class = trainer_class_of(trainer, given_class_path(argv, "trainer_class"))
     config_class = config_class_of(trainer_class, given_class_path(argv, "config_class"))
     description = None
@@ -157,14 +164,44 @@ def parse_train_args(argv: Sequence[str], trainer: str = "grpo", added: dict | N
     return (parser or train_parser(trainer, argv)).parse(argv, added)
 
 
-def command_of(training_args) -> str:
-    """The command whose family `training_args` configures: `trl-lopti grpo` or `trl-lopti rloo`."""
-    return f"trl-lopti {'rloo' if isinstance(training_args, RLOOConfig) else 'grpo'}"
+def family_of(training_args) -> str:
+    """
+    The family of trainer that `training_args` configures, the command that trains it: `"grpo"` or `"rloo"`.
+
+    Args:
+        training_args (`GRPOConfig` or `RLOOConfig`): a run's config.
+    """
+    return "rloo" if isinstance(training_args, RLOOConfig) else "grpo"
 
 
 def run_trainer_class(script_args: "LoptiScriptArguments", training_args) -> type:
-    """The trainer class a run trains: its `trainer_class`, else the command's own ([`trainer_class_of`])."""
-    return trainer_class_of(command_of(training_args).split()[1], script_args.trainer_class)
+    """
+    The trainer class a run trains: its `trainer_class`, else the command's own ([`trainer_class_of`]).
+
+    Args:
+        script_args (`LoptiScriptArguments`): the run's arguments, `trainer_class` among them.
+        training_args (`GRPOConfig` or `RLOOConfig`): the run's config, whose family is the command's.
+    """
+    return trainer_class_of(family_of(training_args), script_args.trainer_class)
+
+
+def check_trainer_accepts(trainer_class: type, training_args) -> None:
+    """
+    Raises a [`CliError`] where `trainer_class` refuses `training_args` as it would when built (AR with a KL term in a
+    loss that is not TRL's token-level one), in its own words, before anything loads. A class that overrides
+    `advantage_reweighting_form` as an instance method is asked when it is built.
+
+    Args:
+        trainer_class (`type`): the run's trainer.
+        training_args (`LoptiArguments`): the run's config.
+    """
+    form = inspect.getattr_static(trainer_class, "advantage_reweighting_form")
+    if not isinstance(form, classmethod):
+        return
+    try:
+        trainer_class.advantage_reweighting_form(training_args)
+    except ValueError as error:
+        raise CliError(str(error)) from None
 
 
 def resolve_reward_funcs(script_args: LoptiScriptArguments) -> dict[str, Callable]:
@@ -414,7 +451,7 @@ def run_training(
         say_where (`bool`, *optional*, defaults to `True`):
             Whether the run's first line (the main process's, once) says its device and number of processes.
     """
-    command = command_of(training_args)
+    command = f"trl-lopti {family_of(training_args)}"
     # Before anything loads: `training on cpu, 1 process`, `training on cuda (NVIDIA H100 80GB HBM3), 4 processes
     # (FSDP)`; `training my_trainers.LoptiGMPOTrainer on cpu, 1 process` for a user's trainer class.
     state = PartialState()
@@ -449,21 +486,40 @@ def run_training(
     return trainer
 
 
+def field_defaults(config_class: type) -> dict[str, Any]:
+    """
+    The default of each field of `config_class` that its constructor takes, a default factory's value included.
+
+    Args:
+        config_class (`type`): a dataclass.
+    """
+    defaults = {}
+    for config_field in dataclasses.fields(config_class):
+        if not config_field.init:
+            continue
+        defaults[config_field.name] = config_field.default
+        if config_field.default_factory is not dataclasses.MISSING:
+            defaults[config_field.name] = config_field.default_factory()
+    return defaults
+
+
 def config_file_over_defaults(parser: LoptiParser, training_args) -> str | None:
-    """What a config file or preset sets over the defaults of a user's config class (a preset is written for the
-    command's own config): how many of its values differ from the class's defaults, and each one that replaces a
-    default the class chose itself (`epsilon 0.4 -> 0.2` over `GMPOConfig`'s), or `None` for the command's own config.
+    """
+    What a config file or preset sets over the defaults of a user's config class (a preset is written for the
+    command's own config): the fields whose values differ from the class's defaults, each one that replaces a
+    default the class chose itself (`epsilon 0.4 -> 0.2` over `GMPOConfig`'s), and the values left out; `None` for
+    the command's own config, or without a config file.
 
     Args:
         parser (`LoptiParser`): the parser that read the file.
-        training_args: the config it built.
+        training_args (`LoptiArguments`): the config it built.
     """
     config_class = type(training_args)
     stock_config = CONFIGS[parser.trainer]
     if parser.config is None or config_class is stock_config:
         return None
-    defaults = {f.name: f.default for f in dataclasses.fields(config_class) if f.init}
-    stock_defaults = {f.name: f.default for f in dataclasses.fields(stock_config) if f.init}
+    defaults = field_defaults(config_class)
+    stock_defaults = field_defaults(stock_config)
     from_file = [name for name, source in parser.sources.items() if source == "config_file" and name in defaults]
     differ = [name for name in from_file if getattr(training_args, name) != defaults[name]]
     own = [name for name in differ if defaults[name] != stock_defaults.get(name, dataclasses.MISSING)]
@@ -492,13 +548,7 @@ def checked_args(argv: Sequence[str], trainer: str, added: dict[str, Any] | None
     try:
         check_model_args(model_args)
         resolve_checkpoint(training_args)
-        # A combination the trainer class refuses when it is built (AR with a KL term in a loss that is not TRL's
-        # token-level one), in its own words, before anything loads.
-        trainer_class = run_trainer_class(script_args, training_args)
-        try:
-            trainer_class.advantage_reweighting_form(training_args)
-        except ValueError as error:
-            raise CliError(str(error)) from None
+        check_trainer_accepts(run_trainer_class(script_args, training_args), training_args)
         resolved = resolved_config(parser, script_args, training_args, model_args)
     except CliError as error:
         raise CliError(parser.where(str(error))) from error
