@@ -246,6 +246,25 @@ def test_no_docstring_names_a_page_by_its_path_instead_of_linking_it():
     assert found == []
 
 
+def test_inline_code_keeps_a_hyphenated_word_on_one_line_and_its_text():
+    """`--dry_run` broke after its first hyphen on a phone: each word of inline prose code that holds a hyphen is kept
+    whole (a path still breaks after each "/"), and code blocks and tables are left as they are."""
+    hooks = extension("hooks")
+    html = (
+        "<p>Run <code>trl-lopti grpo --dry_run</code> or <code>configs/kk/qwen2.5-3b_ar.yaml</code>.</p>"
+        "<pre><code>trl-lopti --help</code></pre><table><tr><td><code>--flag</code></td></tr></table>"
+    )
+    kept = hooks.unbroken_hyphens(html)
+    assert kept == (
+        '<p>Run <code><span class="nobr">trl-lopti</span> grpo <span class="nobr">--dry_run</span></code> or '
+        '<code>configs/kk/<span class="nobr">qwen2.5-3b_ar.yaml</span></code>.</p>'
+        "<pre><code>trl-lopti --help</code></pre><table><tr><td><code>--flag</code></td></tr></table>"
+    )
+    assert re.sub(r"<[^>]+>", "", kept) == re.sub(r"<[^>]+>", "", html)
+    css = (ROOT / "docs" / "stylesheets" / "extra.css").read_text()
+    assert re.search(r"code \.nobr\s*\{\s*white-space:\s*nowrap;", css)
+
+
 # ------------------------------------------------------------------------------------------------- the built site
 @pytest.mark.slow
 def test_the_built_site_shows_every_api_type_as_the_source_writes_it(tmp_path):

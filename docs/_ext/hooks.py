@@ -67,7 +67,25 @@ def on_page_content(html: str, page, config, files: Files) -> str:
         listed = set(re.findall(r'<tr class="doc-section-item">\s*<td>\s*<code>(\w+)</code>', section))
         if added - listed:
             raise PluginError(f"{page.file.src_uri}: {name}'s parameters table lacks {sorted(added - listed)}")
-    return re.sub(r"<table>.*?</table>", lambda table: readable_table(table[0]), html, flags=re.DOTALL)
+    html = re.sub(r"<table>.*?</table>", lambda table: readable_table(table[0]), html, flags=re.DOTALL)
+    return unbroken_hyphens(html)
+
+
+def unbroken_hyphens(html: str) -> str:
+    """Inline code in prose (not in a code block or a table) with each word (each part of a path) that holds a hyphen
+    kept on one line, in a `nobr` span: a browser breaks after a hyphen, which split `--dry_run` and `trl-lopti` across
+    lines on a phone. The text, and so what a reader copies, is unchanged."""
+    parts = re.split(r"(<pre\b.*?</pre>|<table\b.*?</table>)", html, flags=re.DOTALL)
+
+    def keep_whole(code: re.Match[str]) -> str:
+        # A path may still break after each "/": its parts with a hyphen are kept whole, one by one.
+        words = re.sub(r"([^\s/]*-[^\s/]*)", r'<span class="nobr">\1</span>', code[1])
+        return f"<code>{words}</code>"
+
+    return "".join(
+        part if part.startswith(("<pre", "<table")) else re.sub(r"<code>([^<]*)</code>", keep_whole, part)
+        for part in parts
+    )
 
 
 def readable_table(table: str) -> str:
