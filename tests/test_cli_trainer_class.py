@@ -205,8 +205,8 @@ def test_a_preset_sets_its_values_over_the_users_config_and_the_run_says_which(u
         (
             ["--trainer_class", "trl.RLOOTrainer"],
             (
-                "--trainer_class trl.RLOOTrainer: RLOOTrainer is not a Lopti trainer: compose it with one, Lopti class "
-                "first, e.g. `class LoptiRLOOTrainer(LoptiRLOOTrainer, RLOOTrainer)`, and give that class to trl-lopti rloo"
+                "--trainer_class trl.RLOOTrainer: RLOOTrainer is TRL's own trainer: trl-lopti rloo trains it with AR and "
+                "Lopti (LoptiRLOOTrainer), with no --trainer_class"
             ),
         ),
         (

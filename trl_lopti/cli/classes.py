@@ -87,6 +87,11 @@ def trainer_class_of(command: str, trainer_path: str | None) -> type:
         )
     family = next(family for family, trl_trainer in TRL_TRAINERS.items() if issubclass(trainer_class, trl_trainer))
     lopti = TRAINERS[family].__name__
+    if trainer_class is TRL_TRAINERS[family]:
+        raise CliError(
+            f"--trainer_class {trainer_path}: {name} is TRL's own trainer: trl-lopti {family} trains it with AR and "
+            f"Lopti ({lopti}), with no --trainer_class"
+        )
     if not issubclass(trainer_class, LoptiTrainerMixin):
         raise CliError(
             f"--trainer_class {trainer_path}: {name} is not a Lopti trainer: compose it with one, Lopti class first, "
