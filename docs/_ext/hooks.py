@@ -19,9 +19,12 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from mkdocs.exceptions import PluginError
-from mkdocs.structure.files import File, Files
+
+# MkDocs is imported where a hook runs: the text transforms below are tested where the docs extra is not installed.
+if TYPE_CHECKING:
+    from mkdocs.structure.files import Files
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +34,8 @@ PLOTS = "benchmarks/results"
 
 
 def on_files(files: Files, config) -> Files:
+    from mkdocs.structure.files import File
+
     for plot in sorted((ROOT / PLOTS).glob("*.png")):
         files.append(File.generated(config, f"{PLOTS}/{plot.name}", abs_src_path=str(plot)))
     return files
@@ -66,6 +71,8 @@ def on_page_content(html: str, page, config, files: Files) -> str:
         section = html.split(f'<h2 id="trl_lopti.{name}"', 1)[1].split('<h2 id="', 1)[0]
         listed = set(re.findall(r'<tr class="doc-section-item">\s*<td>\s*<code>(\w+)</code>', section))
         if added - listed:
+            from mkdocs.exceptions import PluginError
+
             raise PluginError(f"{page.file.src_uri}: {name}'s parameters table lacks {sorted(added - listed)}")
     html = re.sub(r"<table>.*?</table>", lambda table: readable_table(table[0]), html, flags=re.DOTALL)
     return unbroken_hyphens(html)
