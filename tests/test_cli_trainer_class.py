@@ -265,6 +265,7 @@ def test_the_help_of_demo_and_diagnose_still_lists_their_own_arguments(users_fol
     assert code == 2 and "trainer_class, config_class: options of trl-lopti grpo" in err
 
 
+@pytest.mark.slow
 def test_a_rehearsal_of_a_preset_trains_the_users_class_and_says_what_the_preset_sets_over_its_defaults(
     users_folder, run_cli, single_thread
 ):
@@ -290,6 +291,7 @@ def test_rloo_takes_a_users_rloo_trainer(users_folder, train_flags, run_cli):
     assert json.loads(out)["config"] == "trl_lopti.config.LoptiRLOOConfig"
 
 
+@pytest.mark.slow
 def test_a_users_loss_trains_through_the_command_line_and_its_field_changes_the_update(
     users_folder, train_flags, run_cli, peaked_model_path, single_thread
 ):
