@@ -25,14 +25,13 @@ CONFIGS = {"grpo": LoptiGRPOConfig, "rloo": LoptiRLOOConfig}
 """The training commands (`trl-lopti grpo`, `trl-lopti rloo`) and the config whose fields each reads by default."""
 
 
-def given_class_path(argv: Sequence[str], name: str) -> str | None:
-    """The value of the option `name` (`trainer_class` or `config_class`) in `argv`: its last flag (`--name VALUE` or
-    `--name=VALUE`), as argparse takes it, else the key of the `--config` file. Read before parsing, since the config
-    class decides which flags there are; the parser reads the option again as a field of `LoptiScriptArguments`.
+def last_flag_value(argv: Sequence[str], name: str) -> str | None:
+    """
+    The value of the last `--NAME VALUE` or `--NAME=VALUE` in `argv`, as argparse takes it, or `None`.
 
     Args:
         argv (`Sequence[str]`): the arguments after the command.
-        name (`str`): the option's name.
+        name (`str`): the option's name, without its dashes.
     """
     flag = f"--{name}"
     value = None
@@ -41,6 +40,19 @@ def given_class_path(argv: Sequence[str], name: str) -> str | None:
             value = argv[index + 1]
         elif arg.startswith(f"{flag}="):
             value = arg.split("=", 1)[1]
+    return value
+
+
+def given_class_path(argv: Sequence[str], name: str) -> str | None:
+    """The value of the option `name` (`trainer_class` or `config_class`) in `argv`: its last flag, else the key of the
+    `--config` file. Read before parsing, since the config class decides which flags there are; the parser reads the
+    option again as a field of `LoptiScriptArguments`.
+
+    Args:
+        argv (`Sequence[str]`): the arguments after the command.
+        name (`str`): the option's name.
+    """
+    value = last_flag_value(argv, name)
     if value is not None:
         return value
     from_file = config_file_values(argv).get(name)
@@ -53,20 +65,14 @@ def config_file_values(argv: Sequence[str]) -> dict:
     Args:
         argv (`Sequence[str]`): the arguments after the command.
     """
-    for index, arg in enumerate(argv):
-        name = None
-        if arg == "--config" and index + 1 < len(argv):
-            name = argv[index + 1]
-        elif arg.startswith("--config="):
-            name = arg.split("=", 1)[1]
-        if name is None:
-            continue
-        try:
-            values = yaml.safe_load(Path(preset_path(name)).read_text())
-        except (CliError, OSError, yaml.YAMLError):
-            return {}
-        return values if isinstance(values, dict) else {}
-    return {}
+    name = last_flag_value(argv, "config")
+    if name is None:
+        return {}
+    try:
+        values = yaml.safe_load(Path(preset_path(name)).read_text())
+    except (CliError, OSError, yaml.YAMLError):
+        return {}
+    return values if isinstance(values, dict) else {}
 
 
 def trainer_class_of(command: str, trainer_path: str | None) -> type:

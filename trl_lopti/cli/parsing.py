@@ -8,7 +8,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,23 @@ def declaring_modules(config_class: type) -> dict[str, str]:
     for cls in reversed(config_class.__mro__):
         declared_by |= dict.fromkeys(vars(cls).get("__annotations__", {}), cls.__module__)
     return {f.name: declared_by[f.name] for f in fields(config_class) if f.init}
+
+
+def field_defaults(config_class: type) -> dict[str, Any]:
+    """
+    The default of each field of `config_class` that its constructor takes, a default factory's value included.
+
+    Args:
+        config_class (`type`): a dataclass.
+    """
+    defaults = {}
+    for config_field in fields(config_class):
+        if not config_field.init:
+            continue
+        defaults[config_field.name] = config_field.default
+        if config_field.default_factory is not MISSING:
+            defaults[config_field.name] = config_field.default_factory()
+    return defaults
 
 
 def own_fields(config_class: type) -> list[str]:
@@ -191,7 +208,7 @@ class LoptiParser(TrlParser):
         # The config file's values at a default of the command's own config that a user's config lacks (a preset's
         # `advantage_estimator: grpo` under a `GMPOConfig`): left out, and said.
         if stock_config is not None and self.config_class is not stock_config:
-            stock_defaults = {f.name: f.default for f in fields(stock_config) if f.init}
+            stock_defaults = field_defaults(stock_config)
             for name in [name for name in values if name not in names and name in stock_defaults]:
                 if values[name] == stock_defaults[name]:
                     self.left_out[name] = values.pop(name)

@@ -26,7 +26,14 @@ from trl import ModelConfig, RLOOConfig, ScriptArguments, get_peft_config, get_q
 from .. import tasks
 from .base import CliError
 from .classes import CONFIGS, TRAINERS, config_class_of, given_class_path, trainer_class_of
-from .parsing import LoptiParser, check_model_args, check_model_reachable, cpu_settings, own_fields
+from .parsing import (
+    LoptiParser,
+    check_model_args,
+    check_model_reachable,
+    cpu_settings,
+    field_defaults,
+    own_fields,
+)
 
 
 REWARD_FUNCS = {
@@ -484,23 +491,6 @@ def run_training(
         accelerator.wait_for_everyone()
         trainer.end()
     return trainer
-
-
-def field_defaults(config_class: type) -> dict[str, Any]:
-    """
-    The default of each field of `config_class` that its constructor takes, a default factory's value included.
-
-    Args:
-        config_class (`type`): a dataclass.
-    """
-    defaults = {}
-    for config_field in dataclasses.fields(config_class):
-        if not config_field.init:
-            continue
-        defaults[config_field.name] = config_field.default
-        if config_field.default_factory is not dataclasses.MISSING:
-            defaults[config_field.name] = config_field.default_factory()
-    return defaults
 
 
 def config_file_over_defaults(parser: LoptiParser, training_args) -> str | None:
